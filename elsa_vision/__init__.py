@@ -1,0 +1,14 @@
+"""elsa-vision: exact softmax attention as a two-level monoid scan, in Triton, with drop-in patching
+for timm ViT / Swin and VGGT.
+
+    import elsa_vision
+    out = elsa_vision.attention(q, k, v)        # q/k/v [B, H, N, D]
+    report = elsa_vision.patch(model)           # timm / VGGT models
+"""
+from .api import attention, patch, patched, resolve_precision, unpatch
+from .dispatch import BACKENDS, NotSupportedError
+from . import verify
+
+__all__ = ["attention", "patch", "unpatch", "patched", "resolve_precision", "verify", "BACKENDS",
+           "NotSupportedError"]
+__version__ = "0.1.0"

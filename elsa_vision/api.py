@@ -1,0 +1,190 @@
+"""Public API of elsa_vision: attention, window_attention, patch / unpatch / patched."""
+from __future__ import annotations
+
+import contextlib
+import math
+from numbers import Real
+from typing import Optional, Sequence
+
+import torch
+
+from .dispatch import HALF, Problem, select
+
+PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def resolve_precision(precision: str, dtype: torch.dtype) -> str:
+    """The float32 matmul mode a call runs in.
+
+    ``"auto"`` follows PyTorch: ``torch.get_float32_matmul_precision() == "highest"`` → ``"tf32x3"``
+    (float32-class accuracy on tensor cores), otherwise ``"tf32"``. Half-precision inputs always use
+    their own tensor-core dot with float32 accumulation (``"native"``), whatever ``precision`` says.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if dtype in HALF:
+        return "native"
+    if precision == "auto":
+        return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return precision
+
+
+def _autocast(*ts):
+    """SDPA's autocast rule: inside CUDA/CPU autocast, floating inputs run in the autocast dtype."""
+    t0 = ts[0]
+    dev = t0.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return tuple(None if t is None or not t.is_floating_point() else t.to(dt) for t in ts)
+    return ts
+
+
+def _check_qkv(q, k, v, fn: str):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be 4-D [batch, heads, tokens, head_dim], got shape {tuple(t.shape)}; "
+                             "reshape e.g. x.view(B, N, H, D).transpose(1, 2)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
+                        "cast them to one dtype (or run under torch.autocast)")
+    if q.dtype not in _FLOATS:
+        raise TypeError(f"{fn}: dtype {q.dtype} is not supported; use float32, float16 or bfloat16")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{fn}: q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"{fn}: batch and head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
+                         "repeat k/v heads to match q (grouped-query attention is not supported)")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{fn}: k has {k.shape[2]} tokens but v has {v.shape[2]}; they must match")
+    if not (q.shape[3] == k.shape[3] == v.shape[3]):
+        raise ValueError(f"{fn}: head dims differ (q {q.shape[3]}, k {k.shape[3]}, v {v.shape[3]}); they must be equal")
+    if q.shape[3] > 256:
+        raise ValueError(f"{fn}: head dim {q.shape[3]} > 256 is not supported; split the heads")
+
+
+def _check_scale(scale, d: int, fn: str) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, torch.Tensor):
+        raise TypeError(f"{fn}: scale must be a Python number, not a tensor; pass float(scale) (or fold it into q)")
+    if not isinstance(scale, Real) or not math.isfinite(float(scale)):
+        raise ValueError(f"{fn}: scale must be a finite number, got {scale!r}")
+    return float(scale)
+
+
+def _bias4(bias, B, H, Nq, Nk, q, fn: str):
+    """Validate an additive bias (or boolean keep-mask) and view it as 4-D with size-1 broadcast dims."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{fn}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if bias.device != q.device:
+        raise ValueError(f"{fn}: bias is on {bias.device} but q is on {q.device}; move it with bias.to(q.device)")
+    if bias.dim() > 4:
+        raise ValueError(f"{fn}: bias has {bias.dim()} dims; it must broadcast to [B, H, Nq, Nk] = {[B, H, Nq, Nk]}")
+    full = (B, H, Nq, Nk)
+    shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+    for i, (s, f) in enumerate(zip(shape, full)):
+        if s not in (1, f):
+            raise ValueError(f"{fn}: bias shape {tuple(bias.shape)} does not broadcast to [B, H, Nq, Nk] = {list(full)} "
+                             f"(dim {i - 4} is {s}, expected 1 or {f})")
+    if bias.dtype == torch.bool:
+        # SDPA's convention: True = the key takes part
+        fdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        bias = torch.zeros(bias.shape, dtype=fdt, device=q.device).masked_fill_(~bias, float("-inf"))
+    elif not bias.is_floating_point():
+        raise TypeError(f"{fn}: bias dtype {bias.dtype} must be floating point (additive) or bool (keep-mask)")
+    return bias.reshape(shape) if bias.dim() < 4 else bias
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    precision: str = "auto",
+    backend: str = "auto",
+    partitions: Optional[int] = None,
+    return_lse: bool = False,
+):
+    """Exact softmax attention, ``softmax(q kᵀ · scale + bias) v``, by the ELSA monoid scan.
+
+    Args:
+        q: [B, H, Nq, D]; k, v: [B, H, Nk, D] (Nq may differ from Nk). float32, float16 or bfloat16
+            (float64 on the reference backend). Any strides.
+        bias: additive, broadcastable to [B, H, Nq, Nk] (e.g. [Nq, Nk], [H, Nq, Nk], [B, 1, Nq, Nk],
+            [B, 1, 1, Nk]); read through strides, never expanded. A bool tensor is a keep-mask
+            (True = attend), as in SDPA. Gets a gradient when it requires one.
+        scale: logit scale, default 1/√D.
+        causal: query i sees key j iff j ≤ i + Nk − Nq (aligned bottom-right)::
+
+              Nq = 3, Nk = 5   keys →
+                  q0   ■ ■ ■ · ·
+                  q1   ■ ■ ■ ■ ·
+                  q2   ■ ■ ■ ■ ■
+
+            Rows that see no key (Nq > Nk, or a bias of −inf everywhere) return 0.
+        precision: float32 only — ``"ieee"`` (strict FMA), ``"tf32x3"`` (3xTF32, float32-class
+            accuracy on tensor cores), ``"tf32"`` (fast), ``"auto"`` (PyTorch's matmul precision).
+        backend: ``"triton"``, ``"reference"`` or ``"auto"`` (first that fits; see dispatch.BACKENDS).
+        partitions: force the number of key partitions of phase 1 (testing / structure proofs).
+        return_lse: also return the rows' natural-log log-sum-exp [B, H, Nq] (float32, +inf for
+            rows that see no key); it carries no gradient.
+
+    Returns:
+        [B, H, Nq, D] in the inputs' dtype (and the lse with ``return_lse``).
+
+    Under ``torch.autocast`` the inputs are cast to the autocast dtype, as SDPA does.
+    """
+    q, k, v, bias = _autocast(q, k, v, bias)
+    _check_qkv(q, k, v, "attention")
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    scale = _check_scale(scale, D, "attention")
+    bias = _bias4(bias, B, H, Nq, Nk, q, "attention")
+    if partitions is not None and (not isinstance(partitions, int) or partitions < 1):
+        raise ValueError(f"attention: partitions must be a positive int or None, got {partitions!r}")
+    prec = resolve_precision(precision, q.dtype)
+    if Nk == 0 or Nq == 0:
+        # no key: every row is fully masked and returns 0 (keeps the graph connected for autograd)
+        # (empty sums keep the result connected to the inputs for autograd)
+        empty = q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum()
+        out = torch.zeros(B, H, Nq, D, dtype=q.dtype, device=q.device) + empty
+        lse = torch.full((B, H, Nq), float("inf"), device=q.device)
+        return (out, lse) if return_lse else out
+    p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=bool(causal),
+                has_bias=bias is not None, precision=prec)
+    out, lse = select(p, backend).run["attention"](q, k, v, bias, scale, bool(causal), prec, partitions)
+    return (out, lse.detach()) if return_lse else out
+
+
+def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None,
+          include: Optional[Sequence[str]] = None, exclude: Optional[Sequence[str]] = None, **options):
+    """Route every supported attention module of ``model`` through ELSA; returns a PatchReport.
+
+    See :func:`elsa_vision.adapters.registry.patch`."""
+    from .adapters import registry
+    return registry.patch(model, precision=precision, token_merging=token_merging, include=include,
+                          exclude=exclude, **options)
+
+
+def unpatch(model: torch.nn.Module) -> int:
+    """Restore the original forwards; returns how many modules were restored."""
+    from .adapters import registry
+    return registry.unpatch(model)
+
+
+@contextlib.contextmanager
+def patched(model: torch.nn.Module, **kwargs):
+    """``with patched(model): ...`` — patch for the duration of the block."""
+    report = patch(model, **kwargs)
+    try:
+        yield report
+    finally:
+        unpatch(model)

@@ -1,0 +1,156 @@
+"""The one dispatch point: every backend declares what it supports and explains what it does not.
+
+A backend is picked for a :class:`Problem` (shapes, dtype, device, options — no tensors). ``"auto"``
+takes the first backend in :data:`BACKENDS` order that fits; naming a backend that does not fit, or
+no backend fitting, raises :class:`NotSupportedError` listing every backend's reasons.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+class NotSupportedError(ValueError):
+    """No backend can run this problem; the message lists each backend's reasons."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What a backend needs to know to accept or refuse a call."""
+    op: str                      # "attention" or "window_attention"
+    device: str                  # torch device type
+    dtype: torch.dtype
+    head_dim: int
+    causal: bool = False
+    has_bias: bool = False
+    has_mask: bool = False
+    window_tokens: int = 0       # N per window (window_attention only)
+    precision: str = "auto"
+
+
+@dataclass
+class Backend:
+    """Capabilities of one backend, as data (xFormers-style), plus the functions that run it."""
+    name: str
+    ops: tuple[str, ...]
+    devices: "tuple[str, ...] | Callable[[], tuple[str, ...]]"
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: tuple[int, int]
+    supports_causal: bool
+    supports_bias: bool
+    max_window_tokens: int = 0
+    available: Callable[[], Optional[str]] = lambda: None  # None when usable, else why not
+    devices_note: str = ""
+    run: dict = field(default_factory=dict)  # op name → callable
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        reasons = []
+        why = self.available()
+        if why:
+            return [why]
+        if p.op not in self.ops:
+            reasons.append(f"does not implement {p.op}")
+        devices = self.devices() if callable(self.devices) else self.devices
+        if p.device not in devices:
+            reasons.append(f"device '{p.device}' not supported (supports {', '.join(devices)}{self.devices_note})")
+        if p.dtype not in self.dtypes:
+            reasons.append(f"dtype {p.dtype} not supported (supports {', '.join(str(d) for d in self.dtypes)})")
+        lo, hi = self.head_dims
+        if not lo <= p.head_dim <= hi:
+            reasons.append(f"head dim {p.head_dim} outside [{lo}, {hi}]")
+        if p.causal and not self.supports_causal:
+            reasons.append("causal masking not supported")
+        if p.has_bias and not self.supports_bias:
+            reasons.append("additive bias not supported")
+        if p.op == "window_attention" and p.window_tokens > self.max_window_tokens:
+            reasons.append(f"window of {p.window_tokens} tokens exceeds {self.max_window_tokens}")
+        return reasons
+
+
+def _triton_available() -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install triton; Linux only)"
+    return None
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _triton_devices() -> tuple[str, ...]:
+    # The interpreter runs the same kernels with numpy on CPU tensors.
+    return ("cuda", "cpu") if _interpret() else ("cuda",)
+
+
+# Entry points take (q, k, v, bias4, scale, causal, precision, partitions) and return (out, lse):
+# out [B,H,Nq,D]; lse [B,H,Nq] float32 natural-log log-sum-exp (+inf for rows that see no key).
+
+def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions):
+    from .kernels import attention as K  # noqa: F401  (registers the custom ops)
+    return torch.ops.elsa_vision.attention_fwd(q, k, v, bias, scale, causal, precision, partitions or 0)
+
+
+def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions):
+    from .kernels import reference
+    return reference.attention(q, k, v, bias, scale, causal, return_lse=True)
+
+
+TRITON = Backend(
+    name="triton",
+    ops=("attention",),
+    devices=_triton_devices,
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    head_dims=(16, 256),
+    supports_causal=True,
+    supports_bias=True,
+    available=_triton_available,
+    devices_note="; CPU tensors only under TRITON_INTERPRET=1",
+    run={"attention": _run_triton_attention},
+)
+
+REFERENCE = Backend(
+    name="reference",
+    ops=("attention",),
+    devices=("cuda", "cpu", "mps", "xpu"),
+    dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloat16),
+    head_dims=(1, 1 << 16),
+    supports_causal=True,
+    supports_bias=True,
+    run={"attention": _run_reference_attention},
+)
+
+BACKENDS: list[Backend] = [TRITON, REFERENCE]
+
+
+def register(backend: Backend, first: bool = False) -> None:
+    """Add a backend (e.g. a kernel family that lives in its own file) to the dispatch table."""
+    if any(b.name == backend.name for b in BACKENDS):
+        for b in BACKENDS:
+            if b.name == backend.name:
+                b.run.update(backend.run)
+                b.ops = tuple(dict.fromkeys(b.ops + backend.ops))
+        return
+    BACKENDS.insert(0 if first else len(BACKENDS), backend)
+
+
+def select(p: Problem, backend: str = "auto") -> Backend:
+    """The backend that runs ``p``: the named one, or the first that fits. Raises NotSupportedError."""
+    names = [b.name for b in BACKENDS]
+    if backend != "auto" and backend not in names:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {['auto', *names]}")
+    candidates = BACKENDS if backend == "auto" else [b for b in BACKENDS if b.name == backend]
+    refusals = []
+    for b in candidates:
+        reasons = b.not_supported_reasons(p)
+        if not reasons and p.op in b.run:
+            return b
+        refusals.append(f"  {b.name}: " + "; ".join(reasons or [f"no {p.op} entry point"]))
+    what = f"{p.op} with dtype={p.dtype}, device={p.device}, head_dim={p.head_dim}, causal={p.causal}, bias={p.has_bias}"
+    raise NotSupportedError(f"no backend can run {what}:\n" + "\n".join(refusals))

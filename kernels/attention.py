@@ -1,0 +1,615 @@
+"""ELSA attention in Triton: forward as a two-level monoid scan, backward by recomputation.
+
+Forward (the scan). The state of a query row is the monoid element (m, S, W): running max logit,
+normaliser and weighted value sum, merged by
+
+    m = max(ma, mb);  S = Sa·2^(ma−m) + Sb·2^(mb−m);  W = Wa·2^(ma−m) + Wb·2^(mb−m)
+
+with identity (−inf, 0, 0). Logits live in the log2 domain (log2 e is folded into the scale), so
+every exponential is an exp2.
+
+  phase 1  grid (query block, batch·head, key partition): each program folds the key tiles of its
+           partition in registers and writes the partition summary (m, S, W), all in float32.
+  phase 2  grid (query block, batch·head): merges the partition summaries of each row and writes
+           out = W / S and the row's log-sum-exp.
+
+With one partition, phase 2 is phase 1's epilogue (no summaries touch memory). Partitions are a
+scheduling choice: when (query blocks × batch·heads) cannot fill the GPU, the keys are split into
+balanced partitions so that every SM gets equal work (LeanAttention's stream-K idea).
+
+Backward. delta = rowsum(dO·O) (preprocess kernel); a dK/dV kernel loops over query tiles and a dQ
+kernel loops over key tiles, both recomputing P = 2^(s − lse) from the saved per-row log-sum-exp.
+dBias has a kernel of its own whose programs own a tile of the bias and loop over the batch/head
+dimensions the bias is broadcast along. No atomics: gradients are bitwise reproducible.
+
+Masking. Keys past Nk or past the causal diagonal score −inf; a tile with no visible key merges as
+the identity; a row with no visible key (S = 0) returns 0 and lse = +inf (so P = 0 in backward).
+Causal is aligned bottom-right: query i sees key j iff j ≤ i + Nk − Nq.
+
+    Nq = 3, Nk = 5            keys →
+                      q0   ■ ■ ■ · ·
+                      q1   ■ ■ ■ ■ ·
+                      q2   ■ ■ ■ ■ ■
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from triton import knobs as _knobs
+
+INTERPRET = bool(_knobs.runtime.interpret)
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# precision codes shared by every kernel of this file
+_PREC = {"ieee": 0, "tf32x3": 1, "tf32": 2, "native": 2}
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    # Half-precision operands take the tensor-core path whatever PREC says; PREC picks the float32 mode.
+    if PREC == 0:
+        return tl.dot(a, b, input_precision="ieee")
+    elif PREC == 1:
+        return tl.dot(a, b, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _scores(q, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
+            D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+            PREC: tl.constexpr):
+    """Log2-domain scores [BM, BN] of a query tile against the key tile at offs_n (−inf where invisible)."""
+    if MASK:
+        k = tl.load(k_ptrs + offs_n[None, :] * sk_n,
+                    mask=(offs_n[None, :] < k_end) & (offs_d[:, None] < D), other=0.0)
+    else:
+        k = tl.load(k_ptrs + offs_n[None, :] * sk_n, mask=offs_d[:, None] < D, other=0.0)
+    s = _dot(q, k, PREC) * qk_scale2
+    if HAS_BIAS:
+        bmask = (offs_m[:, None] < Nq) & (offs_n[None, :] < k_end)
+        s += tl.load(bias_ptrs + offs_n[None, :] * sb_n, mask=bmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    if MASK:
+        visible = offs_n[None, :] < k_end
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Bias, Out, Lse, Ms, Ss, Ws,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    so_b, so_h, so_m, so_d, sb_b, sb_h, sb_m, sb_n,
+    H, Nq, Nk, part_len, n_part, qk_scale2,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    part = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
+                mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
+    k_ptrs = K + b * sk_b + h * sk_h + offs_d[:, None] * sk_d
+    v_ptrs = V + b * sv_b + h * sv_h + offs_d[None, :] * sv_d
+    bias_ptrs = Bias + b * sb_b + h * sb_h + offs_m[:, None] * sb_m
+
+    k_lo = part * part_len
+    k_end = tl.minimum(k_lo + part_len, Nk)  # partition end: keys ≥ k_end are not this program's
+    k_hi = k_end
+    full_end = k_lo + ((k_end - k_lo) // BLOCK_N) * BLOCK_N  # tiles before this need no key mask
+    if CAUSAL:
+        diag = Nk - Nq
+        k_hi = tl.minimum(k_hi, (pid_m + 1) * BLOCK_M + diag)  # last key any row of the block sees, +1
+        lowest = pid_m * BLOCK_M + diag + 1  # every row of the block sees keys < lowest
+        full_end = tl.minimum(full_end, k_lo + tl.maximum((lowest - k_lo) // BLOCK_N, 0) * BLOCK_N)
+    full_end = tl.maximum(full_end, k_lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    # unmasked interior tiles, then the masked tail (partial tile, causal diagonal)
+    for start in range(k_lo, full_end, BLOCK_N):
+        offs_n = start + offs_n0
+        s = _scores(q, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
+                    D, HAS_BIAS, CAUSAL, False, PREC)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        s_i = s_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=offs_d[None, :] < D, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+        m_i = m_new
+    for start in range(full_end, k_hi, BLOCK_N):
+        offs_n = start + offs_n0
+        s = _scores(q, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
+                    D, HAS_BIAS, CAUSAL, True, PREC)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing visible is the identity
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        s_i = s_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs + offs_n[:, None] * sv_n,
+                    mask=(offs_n[:, None] < k_end) & (offs_d[None, :] < D), other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+        m_i = m_new
+
+    row_ok = offs_m < Nq
+    if SPLIT:
+        # phase-1 summary of this (query block, partition): [BH, n_part, Nq] and [BH, n_part, Nq, D_PAD]
+        srow = (bh.to(tl.int64) * n_part + part) * Nq + offs_m
+        tl.store(Ms + srow, m_i, mask=row_ok)
+        tl.store(Ss + srow, s_i, mask=row_ok)
+        tl.store(Ws + srow[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+    else:
+        nonempty = s_i > 0
+        out = acc / tl.where(nonempty, s_i, 1.0)[:, None]
+        tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+        lse = tl.where(nonempty, (m_i + tl.math.log2(tl.where(nonempty, s_i, 1.0))) * 0.6931471805599453,
+                       float("inf"))
+        tl.store(Lse + bh.to(tl.int64) * Nq + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    Ms, Ss, Ws, Out, Lse, so_b, so_h, so_m, so_d, H, Nq, n_part,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Phase 2: fold the n_part partition summaries of each row with the monoid operator."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < Nq
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    w = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for part in range(0, n_part):
+        srow = (bh.to(tl.int64) * n_part + part) * Nq + offs_m
+        mp = tl.load(Ms + srow, mask=row_ok, other=float("-inf"))
+        sp = tl.load(Ss + srow, mask=row_ok, other=0.0)
+        wp = tl.load(Ws + srow[:, None] * D_PAD + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, mp)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.math.exp2(m - m_safe)
+        c = tl.math.exp2(mp - m_safe)
+        s = s * a + sp * c
+        w = w * a[:, None] + wp * c[:, None]
+        m = m_new
+    nonempty = s > 0
+    out = w / tl.where(nonempty, s, 1.0)[:, None]
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+    lse = tl.where(nonempty, (m + tl.math.log2(tl.where(nonempty, s, 1.0))) * 0.6931471805599453, float("inf"))
+    tl.store(Lse + bh.to(tl.int64) * Nq + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _bwd_preprocess(Out, dOut, Delta, so_b, so_h, so_m, so_d, sd_b, sd_h, sd_m, sd_d, H, Nq,
+                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta[bh, i] = Σ_d dO[i, d] · O[i, d] (float32)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    msk = (offs_m[:, None] < Nq) & (offs_d[None, :] < D)
+    o = tl.load(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d, mask=msk, other=0.0)
+    do = tl.load(dOut + b * sd_b + h * sd_h + offs_m[:, None] * sd_m + offs_d[None, :] * sd_d, mask=msk, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, delta, mask=offs_m < Nq)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, Bias, dOut, Lse, Delta, dK, dV,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
+    H, Nq, Nk, qk_scale2, scale,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """One key tile per program; loops over the query tiles that can see it."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    kv_mask = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
+    k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
+    v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
+    kT = tl.trans(k)
+    vT = tl.trans(v)
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    m_lo = 0
+    if CAUSAL:
+        m_lo = tl.maximum(pid_n * BLOCK_N - (Nk - Nq), 0)  # first query that sees this tile's first key
+        m_lo = (m_lo // BLOCK_M) * BLOCK_M
+    offs_m0 = tl.arange(0, BLOCK_M)
+    q_base = Q + b * sq_b + h * sq_h
+    do_base = dOut + b * sdo_b + h * sdo_h
+    bias_base = Bias + b * sb_b + h * sb_h
+    for start in range(m_lo, Nq, BLOCK_M):
+        offs_m = start + offs_m0
+        row_ok = offs_m < Nq
+        qm = row_ok[:, None] & (offs_d[None, :] < D)
+        q = tl.load(q_base + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
+        lse2 = tl.load(Lse + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
+        s = _dot(q, kT, PREC) * qk_scale2
+        if HAS_BIAS:
+            s += tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
+                         mask=row_ok[:, None] & (offs_n[None, :] < Nk), other=0.0).to(tl.float32) * 1.4426950408889634
+        visible = offs_n[None, :] < Nk
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
+        p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
+        dv += _dot(tl.trans(p.to(do.dtype)), do, PREC)
+        dp = _dot(do, vT, PREC)
+        ds = p * (dp - delta[:, None])
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, PREC)
+    dk = dk * scale
+    tl.store(dK + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=kv_mask)
+    tl.store(dV + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, Bias, dOut, Lse, Delta, dQ,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
+    H, Nq, Nk, qk_scale2, scale,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """One query tile per program; loops over the key tiles it can see."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < Nq
+    qm = row_ok[:, None] & (offs_d[None, :] < D)
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
+    do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
+    lse2 = tl.load(Lse + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    k_hi = Nk
+    if CAUSAL:
+        k_hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M + (Nk - Nq))
+    offs_n0 = tl.arange(0, BLOCK_N)
+    k_base = K + b * sk_b + h * sk_h
+    v_base = V + b * sv_b + h * sv_h
+    bias_base = Bias + b * sb_b + h * sb_h
+    for start in range(0, k_hi, BLOCK_N):
+        offs_n = start + offs_n0
+        kvm = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
+        k = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kvm, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kvm, other=0.0)
+        s = _dot(q, tl.trans(k), PREC) * qk_scale2
+        if HAS_BIAS:
+            s += tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
+                         mask=row_ok[:, None] & (offs_n[None, :] < Nk), other=0.0).to(tl.float32) * 1.4426950408889634
+        visible = offs_n[None, :] < Nk
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
+        p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), PREC)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, PREC)
+    dq = dq * scale
+    tl.store(dQ + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :], dq.to(dQ.dtype.element_ty), mask=qm)
+
+
+@triton.jit
+def _bwd_dbias_kernel(
+    Q, K, V, Bias, dOut, Lse, Delta, dBias,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
+    B, H, Hb, Nq, Nk, qk_scale2,
+    BIAS_B1: tl.constexpr, BIAS_H1: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """dS = P ⊙ (dP − delta) for one [BM, BN] tile of the bias, summed over the batch/head dims the
+    bias is broadcast along (BIAS_B1 / BIAS_H1), in a fixed order: deterministic, no atomics.
+    dBias is float32 [Bb, Hb, Nq, Nk] with Bb = 1 if BIAS_B1 else B, Hb likewise."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bhb = tl.program_id(2)
+    bb = bhb // Hb
+    hb = bhb % Hb
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < Nq
+    col_ok = offs_n < Nk
+    qm = row_ok[:, None] & (offs_d[None, :] < D)
+    kvm = col_ok[:, None] & (offs_d[None, :] < D)
+    visible = col_ok[None, :] & row_ok[:, None]
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
+    n_b = B if BIAS_B1 else 1
+    n_h = H if BIAS_H1 else 1
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for ib in range(0, n_b):
+        b = tl.cast(ib if BIAS_B1 else bb, tl.int64)
+        for ih in range(0, n_h):
+            h = tl.cast(ih if BIAS_H1 else hb, tl.int64)
+            bh = b * H + h
+            q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
+            do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
+            k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kvm, other=0.0)
+            v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kvm, other=0.0)
+            lse2 = tl.load(Lse + bh * Nq + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(Delta + bh * Nq + offs_m, mask=row_ok, other=0.0)
+            s = _dot(q, tl.trans(k), PREC) * qk_scale2
+            s += tl.load(Bias + b * sb_b + h * sb_h + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
+                         mask=visible, other=0.0).to(tl.float32) * 1.4426950408889634
+            p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
+            dp = _dot(do, tl.trans(v), PREC)
+            acc += p * (dp - delta[:, None])
+    tl.store(dBias + bhb.to(tl.int64) * Nq * Nk + offs_m[:, None] * Nk + offs_n[None, :], acc,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _pow2(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def fwd_config(dtype: torch.dtype, d_pad: int, precision: str) -> Config:
+    """Forward tile shape by dtype / padded head dim / float32 mode (measured on an H100/H200)."""
+    if INTERPRET:
+        return Config(16, 16, 1, 1)
+    if dtype != torch.float32:
+        if d_pad <= 64:
+            return Config(128, 64, 4, 3)
+        if d_pad <= 128:
+            return Config(128, 64, 8, 3)
+        return Config(64, 32, 4, 2)
+    if precision == "ieee":
+        return Config(64, 32, 4, 2) if d_pad <= 64 else Config(32, 32, 4, 2)
+    if d_pad <= 64:
+        return Config(128, 32, 8, 2) if precision == "tf32x3" else Config(128, 64, 8, 2)
+    if d_pad <= 128:
+        return Config(64, 32, 4, 2)
+    return Config(32, 32, 4, 1)
+
+
+def bwd_config(dtype: torch.dtype, d_pad: int, precision: str) -> Config:
+    """Backward tile shape: block_n small enough that the dK/dV accumulators stay in registers."""
+    if INTERPRET:
+        return Config(16, 16, 1, 1)
+    if dtype != torch.float32:
+        if d_pad <= 64:
+            return Config(64, 64, 4, 2)
+        if d_pad <= 128:
+            return Config(64, 64, 8, 2)
+        return Config(32, 32, 4, 1)
+    if d_pad <= 64:
+        return Config(64, 32, 4, 2)
+    if d_pad <= 128:
+        return Config(32, 32, 4, 1)
+    return Config(16, 16, 4, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def plan_partitions(batch_heads: int, nq: int, nk: int, block_m: int, block_n: int, device: torch.device,
+                    requested: Optional[int] = None) -> tuple[int, int]:
+    """(n_part, part_len): how phase 1 splits the keys. part_len is a multiple of block_n.
+
+    One partition when (query blocks × batch·heads) already fills the GPU twice over; otherwise keys
+    are split so the phase-1 grid reaches about two programs per SM, each partition with the same
+    number of key tiles (±1 over all partitions).
+    """
+    n_tiles = max(1, triton.cdiv(nk, block_n))
+    if requested is not None:
+        want = max(1, min(int(requested), n_tiles))
+    else:
+        base = triton.cdiv(nq, block_m) * batch_heads
+        sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
+        target = 2 * sms
+        want = 1 if base >= target else min(n_tiles, triton.cdiv(target, base))
+        # a partition shorter than four tiles pays more in summary traffic than it gains in parallelism
+        want = max(1, min(want, n_tiles // 4 or 1))
+    tiles_per = triton.cdiv(n_tiles, want)
+    return triton.cdiv(n_tiles, tiles_per), tiles_per * block_n
+
+
+def _strides4(t: Optional[torch.Tensor]) -> tuple[int, int, int, int]:
+    if t is None:
+        return (0, 0, 0, 0)
+    # size-1 dims are broadcast: read them with stride 0
+    return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(4))
+
+
+def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
+            summaries: Optional[dict] = None):
+    """Launch phase 1 (and phase 2 when split). Returns (out [B,H,Nq,D], lse [B,H,Nq] float32, natural log).
+
+    ``summaries``, when a dict, receives the phase-1 summary tensors and the partition plan (used by
+    verify.structure to show what phase 2 reads)."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    d_pad = _pow2(D)
+    cfg = fwd_config(q.dtype, d_pad, precision)
+    n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
+    out = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
+    split = n_part > 1
+    if split:
+        ms = torch.empty((B * H, n_part, Nq), device=q.device, dtype=torch.float32)
+        ss = torch.empty_like(ms)
+        ws = torch.empty((B * H, n_part, Nq, d_pad), device=q.device, dtype=torch.float32)
+    else:
+        ms = ss = ws = lse  # unused placeholders
+    bias_arg = bias if bias is not None else q
+    grid = (triton.cdiv(Nq, cfg.block_m), B * H, n_part)
+    _fwd_kernel[grid](
+        q, k, v, bias_arg, out, lse, ms, ss, ws,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_strides4(bias),
+        H, Nq, Nk, part_len, n_part, scale * LOG2E,
+        D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split, PREC=_PREC[precision],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        phase2(ms, ss, ws, out, lse)
+    if summaries is not None:
+        summaries.update(n_part=n_part, part_len=part_len, block_m=cfg.block_m, block_n=cfg.block_n,
+                         phase1_grid=grid, m=ms if split else None, S=ss if split else None,
+                         W=ws if split else None)
+    return out, lse
+
+
+def phase2(ms, ss, ws, out, lse):
+    """Merge phase-1 summaries m/S [BH, P, Nq], W [BH, P, Nq, D_PAD] into out [B,H,Nq,D] and lse [B,H,Nq]."""
+    B, H, Nq, D = out.shape
+    d_pad = ws.shape[-1]
+    bm2 = 16 if INTERPRET else (64 if d_pad <= 128 else 32)
+    _merge_kernel[(triton.cdiv(Nq, bm2), B * H)](
+        ms, ss, ws, out, lse, *out.stride(), H, Nq, ms.shape[1],
+        D=D, D_PAD=d_pad, BLOCK_M=bm2, num_warps=4,
+    )
+
+
+def backward(do, q, k, v, bias, out, lse, scale: float, causal: bool, precision: str, bias_grad: bool):
+    """Returns (dq, dk, dv, dbias); dbias is None unless ``bias_grad``. Shapes as the inputs'."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    d_pad = _pow2(D)
+    cfg = bwd_config(q.dtype, d_pad, precision)
+    prec = _PREC[precision]
+    delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
+    bm0 = 16 if INTERPRET else 64
+    _bwd_preprocess[(triton.cdiv(Nq, bm0), B * H)](
+        out, do, delta, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0)
+    dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
+    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=k.dtype)
+    dv = torch.empty((B, H, Nk, D), device=q.device, dtype=v.dtype)
+    bias_arg = bias if bias is not None else q
+    common = dict(D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, PREC=prec,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *_strides4(bias))
+    _bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.block_n), B * H)](
+        q, k, v, bias_arg, do, lse, delta, dk, dv, *strides, H, Nq, Nk, scale * LOG2E, scale,
+        HAS_BIAS=bias is not None, **common)
+    _bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m), B * H)](
+        q, k, v, bias_arg, do, lse, delta, dq, *strides, H, Nq, Nk, scale * LOG2E, scale,
+        HAS_BIAS=bias is not None, **common)
+    dbias = None
+    if bias_grad:
+        b1, h1 = bias.shape[0] == 1, bias.shape[1] == 1
+        Bb, Hb = (1 if b1 else B), (1 if h1 else H)
+        dfull = torch.empty((Bb, Hb, Nq, Nk), device=q.device, dtype=torch.float32)
+        _bwd_dbias_kernel[(triton.cdiv(Nq, cfg.block_m), triton.cdiv(Nk, cfg.block_n), Bb * Hb)](
+            q, k, v, bias, do, lse, delta, dfull, *strides, B, H, Hb, Nq, Nk, scale * LOG2E,
+            BIAS_B1=b1, BIAS_H1=h1, **common)
+        # bias broadcast along queries or keys (e.g. a key-padding bias [B,1,1,Nk]): reduce here
+        red = tuple(i for i in (2, 3) if bias.shape[i] == 1)
+        if red:
+            dfull = dfull.sum(dim=red, keepdim=True)
+        dbias = dfull.to(bias.dtype)
+    return dq, dk, dv, dbias
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library custom ops: opaque to torch.compile, with fake (meta) implementations and autograd
+
+
+@torch.library.custom_op("elsa_vision::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+                  scale: float, causal: bool, precision: str, partitions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B,H,Nq,D], k/v [B,H,Nk,D], bias 4-D broadcastable (size-1 dims) → out [B,H,Nq,D], lse [B,H,Nq].
+    ``partitions`` ≤ 0 lets the planner choose."""
+    return forward(q, k, v, bias, scale, causal, precision, partitions if partitions > 0 else None)
+
+
+@attention_fwd.register_fake
+def _(q, k, v, bias, scale, causal, precision, partitions):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("elsa_vision::attention_bwd", mutates_args=())
+def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  bias: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, scale: float,
+                  causal: bool, precision: str, bias_grad: bool) -> list[torch.Tensor]:
+    """→ [dq, dk, dv, dbias]; dbias is an empty tensor unless ``bias_grad``."""
+    dq, dk, dv, dbias = backward(do.contiguous() if do.stride(-1) != 1 else do, q, k, v, bias, out, lse,
+                                 scale, causal, precision, bias_grad)
+    return [dq, dk, dv, dbias if dbias is not None else q.new_empty(0)]
+
+
+@attention_bwd.register_fake
+def _(do, q, k, v, bias, out, lse, scale, causal, precision, bias_grad):
+    db = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), db]
+
+
+def _setup_fwd(ctx, inputs, output):
+    q, k, v, bias, scale, causal, precision, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, bias, out, lse)
+    ctx.args = (scale, causal, precision)
+
+
+def _backward_fwd(ctx, dout, dlse):
+    q, k, v, bias, out, lse = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    bias_grad = bool(bias is not None and need[3])
+    dq, dk, dv, dbias = torch.ops.elsa_vision.attention_bwd(dout, q, k, v, bias, out, lse, *ctx.args, bias_grad)
+    return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "elsa_vision.attention does not support double backward (gradients of gradients). "
+        "Use backend='reference' for higher-order derivatives.")
+
+
+def _setup_bwd(ctx, inputs, output):
+    pass
+
+
+attention_fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
+attention_bwd.register_autograd(_no_double_backward, setup_context=_setup_bwd)

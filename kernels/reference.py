@@ -1,0 +1,98 @@
+"""Reference backend: the ELSA monoid scan in plain torch, over key chunks.
+
+Runs on any device and dtype and is differentiable by autograd. Each key chunk is folded into a
+summary (m, S, W) and the summaries are merged with the monoid operator, so extra memory is
+O(Nq · chunk) per step instead of O(Nq · Nk). Under autograd each chunk is checkpointed, so the
+backward also stays O(Nq · chunk) per step (it recomputes the chunk's scores).
+
+Half-precision inputs are computed in float32 (the accumulation dtype of the Triton kernels);
+float32 and float64 inputs are computed in their own dtype.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Rows whose every key is masked have m = -inf; subtracting it would give NaN. Any finite stand-in
+# works because every exp in such a row is exp(-inf) = 0.
+def _safe_max(m: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+
+def causal_mask(nq: int, nk: int, k0: int, k1: int, device) -> torch.Tensor:
+    """Boolean [nq, k1-k0]: True where query i may see key j, bottom-right aligned (j ≤ i + nk − nq)."""
+    i = torch.arange(nq, device=device)[:, None]
+    j = torch.arange(k0, k1, device=device)[None, :]
+    return j <= i + (nk - nq)
+
+
+def _chunk_summary(q, k, v, bias, scale: float, causal: bool, nk_total: int, k0: int):
+    """Summary (m, S, W) of one key chunk. q [B,H,Nq,D], k/v [B,H,n,D], bias broadcastable [.., Nq, n]."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias
+    if causal:
+        keep = causal_mask(q.shape[-2], nk_total, k0, k0 + k.shape[-2], q.device)
+        s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(dim=-1)
+    p = torch.exp(s - _safe_max(m)[..., None])
+    return m, p.sum(dim=-1), torch.matmul(p, v)
+
+
+def merge(a, b):
+    """The ELSA monoid operator on summaries (m, S, W); identity is (-inf, 0, 0)."""
+    ma, sa, wa = a
+    mb, sb, wb = b
+    m = torch.maximum(ma, mb)
+    ms = _safe_max(m)
+    ea, eb = torch.exp(ma - ms), torch.exp(mb - ms)
+    return m, sa * ea + sb * eb, wa * ea[..., None] + wb * eb[..., None]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    chunk: int = 1024,
+    return_lse: bool = False,
+):
+    """Exact attention by a chunked monoid scan.
+
+    q [B,H,Nq,D], k/v [B,H,Nk,D], bias broadcastable to [B,H,Nq,Nk]. Returns out [B,H,Nq,D] in q's
+    dtype and, with ``return_lse``, the natural-log log-sum-exp [B,H,Nq] in float32 (+inf for rows
+    with no visible key, so that exp(s − lse) = 0 there).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+    bc = None if bias is None else bias.to(cdt)
+    nk = k.shape[-2]
+    shape = q.shape[:-1]
+    state = (
+        torch.full(shape, float("-inf"), dtype=cdt, device=q.device),
+        torch.zeros(shape, dtype=cdt, device=q.device),
+        torch.zeros((*shape, v.shape[-1]), dtype=cdt, device=q.device),
+    )
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, bias)
+    )
+    for k0 in range(0, nk, chunk):
+        k1 = min(k0 + chunk, nk)
+        b = None if bc is None else bc[..., k0:k1]
+        args = (qc, kc[..., k0:k1, :], vc[..., k0:k1, :], b, scale, causal, nk, k0)
+        part = checkpoint(_chunk_summary, *args, use_reentrant=False) if grad else _chunk_summary(*args)
+        state = merge(state, part)
+    m, s, w = state
+    nonempty = s > 0
+    out = torch.where(nonempty[..., None], w / torch.where(nonempty, s, 1)[..., None], 0)
+    out = out.to(q.dtype)
+    if not return_lse:
+        return out
+    lse = torch.where(nonempty, _safe_max(m) + torch.log(torch.where(nonempty, s, 1)), float("inf"))
+    return out, lse.float()
