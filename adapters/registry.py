@@ -1,0 +1,197 @@
+"""Adapter registry and the patching machinery behind ``elsa_vision.patch`` / ``unpatch``.
+
+An :class:`Adapter` serves the module classes it names (matched by class object, exactly — a
+subclass with its own forward is not assumed to share the parent's semantics unless the adapter
+lists it). ``patch`` walks ``model.modules()``, binds a new ``forward`` on each matching instance
+(instance attribute, so the class and every other instance are untouched), and keeps the original
+bound forward for ``unpatch``. Parameters and buffers are the module's own: nothing is copied and
+state_dict keys do not change.
+
+A patched forward that meets an input the adapter cannot serve exactly calls the original forward
+for that call and counts it (``module._elsa.delegated``); it never returns a different answer.
+"""
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+
+class Adapter:
+    """Base class. Subclasses set ``name`` and ``targets`` and implement ``forward``.
+
+    ``targets`` are "module.path:ClassName" strings, imported lazily so that a missing optional
+    package (timm, vggt) only makes the adapter unavailable.
+    """
+
+    name: str = "adapter"
+    targets: tuple[str, ...] = ()
+
+    def classes(self) -> tuple[type, ...]:
+        found = []
+        for t in self.targets:
+            mod, _, cls = t.partition(":")
+            try:
+                found.append(getattr(importlib.import_module(mod), cls))
+            except (ImportError, AttributeError):
+                continue
+        return tuple(found)
+
+    def skip_reason(self, module: torch.nn.Module, options: dict) -> Optional[str]:
+        """None if ``module`` can be patched, else a short reason (reported, module left alone)."""
+        return None
+
+    def forward(self, module: torch.nn.Module, state: "PatchState", *args, **kwargs):
+        """The ELSA forward for one call. Call ``state.delegate(*args, **kwargs)`` for inputs this
+        adapter cannot serve exactly."""
+        raise NotImplementedError
+
+
+@dataclass
+class PatchState:
+    """Stored on a patched module as ``module._elsa``."""
+    adapter: Adapter
+    original: Callable                  # the module's bound forward before patching
+    had_instance_forward: bool          # whether forward was an instance attribute before patching
+    options: dict
+    calls: int = 0
+    delegated: int = 0
+    delegate_reasons: dict = field(default_factory=dict)
+
+    def delegate(self, *args, reason: str = "unsupported input", **kwargs):
+        self.delegated += 1
+        self.delegate_reasons[reason] = self.delegate_reasons.get(reason, 0) + 1
+        return self.original(*args, **kwargs)
+
+
+@dataclass
+class PatchReport:
+    """What ``patch`` did: per adapter, the patched module names and the skipped ones with reasons."""
+    patched: dict[str, list[str]] = field(default_factory=dict)
+    skipped: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    already: list[str] = field(default_factory=list)
+
+    @property
+    def num_patched(self) -> int:
+        return sum(len(v) for v in self.patched.values())
+
+    def __str__(self) -> str:
+        lines = [f"elsa_vision.patch: {self.num_patched} module(s) patched"]
+        for name, mods in self.patched.items():
+            lines.append(f"  {name}: {len(mods)} patched")
+        for name, items in self.skipped.items():
+            for mod, why in items:
+                lines.append(f"  {name}: skipped {mod or '<root>'}: {why}")
+        if self.already:
+            lines.append(f"  {len(self.already)} already patched (left as is)")
+        return "\n".join(lines)
+
+
+ADAPTERS: list[Adapter] = []
+
+
+def register(adapter: Adapter) -> Adapter:
+    """Add an adapter (instance) to the registry; later registrations win for the same class."""
+    ADAPTERS.insert(0, adapter)
+    return adapter
+
+
+def _load_builtin() -> None:
+    # Importing an adapter file registers its adapters; a missing optional package is fine.
+    for mod in ("timm", "vggt"):
+        try:
+            importlib.import_module(f"{__package__}.{mod}")
+        except ImportError as e:  # the model package itself is missing: its adapters are unavailable
+            if (e.name or "").startswith(__package__ or "elsa_vision"):
+                raise
+
+
+def _class_table() -> dict[type, Adapter]:
+    _load_builtin()
+    table: dict[type, Adapter] = {}
+    for a in reversed(ADAPTERS):  # earlier-registered first, later ones override
+        for cls in a.classes():
+            table[cls] = a
+    return table
+
+
+def _selected(name: str, include, exclude) -> bool:
+    if include is not None and not any(fnmatch.fnmatchcase(name, p) for p in include):
+        return False
+    if exclude is not None and any(fnmatch.fnmatchcase(name, p) for p in exclude):
+        return False
+    return True
+
+
+def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None,
+          include: Optional[Sequence[str]] = None, exclude: Optional[Sequence[str]] = None,
+          **options: Any) -> PatchReport:
+    """Patch every module of ``model`` whose class has an adapter.
+
+    include / exclude: glob patterns on module names (``model.named_modules()``), e.g.
+    ``exclude=["blocks.0.*"]``. Other keyword options are passed to the adapters (see each adapter's
+    docs). Patching an already-patched module is a no-op (listed in ``report.already``).
+    """
+    from ..api import PRECISIONS
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"patch expects a torch.nn.Module, got {type(model).__name__}")
+    table = _class_table()
+    opts = dict(options, precision=precision, token_merging=token_merging)
+    report = PatchReport()
+    for name, mod in model.named_modules():
+        adapter = table.get(type(mod))
+        if adapter is None:
+            continue
+        if isinstance(getattr(mod, "_elsa", None), PatchState):
+            report.already.append(name)
+            continue
+        if not _selected(name, include, exclude):
+            report.skipped.setdefault(adapter.name, []).append((name, "excluded by include/exclude"))
+            continue
+        why = adapter.skip_reason(mod, opts)
+        if why:
+            report.skipped.setdefault(adapter.name, []).append((name, why))
+            continue
+        _bind(mod, adapter, opts)
+        report.patched.setdefault(adapter.name, []).append(name)
+    return report
+
+
+def _bind(mod: torch.nn.Module, adapter: Adapter, opts: dict) -> None:
+    had = "forward" in mod.__dict__
+    state = PatchState(adapter=adapter, original=mod.forward, had_instance_forward=had, options=opts)
+
+    def forward(self, *args, **kwargs):
+        state.calls += 1
+        return adapter.forward(self, state, *args, **kwargs)
+
+    # object.__setattr__: nn.Module.__setattr__ would try to register these as submodules/params
+    object.__setattr__(mod, "_elsa", state)
+    object.__setattr__(mod, "forward", types.MethodType(forward, mod))
+
+
+def unpatch(model: torch.nn.Module) -> int:
+    """Restore every patched module's original forward; returns the number restored."""
+    n = 0
+    for mod in model.modules():
+        state = mod.__dict__.get("_elsa")
+        if not isinstance(state, PatchState):
+            continue
+        if state.had_instance_forward:
+            object.__setattr__(mod, "forward", state.original)
+        else:
+            del mod.__dict__["forward"]
+        del mod.__dict__["_elsa"]
+        n += 1
+    return n
+
+
+def patched_modules(model: torch.nn.Module) -> list[tuple[str, PatchState]]:
+    """(name, state) of every patched module: call and delegation counters live in the state."""
+    return [(n, m.__dict__["_elsa"]) for n, m in model.named_modules() if isinstance(m.__dict__.get("_elsa"), PatchState)]

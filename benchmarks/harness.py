@@ -1,0 +1,149 @@
+"""Shared benchmark harness: interleaved timing with CUDA events, peak memory, run metadata, CSV + PNG.
+
+Every benchmark script builds a list of *cases*; each case has several *variants* (ELSA and the
+baselines) that compute the same thing. ``measure`` runs the variants of one case interleaved —
+warm-up, then rounds of one call of each variant in turn — so clock and thermal drift hit every
+variant alike, and reports the median time per variant.
+"""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import gc
+import os
+import platform
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def metadata() -> dict:
+    """Device, versions and date: stamped on every row."""
+    import triton
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
+            "date": _dt.date.today().isoformat()}
+
+
+def device_slug(name: Optional[str] = None) -> str:
+    name = name or metadata()["device"]
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-").lower() or "cpu"
+
+
+def results_dir(name: Optional[str] = None) -> Path:
+    """benchmarks/results/<device>/ (or $ELSA_RESULTS_DIR)."""
+    d = Path(os.environ.get("ELSA_RESULTS_DIR") or RESULTS / device_slug(name))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time_once(fn: Callable[[], object]) -> float:
+    """Milliseconds for one call (CUDA events on GPU, perf_counter on CPU)."""
+    if torch.cuda.is_available():
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    import time
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def peak_memory(fn: Callable[[], object]) -> Optional[int]:
+    """Peak bytes allocated during one call above what was allocated before it (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    gc.collect()
+    _sync()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    _sync()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@dataclass
+class Result:
+    variant: str
+    ms: Optional[float]          # median; None if it failed (OOM, unsupported)
+    peak_bytes: Optional[int]
+    error: str = ""
+
+
+def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 10,
+            min_time_ms: float = 0.0, memory: bool = True) -> dict[str, Result]:
+    """Time the variants of one case interleaved; returns name → Result.
+
+    A variant that raises (OOM, not supported) is recorded with its error and dropped from the
+    rounds. ``min_time_ms`` raises ``rounds`` until each variant has run at least that long.
+    """
+    alive = dict(variants)
+    errors: dict[str, str] = {}
+    peaks: dict[str, Optional[int]] = {}
+    for name, fn in list(alive.items()):
+        try:
+            for _ in range(warmup):
+                fn()
+            _sync()
+            peaks[name] = peak_memory(fn) if memory else None
+        except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            alive.pop(name)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    times: dict[str, list[float]] = {n: [] for n in alive}
+    r = 0
+    while alive and (r < rounds or (min_time_ms and min(sum(t) for t in times.values()) < min_time_ms)):
+        for name, fn in alive.items():
+            times[name].append(_time_once(fn))
+        r += 1
+        if r > 10 * max(rounds, 1):
+            break
+    out = {n: Result(n, statistics.median(t), peaks.get(n)) for n, t in times.items()}
+    for n, e in errors.items():
+        out[n] = Result(n, None, None, e)
+    return out
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    """Write rows (dicts; the union of keys is the header, metadata first) to ``path``."""
+    meta = metadata()
+    rows = [{**meta, **r} for r in rows]
+    keys: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def fmt_table(rows: list[dict], cols: list[str]) -> str:
+    """A plain text table of ``cols`` for the console / README."""
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return "" if v is None else str(v)
+    data = [[cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(d[i]) for d in data)) if data else len(c) for i, c in enumerate(cols)]
+    line = lambda xs: "  ".join(x.rjust(w) for x, w in zip(xs, widths))  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(d) for d in data])
