@@ -14,6 +14,12 @@ PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+@torch.compiler.assume_constant_result
+def _fp32_matmul_precision() -> str:
+    # a global setting: constant for a compiled graph (dynamo cannot trace the getter itself)
+    return torch.get_float32_matmul_precision()
+
+
 def resolve_precision(precision: str, dtype: torch.dtype) -> str:
     """The float32 matmul mode a call runs in.
 
@@ -26,13 +32,15 @@ def resolve_precision(precision: str, dtype: torch.dtype) -> str:
     if dtype in HALF:
         return "native"
     if precision == "auto":
-        return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+        return "tf32x3" if _fp32_matmul_precision() == "highest" else "tf32"
     return precision
 
 
 def _autocast(*ts):
     """SDPA's autocast rule: inside CUDA/CPU autocast, floating inputs run in the autocast dtype."""
     t0 = ts[0]
+    if not all(t is None or isinstance(t, torch.Tensor) for t in ts):
+        return ts  # the input checks that follow explain what is wrong
     dev = t0.device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)

@@ -49,23 +49,46 @@ INTERPRET = bool(_knobs.runtime.interpret)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# precision codes shared by every kernel of this file
-_PREC = {"ieee": 0, "tf32x3": 1, "tf32": 2, "native": 2}
+# Precision codes shared by every kernel of this file. "tf32x3" (code 3) splits each operand into
+# tf32 hi + lo parts itself, so an operand that is reused across the loop (q in the forward) is split
+# once per program instead of once per dot; "tf32x3n" (code 1) is Triton's own per-dot 3xTF32.
+_PREC = {"ieee": 0, "tf32x3n": 1, "tf32": 2, "native": 2, "tf32x3": 3}
+
+
+# Triton's CPU interpreter multiplies bfloat16 operands as raw bits; there, half operands are widened
+# to float32 first, which computes the same exact products with float32 accumulation.
+_WIDEN_HALF = tl.constexpr(INTERPRET)
 
 
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
     # Half-precision operands take the tensor-core path whatever PREC says; PREC picks the float32 mode.
+    if _WIDEN_HALF:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
     if PREC == 0:
         return tl.dot(a, b, input_precision="ieee")
-    elif PREC == 1:
+    elif PREC == 1 or PREC == 3:
         return tl.dot(a, b, input_precision="tf32x3")
     else:
         return tl.dot(a, b)
 
 
 @triton.jit
-def _scores(q, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
+def _split_tf32(x):
+    """x = hi + lo exactly, hi holding x's top 10 mantissa bits (what a tf32 tensor-core op reads)."""
+    hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _dot3(a_hi, a_lo, b_hi, b_lo):
+    """3xTF32 product of pre-split operands; the small cross terms first, a_lo·b_lo dropped (≈2⁻²²)."""
+    return tl.dot(a_hi, b_hi, tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo)))
+
+
+@triton.jit
+def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
             D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
             PREC: tl.constexpr):
     """Log2-domain scores [BM, BN] of a query tile against the key tile at offs_n (−inf where invisible)."""
@@ -74,7 +97,11 @@ def _scores(q, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, s
                     mask=(offs_n[None, :] < k_end) & (offs_d[:, None] < D), other=0.0)
     else:
         k = tl.load(k_ptrs + offs_n[None, :] * sk_n, mask=offs_d[:, None] < D, other=0.0)
-    s = _dot(q, k, PREC) * qk_scale2
+    if PREC == 3:
+        k_hi, k_lo = _split_tf32(k)
+        s = _dot3(q, q_lo, k_hi, k_lo) * qk_scale2
+    else:
+        s = _dot(q, k, PREC) * qk_scale2
     if HAS_BIAS:
         bmask = (offs_m[:, None] < Nq) & (offs_n[None, :] < k_end)
         s += tl.load(bias_ptrs + offs_n[None, :] * sb_n, mask=bmask, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -84,6 +111,46 @@ def _scores(q, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, s
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
         s = tl.where(visible, s, float("-inf"))
     return s
+
+
+@triton.jit
+def _fold(p, v, acc, s_i, alpha, PREC: tl.constexpr):
+    """Fold one tile into the running state: (acc·α + p·v, S·α + Σp). p [BM, BN] float32, v [BN, D_PAD].
+
+    With half-precision v the probabilities are rounded to v's dtype for the dot; S sums the rounded
+    values so that the output is a convex combination of v with exactly the weights the dot used."""
+    if PREC == 3:
+        p_hi, p_lo = _split_tf32(p)
+        v_hi, v_lo = _split_tf32(v)
+        return acc * alpha[:, None] + _dot3(p_hi, p_lo, v_hi, v_lo), s_i * alpha + tl.sum(p, 1)
+    elif v.dtype == tl.float32:
+        return acc * alpha[:, None] + _dot(p, v, PREC), s_i * alpha + tl.sum(p, 1)
+    else:
+        ph = p.to(v.dtype)
+        return acc * alpha[:, None] + _dot(ph, v, PREC), s_i * alpha + tl.sum(ph.to(tl.float32), 1)
+
+
+@triton.jit
+def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
+               qk_scale2, m_i, s_i, acc, D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+               MASK: tl.constexpr, PREC: tl.constexpr):
+    """Merge the key tile at offs_n into the running monoid state (m_i, s_i, acc) of a query tile."""
+    s = _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
+                D, HAS_BIAS, CAUSAL, MASK, PREC)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASK or HAS_BIAS:
+        # a row with nothing visible yet has m = −inf: the tile must merge as the identity, not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    if MASK:
+        v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=(offs_n[:, None] < k_end) & (offs_d[None, :] < D), other=0.0)
+    else:
+        v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=offs_d[None, :] < D, other=0.0)
+    acc, s_i = _fold(p, v, acc, s_i, alpha, PREC)
+    return m_new, s_i, acc
 
 
 @triton.jit
@@ -104,6 +171,9 @@ def _fwd_kernel(
     offs_d = tl.arange(0, D_PAD)
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
                 mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
+    q_lo = q
+    if PREC == 3:
+        q, q_lo = _split_tf32(q)  # once per program: q is reused by every key tile
     k_ptrs = K + b * sk_b + h * sk_h + offs_d[:, None] * sk_d
     v_ptrs = V + b * sv_b + h * sv_h + offs_d[None, :] * sv_d
     bias_ptrs = Bias + b * sb_b + h * sb_h + offs_m[:, None] * sb_m
@@ -125,29 +195,13 @@ def _fwd_kernel(
     offs_n0 = tl.arange(0, BLOCK_N)
     # unmasked interior tiles, then the masked tail (partial tile, causal diagonal)
     for start in range(k_lo, full_end, BLOCK_N):
-        offs_n = start + offs_n0
-        s = _scores(q, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
-                    D, HAS_BIAS, CAUSAL, False, PREC)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        s_i = s_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=offs_d[None, :] < D, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
-        m_i = m_new
+        m_i, s_i, acc = _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk,
+                                   k_end, sk_n, sv_n, sb_n, qk_scale2, m_i, s_i, acc,
+                                   D, HAS_BIAS, CAUSAL, False, PREC)
     for start in range(full_end, k_hi, BLOCK_N):
-        offs_n = start + offs_n0
-        s = _scores(q, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
-                    D, HAS_BIAS, CAUSAL, True, PREC)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing visible is the identity
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        s_i = s_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs + offs_n[:, None] * sv_n,
-                    mask=(offs_n[:, None] < k_end) & (offs_d[None, :] < D), other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
-        m_i = m_new
+        m_i, s_i, acc = _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk,
+                                   k_end, sk_n, sv_n, sb_n, qk_scale2, m_i, s_i, acc,
+                                   D, HAS_BIAS, CAUSAL, True, PREC)
 
     row_ok = offs_m < Nq
     if SPLIT:
@@ -464,7 +518,7 @@ def _strides4(t: Optional[torch.Tensor]) -> tuple[int, int, int, int]:
 
 
 def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
-            summaries: Optional[dict] = None):
+            summaries: Optional[dict] = None, config: Optional[Config] = None):
     """Launch phase 1 (and phase 2 when split). Returns (out [B,H,Nq,D], lse [B,H,Nq] float32, natural log).
 
     ``summaries``, when a dict, receives the phase-1 summary tensors and the partition plan (used by
@@ -472,7 +526,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = _pow2(D)
-    cfg = fwd_config(q.dtype, d_pad, precision)
+    cfg = config or fwd_config(q.dtype, d_pad, precision)
     n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
     out = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
@@ -513,12 +567,13 @@ def phase2(ms, ss, ws, out, lse):
     )
 
 
-def backward(do, q, k, v, bias, out, lse, scale: float, causal: bool, precision: str, bias_grad: bool):
+def backward(do, q, k, v, bias, out, lse, scale: float, causal: bool, precision: str, bias_grad: bool,
+             config: Optional[Config] = None):
     """Returns (dq, dk, dv, dbias); dbias is None unless ``bias_grad``. Shapes as the inputs'."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = _pow2(D)
-    cfg = bwd_config(q.dtype, d_pad, precision)
+    cfg = config or bwd_config(q.dtype, d_pad, precision)
     prec = _PREC[precision]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
     bm0 = 16 if INTERPRET else 64

@@ -1,0 +1,73 @@
+"""The DESIGN §7 pass rule as test helpers: compare against the float64 oracle with a bound tied to
+the error of a plain torch implementation in the inputs' own dtype."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from elsa_vision import verify
+
+
+def torch_same_dtype(q, k, v, bias=None, scale=None, causal=False, tf32=False):
+    """Plain softmax attention in the inputs' dtype (the 'same-dtype reference' of the rule)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if bias is not None:
+            s = s + (torch.zeros(bias.shape, dtype=s.dtype, device=s.device).masked_fill_(~bias, float("-inf"))
+                     if bias.dtype == torch.bool else bias.to(s.dtype))
+        if causal:
+            nq, nk = q.shape[-2], k.shape[-2]
+            i = torch.arange(nq, device=q.device)[:, None]
+            j = torch.arange(nk, device=q.device)[None, :]
+            s = s.masked_fill(j > i + (nk - nq), float("-inf"))
+        p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)
+        return torch.matmul(p, v)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def assert_close_to_oracle(out, ref64, same, *, name="out", grad=False, rel_l2=None):
+    """|out − oracle| ≤ k·|same − oracle| + 1e-6 (k = 2, 3 for gradients); optional rel-L2 bound."""
+    assert torch.isfinite(out).all(), f"{name}: non-finite values"
+    err = verify.max_err(out, ref64)
+    ref_err = verify.max_err(same, ref64)
+    tol = verify.tolerance(ref_err, out.dtype, grad=grad)
+    assert err <= tol, f"{name}: max err {err:.3e} > {tol:.3e} (same-dtype torch err {ref_err:.3e})"
+    if rel_l2 is not None:
+        r = ((out.double() - ref64).norm() / ref64.norm().clamp_min(1e-300)).item()
+        assert r <= rel_l2, f"{name}: relative L2 {r:.3e} > {rel_l2:.1e}"
+    return err
+
+
+def check_case(q, k, v, *, bias=None, causal=False, precision="auto", backend="auto", partitions=None,
+               grads=True, scale=None, seed=0):
+    """Forward (and gradients) of elsa_vision.attention vs the oracle; returns the elsa output."""
+    import elsa_vision
+    ins = [q, k, v] + ([bias] if bias is not None and bias.is_floating_point() else [])
+    ins = [t.detach().requires_grad_(grads) for t in ins]
+    qq, kk, vv = ins[:3]
+    bb = ins[3] if len(ins) == 4 else bias
+    out = elsa_vision.attention(qq, kk, vv, bias=bb, causal=causal, precision=precision, backend=backend,
+                                partitions=partitions, scale=scale)
+    ins64 = [t.detach().double().requires_grad_(grads) for t in ins]
+    b64 = ins64[3] if len(ins64) == 4 else bias
+    ref = verify.oracle(*ins64[:3], bias=b64, causal=causal, scale=scale)
+    tf32 = precision == "tf32" and q.dtype == torch.float32 and q.is_cuda
+    same_ins = [t.detach().requires_grad_(grads) for t in ins]
+    sb = same_ins[3] if len(same_ins) == 4 else bias
+    same = torch_same_dtype(*same_ins[:3], bias=sb, causal=causal, scale=scale, tf32=tf32)
+    strict = q.dtype == torch.float32 and precision in ("ieee", "tf32x3")
+    assert_close_to_oracle(out, ref, same, rel_l2=2e-6 if strict else None)
+    if grads:
+        g = torch.Generator(device=q.device).manual_seed(seed)
+        do = torch.randn(out.shape, generator=g, device=q.device, dtype=torch.float32).to(q.dtype)
+        ge = torch.autograd.grad(out, ins, do)
+        gr = torch.autograd.grad(ref, ins64, do.double())
+        gs = torch.autograd.grad(same, same_ins, do)
+        for n, a, r, s_ in zip(["dq", "dk", "dv", "dbias"], ge, gr, gs):
+            assert_close_to_oracle(a, r, s_, name=n, grad=True)
+    return out

@@ -1,0 +1,274 @@
+"""elsa_vision.attention against the float64 oracle: Triton kernels (interpreter on CPU) and the
+reference backend; forward and backward; every bias form; causal; partitions; errors; compile."""
+import pytest
+import torch
+
+import elsa_vision
+from elsa_vision import NotSupportedError, verify
+from oracle_check import check_case
+
+from conftest import DEVICE
+
+BACKENDS = ["triton", "reference"]
+
+
+def rand(*shape, dtype=torch.float32, seed=0, device=DEVICE):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+def qkv(B, H, Nq, Nk, D, dtype=torch.float32, seed=0):
+    return rand(B, H, Nq, D, dtype=dtype, seed=seed), rand(B, H, Nk, D, dtype=dtype, seed=seed + 1), \
+        rand(B, H, Nk, D, dtype=dtype, seed=seed + 2)
+
+
+# ------------------------------------------------------------------ forward, shapes and precisions
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (7, 7), (64, 64), (197, 197), (257, 257), (300, 331), (16, 100), (100, 16)])
+@pytest.mark.parametrize("d", [32, 64, 80])
+def test_forward_shapes(nq, nk, d):
+    prec = ["ieee", "tf32x3", "tf32"][(nq + d) % 3]
+    check_case(*qkv(1, 2, nq, nk, d, seed=nq + d), precision=prec, backend="triton", grads=False)
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32", "auto"])
+def test_precisions(precision):
+    check_case(*qkv(2, 2, 50, 70, 64), precision=precision, backend="triton", grads=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nq,nk,d", [(7, 7, 32), (197, 197, 64), (33, 90, 80)])
+def test_half(dtype, nq, nk, d):
+    out = check_case(*qkv(1, 2, nq, nk, d, dtype=dtype), backend="triton", grads=False)
+    assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("d", [16, 48, 96, 128])
+def test_head_dims(d):
+    check_case(*qkv(1, 1, 20, 40, d), precision="ieee", backend="triton", grads=False)
+
+
+def test_reference_backend_forward():
+    for nq, nk, d in [(1, 1, 8), (197, 197, 64), (300, 1500, 32)]:
+        check_case(*qkv(2, 2, nq, nk, d), backend="reference", grads=False)
+
+
+# ------------------------------------------------------------------ bias, causal, partitions
+
+BIAS_SHAPES = {
+    "nq_nk": lambda B, H, nq, nk: (nq, nk),
+    "h_nq_nk": lambda B, H, nq, nk: (H, nq, nk),
+    "b_1_nq_nk": lambda B, H, nq, nk: (B, 1, nq, nk),
+    "b_1_1_nk": lambda B, H, nq, nk: (B, 1, 1, nk),
+    "full": lambda B, H, nq, nk: (B, H, nq, nk),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", list(BIAS_SHAPES))
+def test_bias_forms_with_grad(backend, form):
+    B, H, nq, nk = 2, 2, 37, 45
+    bias = rand(*BIAS_SHAPES[form](B, H, nq, nk), seed=9)
+    check_case(*qkv(B, H, nq, nk, 32), bias=bias, backend=backend)
+
+
+def test_bool_mask_and_expanded_bias():
+    B, H, nq, nk = 2, 2, 20, 33
+    keep = rand(B, 1, nq, nk, seed=3) > -0.5
+    check_case(*qkv(B, H, nq, nk, 32), bias=keep, backend="triton", grads=False)
+    # a stride-0 expanded bias is read through its strides and gets the right (summed) gradient
+    base = rand(1, H, nq, nk, seed=4)
+    check_case(*qkv(B, H, nq, nk, 32), bias=base.expand(B, H, nq, nk), backend="triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("nq,nk", [(40, 40), (23, 57), (57, 23), (1, 30)])
+def test_causal(backend, nq, nk):
+    check_case(*qkv(1, 2, nq, nk, 32), causal=True, backend=backend, grads=nq <= nk)
+
+
+@pytest.mark.parametrize("partitions", [1, 2, 3, 7])
+def test_partitions(partitions):
+    q, k, v = qkv(1, 2, 9, 200, 64)
+    out = check_case(q, k, v, backend="triton", partitions=partitions, grads=False)
+    base = elsa_vision.attention(q, k, v, backend="triton", partitions=1)
+    assert verify.max_err(out, base) < 2e-6
+
+
+def test_partitions_causal_bias():
+    q, k, v = qkv(2, 2, 30, 150, 32)
+    bias = rand(2, 30, 150, seed=5)
+    check_case(q, k, v, bias=bias, causal=True, backend="triton", partitions=4)
+
+
+def test_fully_masked_rows_return_zero():
+    B, H, nq, nk = 1, 2, 12, 40
+    q, k, v = qkv(B, H, nq, nk, 32)
+    bias = torch.zeros(B, H, nq, nk, device=DEVICE)
+    bias[:, :, 3] = float("-inf")
+    for backend in BACKENDS:
+        for parts in ([None, 3] if backend == "triton" else [None]):
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            out = elsa_vision.attention(qq, kk, vv, bias=bias, backend=backend, partitions=parts)
+            assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+            assert torch.isfinite(out).all()
+            out.sum().backward()
+            assert all(torch.isfinite(t.grad).all() for t in (qq, kk, vv))
+    # causal with Nq > Nk: the first rows see no key
+    q2 = rand(1, 1, 20, 32, seed=11)
+    out = elsa_vision.attention(q2, k[:, :1, :5], v[:, :1, :5], causal=True, backend="triton")
+    assert torch.equal(out[:, :, :15], torch.zeros_like(out[:, :, :15]))
+
+
+def test_empty_keys():
+    q, k, v = qkv(1, 2, 5, 0, 32)
+    out = elsa_vision.attention(q, k, v)
+    assert out.shape == (1, 2, 5, 32) and not out.any()
+
+
+# ------------------------------------------------------------------ backward
+
+@pytest.mark.parametrize("nq,nk,d", [(1, 1, 32), (7, 7, 64), (197, 197, 64), (257, 100, 32), (50, 257, 80)])
+def test_backward_shapes(nq, nk, d):
+    check_case(*qkv(1, 2, nq, nk, d, seed=nq), precision="ieee", backend="triton")
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
+def test_backward_precisions(precision):
+    check_case(*qkv(2, 2, 40, 60, 64), precision=precision, backend="triton", bias=rand(2, 40, 60, seed=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_half(dtype):
+    check_case(*qkv(1, 2, 70, 50, 64, dtype=dtype), backend="triton", bias=rand(2, 70, 50, seed=2).to(dtype))
+
+
+def test_backward_deterministic():
+    q, k, v = qkv(2, 2, 45, 77, 32)
+    bias = rand(2, 45, 77, seed=1)
+    grads = []
+    for _ in range(2):
+        ins = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = elsa_vision.attention(*ins[:3], bias=ins[3], causal=True, backend="triton")
+        out.backward(torch.ones_like(out))
+        grads.append([t.grad for t in ins])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_reference_gradcheck_float64():
+    q, k, v = (t.double().requires_grad_() for t in qkv(1, 2, 6, 9, 8))
+    bias = rand(2, 6, 9, seed=3).double().requires_grad_()
+
+    def f(q, k, v, bias):
+        return elsa_vision.attention(q, k, v, bias=bias, causal=True, backend="reference")
+    assert torch.autograd.gradcheck(f, (q, k, v, bias))
+
+
+def test_double_backward_raises():
+    q, k, v = (t.requires_grad_() for t in qkv(1, 1, 8, 8, 32))
+    out = elsa_vision.attention(q, k, v, backend="triton")
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.sum().backward()
+
+
+def test_bias_without_grad_gets_none():
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 8, 8, 32))
+    bias = rand(2, 8, 8)
+    elsa_vision.attention(q, k, v, bias=bias, backend="triton").sum().backward()
+    assert bias.grad is None and q.grad is not None
+
+
+# ------------------------------------------------------------------ layouts, autocast, compile
+
+def test_non_contiguous_inputs():
+    B, N, H, D = 2, 33, 3, 32
+    x = rand(B, N, 3, H, D)
+    q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)  # timm's qkv layout: strided views
+    assert not q.is_contiguous()
+    check_case(q, k, v, backend="triton", precision="ieee")
+
+
+def test_autocast_follows_sdpa():
+    q, k, v = qkv(1, 2, 16, 16, 32)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = elsa_vision.attention(q, k, v)
+    assert out.dtype == torch.bfloat16
+
+
+def test_torch_compile_fullgraph():
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 24, 24, 32))
+    bias = rand(2, 24, 24)
+
+    def step(q, k, v):
+        return elsa_vision.attention(q, k, v, bias=bias, causal=True).square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    loss.backward()
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    step(q2, k2, v2).backward()
+    assert torch.allclose(q.grad, q2.grad, atol=1e-6)
+
+
+# ------------------------------------------------------------------ dispatch and input checks
+
+def test_dispatch_explains_refusals():
+    q, k, v = qkv(1, 1, 8, 8, 32, dtype=torch.float64)
+    with pytest.raises(NotSupportedError, match=r"triton: .*dtype torch.float64"):
+        elsa_vision.attention(q, k, v, backend="triton")
+    out = elsa_vision.attention(q, k, v)  # auto falls back to the reference backend
+    assert out.dtype == torch.float64
+    q, k, v = qkv(1, 1, 8, 8, 8)
+    with pytest.raises(NotSupportedError, match=r"head dim 8 outside \[16, 256\]"):
+        elsa_vision.attention(q, k, v, backend="triton")
+    with pytest.raises(ValueError, match="unknown backend"):
+        elsa_vision.attention(q, k, v, backend="flash")
+
+
+@pytest.mark.parametrize("make,err,msg", [
+    (lambda q, k, v: (q[0], k, v, {}), ValueError, "must be 4-D"),
+    (lambda q, k, v: (q, k.half(), v, {}), TypeError, "share a dtype"),
+    (lambda q, k, v: (q, k[:1], v, {}), ValueError, "batch and head dims differ"),
+    (lambda q, k, v: (q, k, v[:, :, :3], {}), ValueError, "tokens but v has"),
+    (lambda q, k, v: (q[..., :16], k, v, {}), ValueError, "head dims differ"),
+    (lambda q, k, v: (q, k, v, {"bias": torch.zeros(3, 8, 8)}), ValueError, "does not broadcast"),
+    (lambda q, k, v: (q, k, v, {"scale": float("nan")}), ValueError, "finite"),
+    (lambda q, k, v: (q, k, v, {"precision": "fp64"}), ValueError, "precision must be one of"),
+    (lambda q, k, v: (q, k, v, {"bias": torch.zeros(8, 8, dtype=torch.int32)}), TypeError, "floating point"),
+    (lambda q, k, v: (q.int(), k.int(), v.int(), {}), TypeError, "not supported"),
+    (lambda q, k, v: ("q", k, v, {}), TypeError, "torch.Tensor"),
+    (lambda q, k, v: (q, k, v, {"partitions": 0}), ValueError, "partitions"),
+])
+def test_input_errors(make, err, msg):
+    q, k, v = qkv(2, 2, 8, 8, 32)
+    a, b, c, kw = make(q, k, v)
+    with pytest.raises(err, match=msg):
+        elsa_vision.attention(a, b, c, **kw)
+
+
+def test_head_dim_too_large():
+    q, k, v = qkv(1, 1, 4, 4, 264)
+    with pytest.raises(ValueError, match="head dim 264 > 256"):
+        elsa_vision.attention(q, k, v)
+
+
+# ------------------------------------------------------------------ verify tools
+
+def test_drift_metrics():
+    q, k, v = qkv(1, 2, 64, 64, 32)
+    d = verify.drift(q, k, v, precision="ieee")
+    assert set(d) >= {"p_max_abs", "p_rel_l2", "js_mean", "argmax_rate", "y_max_abs", "y_rel_l2"}
+    assert d["argmax_rate"] == 0.0 and d["p_max_abs"] < 1e-5 and d["y_rel_l2"] < 2e-6
+    d16 = verify.drift(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert 1e-4 < d16["y_max_abs"] < 5e-2  # bf16 drift is visible, and bounded
+
+
+def test_structure_proof():
+    q, k, v = qkv(1, 2, 16, 300, 64)
+    rep = verify.structure(q, k, v, partitions=4)
+    assert rep["partitions"] == 4 and rep["two_pass"] and rep["phase2_reads_summaries"]
+    assert rep["summary_shapes"]["W"] == [2, 4, 16, 64]
+    rep1 = verify.structure(q, k, v, partitions=1)
+    assert rep1["partitions"] == 1 and not rep1["two_pass"]
