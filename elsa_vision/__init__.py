@@ -12,3 +12,7 @@ from . import verify
 __all__ = ["attention", "patch", "unpatch", "patched", "resolve_precision", "verify", "BACKENDS",
            "NotSupportedError"]
 __version__ = "0.1.0"
+
+from .adapters.vggt import TokenMerging  # noqa: E402  (VGGT token merging, an option of patch())
+
+__all__.append("TokenMerging")
