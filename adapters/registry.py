@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import importlib.util
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -103,8 +104,11 @@ def register(adapter: Adapter) -> Adapter:
 def _load_builtin() -> None:
     # Importing an adapter file registers its adapters; a missing optional package is fine.
     for mod in ("timm", "vggt"):
+        name = f"{__package__}.{mod}"
+        if importlib.util.find_spec(name) is None:  # adapter file not shipped in this build
+            continue
         try:
-            importlib.import_module(f"{__package__}.{mod}")
+            importlib.import_module(name)
         except ImportError as e:  # the model package itself is missing: its adapters are unavailable
             if (e.name or "").startswith(__package__ or "elsa_vision"):
                 raise
@@ -117,6 +121,14 @@ def _class_table() -> dict[type, Adapter]:
         for cls in a.classes():
             table[cls] = a
     return table
+
+
+def _registered_base(cls: type, table: dict) -> Optional[type]:
+    """The nearest registered base class of ``cls`` (None if it has none)."""
+    for base in cls.__mro__[1:]:
+        if base in table:
+            return base
+    return None
 
 
 def _selected(name: str, include, exclude) -> bool:
@@ -147,6 +159,12 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
     for name, mod in model.named_modules():
         adapter = table.get(type(mod))
         if adapter is None:
+            base = _registered_base(type(mod), table)
+            if base is not None:
+                # a subclass may override forward or change attributes: report it, never guess
+                report.skipped.setdefault(table[base].name, []).append(
+                    (name, f"{type(mod).__module__}.{type(mod).__qualname__} subclasses {base.__qualname__} "
+                           "but is not registered itself (its forward may differ); register an adapter for it"))
             continue
         if isinstance(getattr(mod, "_elsa", None), PatchState):
             report.already.append(name)
@@ -163,17 +181,21 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
     return report
 
 
+def _patched_forward(self, *args, **kwargs):
+    # The state is looked up on the instance (not captured in a closure) so that copy.deepcopy of a
+    # patched model (EMA copies, model soups) gives a copy whose forward, delegation target and
+    # counters are its own: deepcopy rebinds the bound methods to the copied module.
+    state = self.__dict__["_elsa"]
+    state.calls += 1
+    return state.adapter.forward(self, state, *args, **kwargs)
+
+
 def _bind(mod: torch.nn.Module, adapter: Adapter, opts: dict) -> None:
     had = "forward" in mod.__dict__
-    state = PatchState(adapter=adapter, original=mod.forward, had_instance_forward=had, options=opts)
-
-    def forward(self, *args, **kwargs):
-        state.calls += 1
-        return adapter.forward(self, state, *args, **kwargs)
-
+    state = PatchState(adapter=adapter, original=mod.forward, had_instance_forward=had, options=dict(opts))
     # object.__setattr__: nn.Module.__setattr__ would try to register these as submodules/params
     object.__setattr__(mod, "_elsa", state)
-    object.__setattr__(mod, "forward", types.MethodType(forward, mod))
+    object.__setattr__(mod, "forward", types.MethodType(_patched_forward, mod))
 
 
 def unpatch(model: torch.nn.Module) -> int:

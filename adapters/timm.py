@@ -1,0 +1,314 @@
+"""timm adapters: ViT-family self-attention and Swin v1 / v2 window attention on ELSA.
+
+Each adapter re-states its timm module's forward (timm >= 1.0.20, checked against 1.0.31) with the
+softmax-attention core replaced by :func:`elsa_vision.attention` (or
+:func:`elsa_vision.window_attention` for Swin); everything around the core — projections, q/k norms,
+RoPE, gates, output norms, dropouts — runs the module's own submodules and parameters, so outputs
+and gradients match the original and state_dict keys do not change.
+
+=============================================  ==============================================
+module class (matched exactly)                 forward
+=============================================  ==============================================
+``timm.layers.attention.Attention``            ``(x, attn_mask=None, is_causal=False)``
+``timm.layers.attention.AttentionRope``        ``(x, rope=None, attn_mask=None, is_causal=False)``
+``timm.models.eva.EvaAttention``               ``(x, rope=None, attn_mask=None, is_causal=False)``
+``timm.models.swin_transformer.WindowAttention``     ``(x, mask=None)``
+``timm.models.swin_transformer_v2.WindowAttention``  ``(x, mask=None)``
+=============================================  ==============================================
+
+Calls that are delegated to the original forward (and counted in ``module._elsa.delegated``):
+
+* attention dropout in training (``module.training and module.attn_drop.p > 0``): ELSA never
+  forms the attention matrix, so it cannot drop its entries; the original forward does it;
+* ``attn_mask`` together with ``is_causal=True`` (SDPA refuses it, timm's unfused path ignores
+  the mask — the original decides);
+* a Swin ``mask`` that is not ``[nW, N, N]`` with ``nW`` dividing the window batch.
+
+Rows that see no key at all (a boolean ``attn_mask`` row of all False) return 0, as SDPA does.
+
+Patch options read here: ``precision`` (see :func:`elsa_vision.attention`) and ``backend``
+(``"auto"`` by default; naming one, e.g. ``backend="reference"``, routes every call — Swin
+included — through ``elsa_vision.attention`` on that backend).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .registry import Adapter, PatchState, register
+
+MIN_TIMM = (1, 0, 20)
+
+
+def _timm_version() -> Optional[tuple[int, ...]]:
+    try:
+        import timm
+    except ImportError:
+        return None
+    parts = []
+    for p in timm.__version__.split(".")[:3]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _api():
+    # imported lazily: elsa_vision imports this package's registry at patch time
+    import elsa_vision
+    return elsa_vision
+
+
+def _backend(state: PatchState) -> str:
+    return state.options.get("backend", "auto")
+
+
+def _check_common(module: torch.nn.Module, options: dict, head_dim: int) -> Optional[str]:
+    """Shared skip reasons (None if the module can be patched); a bad option raises."""
+    from ..dispatch import BACKENDS
+    backend = options.get("backend", "auto")
+    names = ["auto", *(b.name for b in BACKENDS)]
+    if backend not in names:
+        raise ValueError(f"patch: backend must be one of {names}, got {backend!r}")
+    ver = _timm_version()
+    if ver is not None and ver < MIN_TIMM:
+        return f"timm {'.'.join(map(str, ver))} is older than 1.0.20; upgrade timm (pip install -U timm)"
+    if head_dim > 256:
+        return f"head dim {head_dim} > 256 is not supported by ELSA"
+    return None
+
+
+def _dropout_active(module: torch.nn.Module) -> bool:
+    drop = getattr(module, "attn_drop", None)
+    return bool(module.training and drop is not None and getattr(drop, "p", 0.0) > 0)
+
+
+def _biased_qkv(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The fused qkv projection [B, N, 3·C] of modules that keep q/k/v biases as separate tensors
+    (EVA, Swin v2: ``q_bias``, zero ``k_bias`` buffer, ``v_bias``) or none at all."""
+    if getattr(module, "q_bias", None) is None:
+        return module.qkv(x)
+    bias = torch.cat((module.q_bias, module.k_bias, module.v_bias))
+    if getattr(module, "qkv_bias_separate", False):
+        qkv = module.qkv(x)
+        qkv += bias
+        return qkv
+    return F.linear(x, weight=module.qkv.weight, bias=bias)
+
+
+def _split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, N, 3·H·D] → q, k, v as strided [B, H, N, D] views (no copy: the kernels take strides)."""
+    B, N, _ = qkv.shape
+    return qkv.reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _self_attention(module, state: PatchState, q, k, v, attn_mask, is_causal) -> torch.Tensor:
+    """The ELSA core of the ViT-family modules: q/k/v [B, H, N, D] → [B, H, N, D].
+
+    Scale as the original: SDPA's default 1/√D on the fused path, ``module.scale`` on the
+    unfused one (they differ only if someone changed ``module.scale``)."""
+    scale = None if getattr(module, "fused_attn", True) else float(module.scale)
+    return _api().attention(q, k, v, bias=attn_mask, scale=scale, causal=bool(is_causal),
+                            precision=state.options.get("precision", "auto"), backend=_backend(state))
+
+
+def _finish(module, x: torch.Tensor, gate: Optional[torch.Tensor], width: int) -> torch.Tensor:
+    """[B, H, N, D] attention output → merged heads → norm → gate → proj → proj_drop: [B, N, dim_out]."""
+    B, _, N, _ = x.shape
+    x = x.transpose(1, 2).reshape(B, N, width)
+    x = module.norm(x)
+    if gate is not None:
+        x = x * gate
+    x = module.proj(x)
+    return module.proj_drop(x)
+
+
+def _gate(module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    g = getattr(module, "gate", None)
+    return g(x).sigmoid() if g is not None else None
+
+
+class TimmAttention(Adapter):
+    """``timm.layers.attention.Attention`` (ViT, DeiT, DINOv2, ...): qkv → q/k norm → attention
+    (attn_mask: additive float or boolean keep-mask broadcastable to [B, H, N, N]; is_causal) →
+    scale norm → gate → proj. Attention dropout in training delegates to the original forward."""
+
+    name = "timm.Attention"
+    targets = ("timm.layers.attention:Attention",)
+
+    def skip_reason(self, module, options):
+        return _check_common(module, options, module.head_dim)
+
+    def forward(self, module, state, x, attn_mask=None, is_causal=False):
+        if _dropout_active(module):
+            return state.delegate(x, attn_mask=attn_mask, is_causal=is_causal, reason="attention dropout in training")
+        if attn_mask is not None and is_causal:
+            return state.delegate(x, attn_mask=attn_mask, is_causal=is_causal, reason="attn_mask with is_causal")
+        B, N, C = x.shape
+        gate = _gate(module, x)
+        q, k, v = _split_heads(module.qkv(x), module.num_heads)
+        q, k = module.q_norm(q), module.k_norm(k)
+        o = _self_attention(module, state, q, k, v, attn_mask, is_causal)
+        return _finish(module, o, gate, getattr(module, "attn_dim", module.num_heads * module.head_dim))
+
+
+class TimmRopeAttention(Adapter):
+    """``timm.layers.attention.AttentionRope`` and ``timm.models.eva.EvaAttention`` (EVA-02,
+    DINOv3, ...): fused or separate q/k/v projections (EVA: q/v bias, zero k bias, optionally added
+    after the matmul) → q/k norm → RoPE on the tokens after ``num_prefix_tokens`` (interleaved or
+    half layout) → grouped-query k/v repeat (AttentionRope) → attention → scale norm → gate → proj.
+    Attention dropout in training delegates to the original forward."""
+
+    name = "timm.AttentionRope"
+    targets = ("timm.layers.attention:AttentionRope", "timm.models.eva:EvaAttention")
+
+    def skip_reason(self, module, options):
+        return _check_common(module, options, module.head_dim)
+
+    def forward(self, module, state, x, rope=None, attn_mask=None, is_causal=False):
+        if _dropout_active(module):
+            return state.delegate(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal,
+                                  reason="attention dropout in training")
+        if attn_mask is not None and is_causal:
+            return state.delegate(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal,
+                                  reason="attn_mask with is_causal")
+        B, N, C = x.shape
+        H = module.num_heads
+        gate = _gate(module, x)
+        if module.qkv is not None:
+            q, k, v = _split_heads(_biased_qkv(module, x), H)
+        else:
+            kv_heads = getattr(module, "num_kv_heads", H)
+            q = module.q_proj(x).reshape(B, N, H, -1).transpose(1, 2)
+            k = module.k_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2)
+            v = module.v_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2)
+        q, k = module.q_norm(q), module.k_norm(k)
+        if rope is not None:
+            from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+            npt = module.num_prefix_tokens
+            half = getattr(module, "rotate_half", False)
+            q = torch.cat([q[:, :, :npt, :], apply_rot_embed_cat(q[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
+            k = torch.cat([k[:, :, :npt, :], apply_rot_embed_cat(k[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
+        groups = getattr(module, "num_kv_groups", 1)
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        o = _self_attention(module, state, q, k, v, attn_mask, is_causal)
+        # EvaAttention merges heads back to the input width C, AttentionRope to attn_dim
+        return _finish(module, o, gate, getattr(module, "attn_dim", C))
+
+
+# --------------------------------------------------------------------------------------------
+# Swin
+
+
+def window_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                mask: Optional[torch.Tensor], scale: Optional[float], precision: str = "auto",
+                backend: str = "auto") -> torch.Tensor:
+    """Attention inside Swin windows, exact: q/k/v [B·nW, H, N, D] → [B·nW, H, N, D].
+
+    bias [H, N, N] is shared by every window; mask [nW, N, N] (0 / −100, or None) applies to window
+    row r as mask[r mod nW] — timm orders windows image-major, r = b·nW + w.
+
+    Uses :func:`elsa_vision.window_attention` (a kernel that reads the bias once per head and the
+    mask by window id) when the package provides it and no backend was named. Otherwise it runs
+    :func:`elsa_vision.attention` on the windows viewed as [B, nW·H, N, D] with the bias
+    (mask[:, None] + bias[None]) as [1, nW·H, N, N], broadcast over the batch — never expanded per
+    image. (q/k/v are strided views of the qkv projection, so that regrouping copies them; the
+    unshifted blocks, mask None, need no regrouping.)
+    """
+    ev = _api()
+    if backend == "auto" and hasattr(ev, "window_attention"):
+        return ev.window_attention(q, k, v, bias=bias, mask=mask, scale=scale, precision=precision)
+    if mask is None:
+        return ev.attention(q, k, v, bias=bias, scale=scale, precision=precision, backend=backend)
+    Bw, H, N, D = q.shape
+    nW = mask.shape[0]
+    B = Bw // nW
+    both = (mask[:, None] + bias[None]).reshape(1, nW * H, N, N)
+    out = ev.attention(q.reshape(B, nW * H, N, D), k.reshape(B, nW * H, N, D), v.reshape(B, nW * H, N, D),
+                       bias=both, scale=scale, precision=precision, backend=backend)
+    return out.view(Bw, H, N, D)
+
+
+def _mask_ok(mask: Optional[torch.Tensor], Bw: int, N: int) -> bool:
+    return mask is None or (mask.dim() == 3 and tuple(mask.shape[1:]) == (N, N) and mask.shape[0] > 0
+                            and Bw % mask.shape[0] == 0)
+
+
+class _SwinBase(Adapter):
+    """Shared Swin forward: qkv → (q, k, scale, bias [H, N, N]) per version → window_core → proj."""
+
+    def _head_dim(self, module) -> int:
+        return module.qkv.out_features // 3 // module.num_heads
+
+    def skip_reason(self, module, options):
+        return _check_common(module, options, self._head_dim(module))
+
+    def _qkv(self, module, x):
+        raise NotImplementedError
+
+    def _prepare(self, module, q, k):
+        """→ (q, k, scale or None, bias [H, N, N])."""
+        raise NotImplementedError
+
+    def forward(self, module, state, x, mask=None):
+        Bw, N, C = x.shape
+        if _dropout_active(module):
+            return state.delegate(x, mask=mask, reason="attention dropout in training")
+        if not _mask_ok(mask, Bw, N):
+            return state.delegate(x, mask=mask, reason="mask is not [nW, N, N] with nW dividing the window batch")
+        q, k, v = _split_heads(self._qkv(module, x), module.num_heads)
+        q, k, scale, bias = self._prepare(module, q, k)
+        o = window_core(q, k, v, bias, mask, scale, precision=state.options.get("precision", "auto"),
+                        backend=_backend(state))
+        x = o.transpose(1, 2).reshape(Bw, N, -1)
+        x = module.proj(x)
+        return module.proj_drop(x)
+
+
+class SwinWindowAttention(_SwinBase):
+    """Swin v1 ``timm.models.swin_transformer.WindowAttention``: softmax(q kᵀ·scale + B + mask) v with
+    B = relative_position_bias_table[relative_position_index] → [H, N, N] and the shift mask
+    [nW, N, N]. Attention dropout in training delegates to the original forward."""
+
+    name = "timm.SwinWindowAttention"
+    targets = ("timm.models.swin_transformer:WindowAttention",)
+
+    def _qkv(self, module, x):
+        return module.qkv(x)
+
+    def _prepare(self, module, q, k):
+        bias = module._get_rel_pos_bias()[0]  # [H, N, N]
+        scale = None if getattr(module, "fused_attn", False) else float(module.scale)
+        return q, k, scale, bias
+
+
+class SwinV2WindowAttention(_SwinBase):
+    """Swin v2 ``timm.models.swin_transformer_v2.WindowAttention``: cosine attention,
+    softmax(normalize(q)·τ · normalize(k)ᵀ + 16·sigmoid(cpb_mlp(coords))[index] + mask) v with
+    τ = exp(clamp(logit_scale, max=log 100)) per head and logit scale 1. τ is folded into q.
+    Attention dropout in training delegates to the original forward."""
+
+    name = "timm.SwinV2WindowAttention"
+    targets = ("timm.models.swin_transformer_v2:WindowAttention",)
+
+    def _qkv(self, module, x):
+        return _biased_qkv(module, x)
+
+    def _prepare(self, module, q, k):
+        tau = torch.clamp(module.logit_scale, max=math.log(1.0 / 0.01)).exp()  # [H, 1, 1]
+        q = F.normalize(q, dim=-1) * tau
+        k = F.normalize(k, dim=-1)
+        H = module.num_heads
+        n = module.window_size[0] * module.window_size[1]
+        table = module.cpb_mlp(module.relative_coords_table).view(-1, H)
+        # [N, N, H] viewed as [H, N, N] through strides: the kernels read it in place
+        bias = 16 * torch.sigmoid(table[module.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1))
+        return q, k, 1.0, bias
+
+
+for _adapter in (TimmAttention(), TimmRopeAttention(), SwinWindowAttention(), SwinV2WindowAttention()):
+    register(_adapter)

@@ -1,0 +1,568 @@
+"""timm adapters: patched models against their unpatched selves (DESIGN §7), the patch machinery,
+and GPU runs at real sizes (``pytest -m gpu``).
+
+CPU runs use the Triton kernels under TRITON_INTERPRET=1 (otherwise the reference backend): the
+models are cut down (img_size, depth) so that the interpreter stays affordable; the attention
+modules themselves are the real timm classes.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+timm = pytest.importorskip("timm")
+
+import elsa_vision  # noqa: E402
+from elsa_vision.adapters import registry  # noqa: E402
+from elsa_vision.adapters import timm as ta  # noqa: E402
+from elsa_vision.verify import oracle  # noqa: E402
+from timm.layers.attention import Attention, AttentionRope  # noqa: E402
+from timm.models.eva import EvaAttention  # noqa: E402
+from timm.models import swin_transformer as swin1  # noqa: E402
+from timm.models import swin_transformer_v2 as swin2  # noqa: E402
+
+ATTN_CLASSES = (Attention, AttentionRope, EvaAttention, swin1.WindowAttention, swin2.WindowAttention)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _params(m):
+    return [p for p in m.parameters() if p.requires_grad]
+
+
+def _step(model, x, w):
+    """One training step's forward + backward: (output, parameter gradients)."""
+    out = model(x)
+    loss = (out * w).sum()
+    grads = torch.autograd.grad(loss, _params(model), allow_unused=True)
+    return out.detach(), [None if g is None else g.detach() for g in grads]
+
+
+def _check_rule(name, got, ref, orc, k):
+    e_ref = (ref.double() - orc).abs().max().item()
+    e = (got.double() - orc).abs().max().item()
+    assert e <= k * e_ref + 1e-6, f"{name}: |elsa - oracle| = {e:.3g} > {k} x |native - oracle| ({e_ref:.3g}) + 1e-6"
+
+
+def _n_attention(model):
+    return sum(isinstance(m, ATTN_CLASSES) for m in model.modules())
+
+
+def check_model(model, x, *, grads=True, train=True, backend="auto"):
+    """Patched vs unpatched under DESIGN §7 (oracle: the unpatched model in float64); unpatch is
+    bitwise; the report lists every attention module. Returns the report. The model must be
+    deterministic in train mode (build it with drop_path_rate=0)."""
+    torch.manual_seed(0)
+    model.train(train)
+    m64 = copy.deepcopy(model).double()
+    with torch.no_grad():
+        w = torch.randn_like(model(x))
+    if grads:
+        ref, g_ref = _step(model, x, w)
+        orc, g_orc = _step(m64, x.double(), w.double())
+    else:
+        with torch.no_grad():
+            ref, orc = model(x), m64(x.double())
+    report = elsa_vision.patch(model, backend=backend)
+    n_attn = _n_attention(model)
+    assert n_attn > 0 and report.num_patched == n_attn, str(report)
+    assert not report.skipped, str(report)
+    if grads:
+        out, g = _step(model, x, w)
+    else:
+        with torch.no_grad():
+            out = model(x)
+    _check_rule("output", out, ref, orc, 2)
+    if grads:
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        checked = 0
+        for n, a, r, o in zip(names, g, g_ref, g_orc):
+            assert (a is None) == (r is None), n
+            if a is not None:
+                _check_rule(f"grad {n}", a, r, o, 3)
+                checked += 1
+        assert checked > 0
+    # every call went through ELSA (nothing delegated)
+    states = registry.patched_modules(model)
+    assert len(states) == n_attn and all(s.calls > 0 and s.delegated == 0 for _, s in states)
+    assert elsa_vision.unpatch(model) == n_attn
+    with torch.no_grad():
+        assert torch.equal(model(x), ref), "unpatch must restore the original forward bitwise"
+    return report
+
+
+def _img(b, s, seed=0):
+    return torch.randn(b, 3, s, s, generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------------
+# whole models (CPU, cut down)
+
+
+def test_vit_tiny():
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, depth=3)
+    check_model(m, _img(2, 64))
+
+
+def test_deit_tiny_distilled_n198():
+    # full 224 px: 196 patches + class + distillation token = 198 (odd tile tail)
+    m = timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False, depth=1)
+    check_model(m, _img(1, 224))
+
+
+def test_vit_small_dynamic_img_size():
+    m = timm.create_model("vit_small_patch16_224", pretrained=False, dynamic_img_size=True, depth=1)
+    check_model(m, _img(1, 160))                                  # 101 tokens, Triton (interpreter on CPU)
+    # 577 tokens: the interpreter would take minutes; the reference backend checks the same adapter path
+    check_model(m, _img(1, 384), grads=False, backend="reference")
+
+
+def test_dinov2_registers():
+    # init_values=1: DINOv2's 1e-5 layer scale would hide the attention branch from the check
+    m = timm.create_model("vit_small_patch14_reg4_dinov2", pretrained=False, img_size=56, depth=2, init_values=1.0)
+    check_model(m, _img(1, 56))
+
+
+@pytest.mark.parametrize("attn_type", ["eva", "rope"])
+def test_eva02_tiny(attn_type):
+    # EvaAttention ("eva") and AttentionRope ("rope"), RoPE after the class token
+    m = timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=56, depth=2, attn_type=attn_type)
+    rep = check_model(m, _img(1, 56))
+    assert list(rep.patched) == ["timm.AttentionRope"]
+
+
+def test_swin_tiny():
+    # two stages: 4 windows of 7x7 with the shift mask, then one window
+    m = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=56, depths=(2, 2),
+                          num_heads=(3, 6), drop_path_rate=0.0)
+    assert m.layers[0].blocks[1].attn_mask is not None
+    check_model(m, _img(1, 56))
+
+
+def test_swinv2_tiny_window8():
+    m = timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=64, depths=(2, 2), num_heads=(3, 6),
+                          drop_path_rate=0.0)
+    assert m.layers[0].blocks[1].attn_mask is not None
+    check_model(m, _img(1, 64))
+
+
+def test_swinv2_tiny_window16():
+    # one 16x16 window (N = 256) in stage 1, then 8x8
+    m = timm.create_model("swinv2_tiny_window16_256", pretrained=False, img_size=64, depths=(1, 1),
+                          num_heads=(2, 4), embed_dim=64, drop_path_rate=0.0)
+    check_model(m, _img(1, 64))
+
+
+def test_compile_fullgraph():
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2).eval()
+    x = _img(1, 32)
+    with torch.no_grad():
+        ref = m(x)
+    elsa_vision.patch(m)
+    c = torch.compile(m, fullgraph=True, backend="aot_eager")
+    out = c(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert m.blocks[0].attn.qkv.weight.grad is not None
+    assert all(s.calls > 0 and s.delegated == 0 for _, s in registry.patched_modules(m))
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------------------------
+# single modules: every option of the forwards
+
+
+def _mod_check(mod, *args, grads=True, precision="ieee", **kwargs):
+    """Module-level §7 check of one call; returns the patched module's state.
+
+    precision="ieee": here the attention core dominates the error, and the point is the adapter's
+    exactness, not the 3xTF32 emulation of the interpreter (the kernels' own tests cover that);
+    the whole-model tests above run the default ("auto")."""
+    torch.manual_seed(1)
+    m64 = copy.deepcopy(mod).double()
+    a64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    k64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()}
+    x = args[0].detach().requires_grad_(grads)
+    ref = mod(x, *args[1:], **kwargs)
+    orc = m64(a64[0], *a64[1:], **k64).detach()
+    if grads:
+        g_ref = torch.autograd.grad(ref.sum(), [x, *_params(mod)])
+        x64 = a64[0].detach().requires_grad_()
+        g_orc = torch.autograd.grad(m64(x64, *a64[1:], **k64).sum(), [x64, *_params(m64)])
+    elsa_vision.patch(mod, precision=precision)
+    out = mod(x, *args[1:], **kwargs)
+    _check_rule("output", out.detach(), ref.detach(), orc, 2)
+    if grads:
+        g = torch.autograd.grad(out.sum(), [x, *_params(mod)])
+        for i, (a, r, o) in enumerate(zip(g, g_ref, g_orc)):
+            _check_rule(f"grad {i}", a, r, o, 3)
+    state = mod._elsa
+    elsa_vision.unpatch(mod)
+    return state
+
+
+def _x(b, n, c, seed=0):
+    return torch.randn(b, n, c, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_options(fused):
+    norm = torch.nn.LayerNorm
+    mod = Attention(64, num_heads=2, qkv_bias=True, qk_norm=True, scale_norm=True, gated=True, norm_layer=norm)
+    mod.fused_attn = fused
+    x = _x(2, 11, 64)
+    st = _mod_check(mod, x)
+    assert st.delegated == 0
+    # additive float mask [B, 1, N, N], boolean keep-mask [N, N] with a fully masked row, causal
+    fmask = torch.randn(2, 1, 11, 11)
+    _mod_check(mod, x, attn_mask=fmask)
+    keep = torch.rand(11, 11, generator=torch.Generator().manual_seed(3)) > 0.3
+    keep[:, 0] = True
+    _mod_check(mod, x, attn_mask=keep)
+    _mod_check(mod, x, is_causal=True)
+
+
+def test_attention_changed_scale_follows_unfused_path():
+    mod = Attention(32, num_heads=2)
+    mod.fused_attn = False
+    mod.scale = 0.37  # the unfused path uses module.scale; the fused one SDPA's 1/sqrt(D)
+    _mod_check(mod, _x(1, 9, 32))
+
+
+def test_attention_fully_masked_row_is_zero():
+    # SDPA returns 0 for a row that sees no key; so does ELSA
+    mod = Attention(32, num_heads=2).eval()
+    x = _x(1, 5, 32)
+    keep = torch.ones(5, 5, dtype=torch.bool)
+    keep[2] = False
+    ref = mod(x, attn_mask=keep)
+    with elsa_vision.patched(mod):
+        out = mod(x, attn_mask=keep)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_mask_and_causal_delegates():
+    mod = Attention(32, num_heads=2).eval()
+    mod.fused_attn = False
+    x = _x(1, 6, 32)
+    mask = torch.zeros(6, 6)
+    ref = mod(x, attn_mask=mask, is_causal=True)
+    with elsa_vision.patched(mod):
+        out = mod(x, attn_mask=mask, is_causal=True)
+        assert mod._elsa.delegated == 1 and "attn_mask with is_causal" in mod._elsa.delegate_reasons
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("cls", [Attention, swin1.WindowAttention])
+def test_attention_dropout_in_training_delegates(cls):
+    mod = (Attention(32, num_heads=2, attn_drop=0.2) if cls is Attention
+           else swin1.WindowAttention(32, num_heads=2, window_size=3, attn_drop=0.2))
+    x = _x(2, 9, 32)
+    mod.train()
+    torch.manual_seed(5)
+    ref = mod(x)
+    elsa_vision.patch(mod)
+    torch.manual_seed(5)
+    out = mod(x)
+    assert torch.equal(out, ref) and mod._elsa.delegated == 1
+    mod.eval()  # no dropout in eval: ELSA serves it
+    with torch.no_grad():
+        mod(x)
+    assert mod._elsa.delegated == 1 and mod._elsa.calls == 2
+    elsa_vision.unpatch(mod)
+
+
+def _rope(n, d, seed=0):
+    """[n, 2·d]: sin | cos halves, the layout apply_rot_embed_cat takes (any angles will do)."""
+    ang = torch.rand(n, d, generator=torch.Generator().manual_seed(seed)) * 6
+    return torch.cat([ang.sin(), ang.cos()], -1)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(qkv_fused=True),
+    dict(qkv_fused=False, num_kv_heads=2, rotate_half=True),
+    dict(qkv_fused=False, qk_norm=True, scale_norm=True, gated=True, norm_layer=torch.nn.LayerNorm),
+])
+def test_attention_rope(kw):
+    mod = AttentionRope(64, num_heads=4, num_prefix_tokens=2, **kw)
+    x = _x(2, 10, 64)
+    assert _mod_check(mod, x, rope=_rope(8, 16)).delegated == 0
+    _mod_check(mod, x)  # rope=None
+
+
+@pytest.mark.parametrize("kw", [dict(qkv_fused=True), dict(qkv_fused=True, qkv_bias_separate=True),
+                                dict(qkv_fused=False)])
+def test_eva_attention(kw):
+    mod = EvaAttention(64, num_heads=2, num_prefix_tokens=1, norm_layer=torch.nn.LayerNorm, **kw)
+    if mod.q_bias is not None:
+        with torch.no_grad():
+            mod.q_bias.normal_()
+            mod.v_bias.normal_()
+    x = _x(2, 9, 64)
+    assert _mod_check(mod, x, rope=_rope(8, 32)).delegated == 0
+
+
+def _shift_mask(nw, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 3, (nw, n), generator=g)
+    return (ids[:, None, :] != ids[:, :, None]).float() * -100.0
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_swin_v1_module(fused):
+    mod = swin1.WindowAttention(64, num_heads=2, window_size=3)
+    mod.fused_attn = fused
+    x = _x(6, 9, 64)  # B = 3 images x nW = 2 windows
+    _mod_check(mod, x, mask=_shift_mask(2, 9))
+    _mod_check(mod, x)
+
+
+def test_swin_v2_module():
+    mod = swin2.WindowAttention(64, window_size=(3, 3), num_heads=2, pretrained_window_size=(4, 4))
+    with torch.no_grad():
+        mod.q_bias.normal_()
+        mod.logit_scale.uniform_(1.0, 5.5)  # one head clamped at log 100
+    x = _x(4, 9, 64)
+    _mod_check(mod, x, mask=_shift_mask(2, 9))
+    _mod_check(mod, x)
+
+
+def test_swin_bad_mask_delegates():
+    mod = swin1.WindowAttention(32, num_heads=2, window_size=2).eval()
+    x = _x(3, 4, 32)
+    mask = _shift_mask(2, 4)  # 2 windows do not divide a window batch of 3
+    with elsa_vision.patched(mod):
+        with pytest.raises(RuntimeError):
+            mod(x, mask=mask)  # the original forward's own error
+        assert mod._elsa.delegated == 1
+
+
+@pytest.mark.parametrize("path", ["window_attention", "fallback"])
+def test_window_core_paths(path, monkeypatch):
+    """Both routes of window_core are exact, gradients to q/k/v and the bias included."""
+    if path == "window_attention" and not hasattr(elsa_vision, "window_attention"):
+        pytest.skip("elsa_vision.window_attention is not available in this build")
+    if path == "fallback":
+        monkeypatch.delattr(elsa_vision, "window_attention", raising=False)
+    g = torch.Generator().manual_seed(0)
+    B, nW, H, N, D = 2, 3, 2, 9, 16
+    q, k, v = (torch.randn(B * nW, H, N, D, generator=g, requires_grad=True) for _ in range(3))
+    bias = torch.randn(H, N, N, generator=g, requires_grad=True)
+    mask = _shift_mask(nW, N)
+    out = ta.window_core(q, k, v, bias, mask, 0.3, precision="ieee")
+    full = (bias[None] + mask[:, None]).repeat(B, 1, 1, 1)  # [B·nW, H, N, N], window r uses mask[r mod nW]
+    with torch.no_grad():
+        orc = oracle(q, k, v, bias=full, scale=0.3)
+    ref = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + full, -1) @ v
+    _check_rule("window out", out.detach(), ref.detach(), orc, 2)
+    go = torch.randn_like(out)
+    g_out = torch.autograd.grad(out, (q, k, v, bias), go)
+    g_ref = torch.autograd.grad(ref, (q, k, v, bias), go)
+    q64, k64, v64, b64 = (t.detach().double().requires_grad_() for t in (q, k, v, bias))
+    full64 = (b64[None] + mask.double()[:, None]).repeat(B, 1, 1, 1)
+    o64 = torch.softmax(q64 @ k64.transpose(-1, -2) * 0.3 + full64, -1) @ v64
+    g_orc = torch.autograd.grad(o64, (q64, k64, v64, b64), go.double())
+    for name, a, r, o in zip("qkvb", g_out, g_ref, g_orc):
+        _check_rule(f"d{name}", a, r, o, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# patch machinery
+
+
+def _tiny_vit(**kw):
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2, **kw)
+
+
+def test_patch_keeps_params_and_state_dict():
+    m = _tiny_vit()
+    keys = list(m.state_dict().keys())
+    ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
+    rep = elsa_vision.patch(m)
+    assert rep.num_patched == 2 and rep.patched == {"timm.Attention": ["blocks.0.attn", "blocks.1.attn"]}
+    assert list(m.state_dict().keys()) == keys
+    assert {n: p.data_ptr() for n, p in m.named_parameters()} == ptrs
+    m.load_state_dict(copy.deepcopy(m.state_dict()))  # loading still works on a patched model
+    # patching twice is a no-op
+    rep2 = elsa_vision.patch(m)
+    assert rep2.num_patched == 0 and rep2.already == ["blocks.0.attn", "blocks.1.attn"]
+    assert elsa_vision.unpatch(m) == 2 and elsa_vision.unpatch(m) == 0
+    assert "forward" not in m.blocks[0].attn.__dict__
+
+
+def test_patch_before_and_after_moves():
+    x = _img(1, 32)
+    m = _tiny_vit().eval()
+    with torch.no_grad():
+        ref64 = copy.deepcopy(m).double()(x.double())
+        elsa_vision.patch(m)
+        m.double()  # after patching: the float64 model runs on the reference backend
+        out = m(x.double())
+        assert (out - ref64).abs().max().item() < 1e-12
+        m.float().train().eval()
+        out32 = m(x)
+        assert (out32.double() - ref64).abs().max().item() < 1e-4
+        m.half()
+        out16 = m(x.half())
+        assert out16.dtype == torch.float16 and (out16.double() - ref64).abs().max().item() < 5e-2
+        assert all(s.calls == 3 and s.delegated == 0 for _, s in registry.patched_modules(m))
+    m2 = _tiny_vit().eval().to(torch.float64)
+    elsa_vision.patch(m2)  # after moving
+    with torch.no_grad():
+        assert m2(x.double()).dtype == torch.float64
+
+
+def test_include_exclude_and_report():
+    m = _tiny_vit()
+    rep = elsa_vision.patch(m, exclude=["blocks.1.*"])
+    assert rep.patched == {"timm.Attention": ["blocks.0.attn"]}
+    assert rep.skipped == {"timm.Attention": [("blocks.1.attn", "excluded by include/exclude")]}
+    assert "skipped blocks.1.attn" in str(rep)
+    elsa_vision.unpatch(m)
+    rep = elsa_vision.patch(m, include=["blocks.1.attn"])
+    assert rep.patched == {"timm.Attention": ["blocks.1.attn"]}
+    elsa_vision.unpatch(m)
+    with pytest.raises(ValueError, match="precision"):
+        elsa_vision.patch(m, precision="fp64")
+    with pytest.raises(ValueError, match="backend"):
+        elsa_vision.patch(m, backend="cudnn")
+
+
+def test_unregistered_subclass_is_reported():
+    class MyAttention(Attention):
+        def forward(self, x, attn_mask=None, is_causal=False):
+            return super().forward(x, attn_mask, is_causal) * 2
+
+    m = torch.nn.Sequential(Attention(32, num_heads=2), MyAttention(32, num_heads=2))
+    rep = elsa_vision.patch(m)
+    assert rep.patched == {"timm.Attention": ["0"]}
+    (name, why), = rep.skipped["timm.Attention"]
+    assert name == "1" and "MyAttention subclasses Attention" in why
+    elsa_vision.unpatch(m)
+
+
+def test_deepcopy_of_patched_model_is_independent():
+    m = _tiny_vit(attn_drop_rate=0.1).train()
+    elsa_vision.patch(m)
+    c = copy.deepcopy(m)
+    with torch.no_grad():
+        for p in c.parameters():
+            p.add_(0.01)
+    x = _img(1, 32)
+    torch.manual_seed(0)
+    out_c = c(x)                        # dropout active: delegates to the *copy's* original forward
+    attn_c = c.blocks[0].attn
+    assert attn_c._elsa.delegated == 1 and m.blocks[0].attn._elsa.delegated == 0
+    elsa_vision.unpatch(c)
+    torch.manual_seed(0)
+    assert torch.equal(c(x), out_c)
+    c.eval()
+    elsa_vision.patch(c)
+    with torch.no_grad():
+        a, b = c(x), m.eval()(x)
+    assert (a - b).abs().max() > 1e-3  # the copy runs on its own (changed) parameters
+
+
+def test_precision_option_reaches_attention(monkeypatch):
+    seen = []
+    real = elsa_vision.attention
+
+    def spy(*a, **k):
+        seen.append(k.get("precision"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(elsa_vision, "attention", spy)
+    m = _tiny_vit().eval()
+    elsa_vision.patch(m, precision="ieee")
+    with torch.no_grad():
+        m(_img(1, 32))
+    assert seen == ["ieee", "ieee"]
+    elsa_vision.unpatch(m)
+
+
+def test_training_gradients_reach_swin_parameters():
+    """The training drop-in: relative-position table (v1), cpb_mlp and logit_scale (v2) learn."""
+    for mod in (swin1.WindowAttention(32, num_heads=2, window_size=3),
+                swin2.WindowAttention(32, window_size=(3, 3), num_heads=2)):
+        elsa_vision.patch(mod)
+        out = mod(_x(4, 9, 32), mask=_shift_mask(2, 9))
+        out.square().sum().backward()
+        names = ["qkv.weight"] + (["relative_position_bias_table"] if hasattr(mod, "relative_position_bias_table")
+                                  else ["cpb_mlp.0.weight", "cpb_mlp.2.weight", "logit_scale"])
+        for n in names:
+            g = mod.get_parameter(n).grad
+            assert g is not None and g.abs().sum() > 0, n
+        elsa_vision.unpatch(mod)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: real sizes (pytest -m gpu)
+
+
+GPU_MODELS = [
+    ("vit_tiny_patch16_224", {}, 224),
+    ("deit_tiny_distilled_patch16_224", {}, 224),
+    ("vit_small_patch16_224", dict(dynamic_img_size=True), 384),
+    ("vit_small_patch14_reg4_dinov2", dict(img_size=224, init_values=1.0), 224),
+    ("eva02_tiny_patch14_224", {}, 224),
+    ("eva02_tiny_patch14_224", dict(attn_type="rope"), 224),
+    ("swin_tiny_patch4_window7_224", dict(drop_path_rate=0.0), 224),
+    ("swinv2_tiny_window8_256", dict(drop_path_rate=0.0), 256),
+    ("swinv2_tiny_window16_256", dict(drop_path_rate=0.0), 256),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,kw,size", GPU_MODELS, ids=[f"{n}-{s}" + ("-rope" if k.get("attn_type") else "")
+                                                            for n, k, s in GPU_MODELS])
+@pytest.mark.parametrize("amp", ["fp32", "bf16"])
+def test_gpu_models(name, kw, size, amp):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    m = timm.create_model(name, pretrained=False, **kw).cuda()
+    x = torch.randn(8, 3, size, size, device="cuda")
+    if amp == "fp32":
+        prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")  # native SDPA is true fp32; ELSA runs tf32x3
+        try:
+            check_model(m, x)
+        finally:
+            torch.set_float32_matmul_precision(prev)
+        return
+    # bf16 autocast: the oracle is the float64 model; native = the unpatched model under autocast
+    m.train()
+    m64 = copy.deepcopy(m).double()
+    with torch.no_grad():
+        w = torch.randn_like(m64(x.double())).float()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref, g_ref = _step(m, x, w)
+    orc, g_orc = _step(m64, x.double(), w.double())
+    rep = elsa_vision.patch(m)
+    assert rep.num_patched == _n_attention(m)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, g = _step(m, x, w)
+    _check_rule("output", out.float(), ref.float(), orc, 2)
+    names = [n for n, p in m.named_parameters() if p.requires_grad]
+    for n, a, r, o in zip(names, g, g_ref, g_orc):
+        if a is not None:
+            _check_rule(f"grad {n}", a, r, o, 3)
+    assert all(s.delegated == 0 for _, s in registry.patched_modules(m))
+
+
+@pytest.mark.gpu
+def test_gpu_compile_inductor():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False).cuda().eval()
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    with torch.no_grad():
+        ref = m(x)
+        elsa_vision.patch(m, precision="tf32x3")
+        out = torch.compile(m, fullgraph=True)(x)
+    assert (out - ref).abs().max().item() < 1e-3 * max(1.0, ref.abs().max().item())
