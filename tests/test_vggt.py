@@ -1,0 +1,603 @@
+"""VGGT adapter: exact attention, lean memory, token merging.
+
+CPU tests run on a tiny stand-in of vggt's module tree (tests/vggt_standin.py, served through
+``register_classes``) with the Triton kernels in the interpreter; with ``vggt`` importable the same
+checks run on the real model (random weights, small images; marked slow); a FastVGGT checkout
+(``$FASTVGGT_SRC`` or third_party/FastVGGT) is checked in a subprocess, since it installs under the
+same package name as vggt. GPU tests (``-m gpu``) use the real model at 392×518.
+
+Model-level rule (DESIGN §7): max |patched − oracle| ≤ 2 · max |unpatched − oracle| + 1e-6 per
+output, the oracle being the unpatched model in float64.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import elsa_vision
+from elsa_vision.adapters import registry
+from elsa_vision.adapters import vggt as A
+from elsa_vision.verify import max_err, tolerance
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vggt_standin as V  # noqa: E402
+
+OUTPUTS = ("pose_enc", "depth", "depth_conf", "world_points", "world_points_conf")
+HAS_VGGT = importlib.util.find_spec("vggt") is not None and importlib.util.find_spec("vggt.models") is not None
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def standin():
+    remove = A.register_classes(**V.CLASSES)
+    yield
+    remove()
+
+
+def make_standin(seed=0, **kw):
+    torch.manual_seed(seed)
+    return V.VGGT(**kw).eval()
+
+
+def frames(S=3, B=1, hw=(42, 70), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(B, S, 3, *hw, generator=g)
+
+
+def run(model, x, **autocast):
+    with torch.no_grad():
+        if autocast:
+            with torch.autocast(**autocast):
+                return {k: v for k, v in model(x).items() if k in OUTPUTS}
+        return {k: v for k, v in model(x).items() if k in OUTPUTS}
+
+
+def oracle_outputs(model, x):
+    """The unpatched model in float64 (on a copy)."""
+    m64 = copy.deepcopy(model).double()
+    elsa_vision.unpatch(m64)
+    return run(m64, x.double())
+
+
+def assert_rule(out, ref, oracle, keys=OUTPUTS, what=""):
+    for key in keys:
+        e, r = max_err(out[key], oracle[key]), max_err(ref[key], oracle[key])
+        assert math.isfinite(e) and e <= tolerance(r, out[key].dtype), \
+            f"{what}{key}: |patched - oracle| = {e:.3g} > 2 x |unpatched - oracle| ({r:.3g}) + 1e-6"
+
+
+def assert_equal(a, b, keys=OUTPUTS):
+    for key in keys:
+        assert torch.equal(a[key], b[key]), f"{key} differs by {max_err(a[key], b[key]):.3g}"
+
+
+def calls(model):
+    return {n: (s.calls, s.delegated) for n, s in registry.patched_modules(model)}
+
+
+# --------------------------------------------------------------------------------------------
+# Stand-in model: exact attention
+# --------------------------------------------------------------------------------------------
+
+STANDIN_ATTN = {"aggregator.patch_embed.blocks.0.attn", "camera_head.trunk.0.attn",
+                *(f"aggregator.{kind}_blocks.{i}.attn" for kind in ("frame", "global") for i in range(4))}
+
+
+def test_patch_report_and_unpatch_restores_bitwise(standin):
+    m = make_standin()
+    x = frames()
+    before = run(m, x)
+    ptrs = {n: p.data_ptr() for n, p in m.state_dict().items()}
+    report = elsa_vision.patch(m, precision="ieee")
+    assert set(report.patched["vggt"]) == STANDIN_ATTN
+    assert [n for n, _ in report.skipped["vggt-aggregator"]] == ["aggregator"]
+    run(m, x)
+    stats = calls(m)
+    assert all(c >= 1 and d == 0 for c, d in stats.values()), stats
+    assert {n: p.data_ptr() for n, p in m.state_dict().items()} == ptrs  # parameters reused, keys unchanged
+    assert elsa_vision.unpatch(m) == len(STANDIN_ATTN)
+    assert not any("forward" in mod.__dict__ or "_elsa" in mod.__dict__ for mod in m.modules())
+    assert_equal(run(m, x), before)
+
+
+def test_model_outputs_follow_the_tolerance_rule(standin):
+    m = make_standin()
+    x = frames()
+    ref, oracle = run(m, x), oracle_outputs(m, x)
+    with elsa_vision.patched(m, precision="ieee"):
+        out = run(m, x)
+    assert_rule(out, ref, oracle)
+
+
+def _module_cases():
+    rope = V.RotaryPositionEmbedding2D()
+    return {
+        # (module, x shape, frames × grid for positions or None)
+        "frame": (V.Attention(64, 2, qk_norm=True, rope=rope), (3, 11, 64), (3, (2, 3))),
+        "global": (V.Attention(64, 2, qk_norm=True, rope=rope), (1, 33, 64), (1, (4, 7))),
+        "unfused": (V.Attention(64, 2, qk_norm=True, rope=rope, fused_attn=False), (2, 11, 64), (2, (2, 3))),
+        "memeff": (V.MemEffAttention(64, 2), (2, 9, 64), None),
+        "head_dim_128": (V.Attention(128, 1), (1, 5, 128), None),
+    }
+
+
+def _positions(n_seq, grid, special=5):
+    h, w = grid
+    pos = V.PositionGetter()(n_seq, h, w, "cpu") + 1
+    return torch.cat([torch.zeros(n_seq, special, 2, dtype=pos.dtype), pos], dim=1)
+
+
+@pytest.mark.parametrize("case", list(_module_cases()))
+def test_attention_module_follows_the_tolerance_rule(standin, case):
+    torch.manual_seed(0)
+    mod, shape, layout = _module_cases()[case]
+    mod.eval()
+    x = torch.randn(shape)
+    pos = None
+    if layout is not None:
+        seqs, grid = layout
+        pos = _positions(shape[0], grid) if seqs == shape[0] else None
+    kw = {} if pos is None else {"pos": pos}
+    with torch.no_grad():
+        ref = mod(x, **kw)
+        oracle = copy.deepcopy(mod).double()(x.double(), **kw)
+        with elsa_vision.patched(mod, precision="ieee"):
+            out = mod(x, **kw)
+            assert mod._elsa.calls == 1 and mod._elsa.delegated == 0
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    e, r = max_err(out, oracle), max_err(ref, oracle)
+    assert e <= tolerance(r, out.dtype), (case, e, r)
+
+
+def test_autocast_follows_sdpa(standin):
+    """Under autocast attention runs in the autocast dtype, as SDPA does."""
+    torch.manual_seed(0)
+    mod = V.Attention(64, 2, qk_norm=True, rope=V.RotaryPositionEmbedding2D()).eval()
+    x, pos = torch.randn(1, 33, 64), _positions(1, (4, 7))
+    with torch.no_grad():
+        oracle = copy.deepcopy(mod).double()(x.double(), pos=pos)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = mod(x, pos=pos)
+            with elsa_vision.patched(mod):
+                out = mod(x, pos=pos)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    e, r = max_err(out, oracle), max_err(ref, oracle)
+    assert e <= tolerance(r, out.dtype), (e, r)
+
+
+def test_unsupported_inputs_go_to_the_original_forward(standin):
+    torch.manual_seed(0)
+    rope = V.RotaryPositionEmbedding2D()
+    drop = V.Attention(64, 2, qk_norm=True, rope=rope, attn_drop=0.5).train()
+    x, pos = torch.randn(1, 11, 64), _positions(1, (2, 3))
+    torch.manual_seed(3)
+    want = drop(x, pos=pos)
+    with elsa_vision.patched(drop):
+        torch.manual_seed(3)
+        got = drop(x, pos=pos)
+        assert drop._elsa.delegate_reasons == {"attention dropout in training": 1}
+    assert torch.equal(got, want)
+
+    memeff = V.MemEffAttention(64, 2).eval()
+    with elsa_vision.patched(memeff):
+        with pytest.raises(AssertionError):
+            memeff(torch.randn(1, 6, 64), attn_bias=torch.zeros(1))
+        with pytest.raises(AssertionError):
+            memeff(torch.randn(1, 6, 64), pos=_positions(1, (1, 1), special=5))
+        assert memeff._elsa.delegated == 2
+
+
+class _VendoredAttention(V.Attention):
+    """A class with vggt's attention forward that nothing registered yet."""
+
+
+def test_register_classes_is_undone_by_its_remove():
+    mod = _VendoredAttention(64, 2)
+    assert elsa_vision.patch(mod).num_patched == 0
+    remove = A.register_classes(attention=[_VendoredAttention])
+    assert elsa_vision.patch(mod).num_patched == 1
+    elsa_vision.unpatch(mod)
+    remove()
+    assert elsa_vision.patch(mod).num_patched == 0
+    with pytest.raises(TypeError, match="not vggt's attention forward"):
+        A.register_classes(attention=[torch.nn.Linear])
+
+
+# --------------------------------------------------------------------------------------------
+# Lean memory
+# --------------------------------------------------------------------------------------------
+
+
+def test_lean_memory_keeps_predictions_and_is_reversible(standin):
+    m = make_standin()
+    x = frames()
+    original = run(m, x)
+    with elsa_vision.patched(m, precision="ieee"):
+        full = run(m, x)
+        with torch.no_grad():
+            layers, _ = m.aggregator(x)
+    assert all(isinstance(t, torch.Tensor) for t in layers)
+    report = elsa_vision.patch(m, precision="ieee", lean_memory=(1, 3))
+    assert report.patched["vggt-aggregator"] == ["aggregator"]
+    lean = run(m, x)
+    assert_equal(lean, full)  # no chunking at this size: the very same operations
+    with torch.no_grad():
+        kept, _ = m.aggregator(x)
+    assert isinstance(kept, A.LeanLayerList) and len(kept) == 4
+    assert [t is None for t in list.__iter__(kept)] == [True, False, True, False]
+    assert torch.equal(kept[1], layers[1]) and torch.equal(kept[-1], layers[3])
+    with pytest.raises(LookupError, match="lean_memory"):
+        kept[0]
+    elsa_vision.unpatch(m)
+    assert "_process_frame_attention" not in m.aggregator.__dict__
+    assert_equal(run(m, x), original)
+
+
+def test_lean_memory_chunks_follow_the_tolerance_rule(standin):
+    m = make_standin()
+    x = frames()
+    ref, oracle = run(m, x), oracle_outputs(m, x)
+    with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3), lean_chunk=7):
+        out = run(m, x)
+        # 3 frames of 20 tokens > 7 tokens: each frame block runs frame by frame
+        assert m.aggregator.frame_blocks[0].attn._elsa.calls == 3
+        assert m.aggregator.global_blocks[0].attn._elsa.calls == 1
+    assert_rule(out, ref, oracle, what="lean_chunk=7: ")
+
+
+def test_lean_memory_refuses_to_hide_a_layer_a_head_reads(standin):
+    m = make_standin()  # its DPT heads read layers 1 and 3; lean_memory=True keeps VGGT's 4, 11, 17, 23 + last
+    with elsa_vision.patched(m, lean_memory=True):
+        with pytest.raises(LookupError, match="layer 1 was dropped"):
+            run(m, frames(S=2))
+    with pytest.raises(ValueError, match="outside"):
+        elsa_vision.patch(m, lean_memory=[9])
+    assert not registry.patched_modules(m)
+
+
+# --------------------------------------------------------------------------------------------
+# Token merging
+# --------------------------------------------------------------------------------------------
+
+
+def test_destination_pattern():
+    frames_, grid, special = 3, (3, 5), 5
+    h, w = grid
+    P = special + h * w
+    base = A.TokenMerging(protect=0.0)
+    dst, src = A.destination_pattern(frames_, grid, special, base)
+    assert torch.equal(torch.sort(torch.cat([dst, src])).values, torch.arange(frames_ * P))
+    is_dst = torch.zeros(frames_ * P, dtype=torch.bool)
+    is_dst[dst] = True
+    is_dst = is_dst.view(frames_, P)
+    assert is_dst[0].all() and is_dst[:, :special].all()
+    grid_dst = is_dst[1:, special:].view(frames_ - 1, h, w)
+    for y0 in range(0, h, 2):        # exactly one destination per 2x2 cell, partial edge cells included
+        for x0 in range(0, w, 2):
+            assert (grid_dst[:, y0:y0 + 2, x0:x0 + 2].sum(dim=(1, 2)) == 1).all()
+    prot = A.TokenMerging(protect=0.1)
+    dst_p, _ = A.destination_pattern(frames_, grid, special, prot)
+    assert dst_p.numel() == dst.numel() + round(0.1 * frames_ * P)
+    assert set(dst.tolist()) <= set(dst_p.tolist())
+    again, _ = A.destination_pattern(frames_, grid, special, prot)
+    other, _ = A.destination_pattern(4, (6, 8), special, A.TokenMerging(seed=1))
+    assert torch.equal(again, dst_p)
+    assert not torch.equal(other, A.destination_pattern(4, (6, 8), special, A.TokenMerging(seed=0))[0])
+
+
+@pytest.mark.parametrize("ratio", [0.9, 0.2])
+def test_merge_plan_merges_into_the_most_similar_destination(ratio):
+    cfg = A.TokenMerging(ratio=ratio, similarity_dtype=torch.float32)
+    frames_, grid, special = 3, (3, 5), 5
+    N = frames_ * (special + 15)
+    metric = torch.randn(2, N, 16, generator=torch.Generator().manual_seed(0))
+    plan = A.merge_plan(metric, frames_, grid, special, cfg)
+    dst, src = A.destination_pattern(frames_, grid, special, cfg)
+    r = min(int(ratio * N), src.numel())
+    assert plan.num_merged == N - r
+    assert plan.counts.sum(1).tolist() == [float(N)] * 2
+    cos = F.normalize(metric.double(), dim=-1)
+    sim = cos[:, src] @ cos[:, dst].transpose(1, 2)                  # [B, Ns, Nd]
+    best_sim, best = sim.max(-1)
+    for b in range(2):
+        assert torch.equal(plan.slot[b, dst], torch.arange(dst.numel()))
+        merged = plan.slot[b, src] < dst.numel()
+        assert int(merged.sum()) == r
+        assert torch.equal(plan.slot[b, src][merged], best[b][merged])
+        if r < src.numel():  # the most similar sources merge first
+            assert best_sim[b][merged].min() >= best_sim[b][~merged].max()
+            assert sorted(plan.slot[b, src][~merged].tolist()) == list(range(dst.numel(), N - r))
+
+
+def _qkv(mod, x, pos):
+    B, N, C = x.shape
+    qkv = mod.qkv(x).reshape(B, N, 3, mod.num_heads, mod.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    q, k = mod.q_norm(q), mod.k_norm(k)
+    return mod.rope(q, pos), mod.rope(k, pos), v
+
+
+def _brute_force_merged(mod, x, pos, slot, M):
+    """Mean-merge q/k/v by explicit groups, dense softmax over the M merged tokens, proj, copy back."""
+    q, k, v = _qkv(mod, x, pos)
+    B, H, N, D = q.shape
+    out = torch.empty_like(x)
+    for b in range(B):
+        groups = [torch.nonzero(slot[b] == m).squeeze(1) for m in range(M)]
+        qm, km, vm = (torch.stack([t[b][:, g].mean(1) for g in groups], dim=1) for t in (q, k, v))
+        att = torch.softmax(qm @ km.transpose(-1, -2) / math.sqrt(D), dim=-1) @ vm       # [H, M, D]
+        y = mod.proj(att.transpose(0, 1).reshape(M, H * D))
+        out[b] = y[slot[b]]
+    return out
+
+
+def test_merged_attention_matches_a_brute_force_merge(standin):
+    cfg = A.TokenMerging(similarity_dtype=torch.float32, seed=5)
+    m = make_standin()
+    x = frames(S=3, B=2)
+    attn = m.aggregator.global_blocks[2].attn
+    seen = []
+    hook = attn.register_forward_hook(lambda mod, args, kwargs, out: seen.append((args[0], kwargs["pos"], out)),
+                                      with_kwargs=True)
+    with elsa_vision.patched(m, precision="ieee", token_merging=cfg):
+        run(m, x)
+    hook.remove()
+    (xin, pos, out), = seen
+    plan = A.merge_plan(xin, 3, (3, 5), 5, cfg)
+    assert plan.num_merged < xin.shape[1]
+    with torch.no_grad():
+        ref = _brute_force_merged(attn, xin, pos, plan.slot, plan.num_merged)
+        oracle = _brute_force_merged(copy.deepcopy(attn).double(), xin.double(), pos, plan.slot, plan.num_merged)
+    e, r = max_err(out, oracle), max_err(ref, oracle)
+    assert e <= tolerance(r, out.dtype), (e, r)
+
+
+def test_merging_is_deterministic_and_batch_independent(standin):
+    m = make_standin()
+    x = frames(S=3, B=2)
+    plain = elsa_vision.patch(m, precision="ieee")
+    exact = run(m, x)
+    elsa_vision.unpatch(m)
+    with elsa_vision.patched(m, precision="ieee", token_merging=A.TokenMerging(seed=0)):
+        a, b = run(m, x), run(m, x)
+        single = run(m, x[1:])
+        assert all(d == 0 for _, d in calls(m).values())
+    assert_equal(a, b)
+    for key in OUTPUTS:
+        assert torch.allclose(a[key][1:], single[key], rtol=1e-5, atol=1e-5), key
+        assert not torch.equal(a[key], exact[key]), f"{key}: merging changed nothing"
+    with elsa_vision.patched(m, precision="ieee", token_merging=A.TokenMerging(seed=1)):
+        c = run(m, x)
+    assert any(not torch.equal(a[k], c[k]) for k in OUTPUTS)
+    with elsa_vision.patched(m, precision="ieee", token_merging=A.TokenMerging(start_layer=4)):
+        assert_equal(run(m, x), exact)  # no global layer reaches start_layer
+    assert plain.num_patched == len(STANDIN_ATTN)
+
+
+def test_merging_at_other_resolutions(standin):
+    m = make_standin()
+    for hw, S in (((56, 42), 2), ((28, 98), 4)):
+        x = frames(S=S, hw=hw)
+        with elsa_vision.patched(m, token_merging=A.TokenMerging(ratio=0.5)):
+            out = run(m, x)
+        assert all(torch.isfinite(out[k]).all() for k in OUTPUTS)
+        assert out["depth"].shape == (1, S, *hw, 1)
+
+
+def test_token_merging_validation(standin):
+    with pytest.raises(ValueError, match="ratio"):
+        A.TokenMerging(ratio=1.5)
+    with pytest.raises(ValueError, match="cell"):
+        A.TokenMerging(cell=(0, 2))
+    m = make_standin()
+    with pytest.raises(TypeError, match="TokenMerging"):
+        elsa_vision.patch(m, token_merging=0.9)
+    assert elsa_vision.TokenMerging is A.TokenMerging
+
+
+# --------------------------------------------------------------------------------------------
+# The real vggt (random weights) when it is importable
+# --------------------------------------------------------------------------------------------
+
+needs_vggt = pytest.mark.skipif(not HAS_VGGT, reason="vggt is not installed "
+                                "(pip install git+https://github.com/facebookresearch/vggt)")
+
+
+@pytest.fixture(scope="module")
+def real_vggt():
+    from vggt.models.vggt import VGGT
+    torch.manual_seed(0)
+    model = VGGT(enable_track=False).eval()
+    x = frames(S=3, hw=(56, 70), seed=2)
+    return model, x, run(model, x)
+
+
+@needs_vggt
+@pytest.mark.slow
+def test_real_vggt_outputs_follow_the_rule_and_unpatch(real_vggt):
+    model, x, ref = real_vggt
+    report = elsa_vision.patch(model, precision="ieee", backend="reference")
+    names = report.patched["vggt"]
+    assert len(names) == 24 + 24 + 24 + 4
+    assert sum(n.startswith("aggregator.patch_embed.") for n in names) == 24
+    assert sum(n.startswith("camera_head.trunk.") for n in names) == 4
+    out = run(model, x)
+    assert all(d == 0 for _, d in calls(model).values())
+    elsa_vision.unpatch(model)
+    assert_equal(run(model, x), ref)
+    model.double()  # the oracle, in place: 1B parameters do not need two copies
+    try:
+        oracle = run(model, x.double())
+    finally:
+        model.float()
+    assert_rule(out, ref, oracle, what="real vggt: ")
+
+
+@needs_vggt
+@pytest.mark.slow
+def test_real_vggt_lean_memory_and_merging(real_vggt):
+    model, x, ref = real_vggt
+    with elsa_vision.patched(model, backend="reference"):
+        full = run(model, x)
+    with elsa_vision.patched(model, backend="reference", lean_memory=True):
+        lean = run(model, x)
+        with torch.no_grad():
+            layers, _ = model.aggregator(x)
+    assert_equal(lean, full)
+    assert [i for i, t in enumerate(list.__iter__(layers)) if t is not None] == [4, 11, 17, 23]
+    with elsa_vision.patched(model, backend="reference", token_merging=A.TokenMerging(seed=0)):
+        a, b = run(model, x), run(model, x)
+    assert_equal(a, b)
+    for key in OUTPUTS:
+        assert torch.isfinite(a[key]).all() and a[key].shape == ref[key].shape
+
+
+@needs_vggt
+def test_real_vggt_global_attention_on_triton(real_vggt):
+    model, _, _ = real_vggt
+    attn = model.aggregator.global_blocks[5].attn
+    x, pos = torch.randn(1, 2 * 21, 1024, generator=torch.Generator().manual_seed(0)), _positions(2, (4, 4))
+    pos = pos.view(1, 42, 2)
+    with torch.no_grad():
+        ref = attn(x, pos=pos)
+        oracle = copy.deepcopy(attn).double()(x.double(), pos=pos)
+        with elsa_vision.patched(attn, precision="ieee", backend="triton"):
+            out = attn(x, pos=pos)
+    e, r = max_err(out, oracle), max_err(ref, oracle)
+    assert e <= tolerance(r, out.dtype), (e, r)
+
+
+# --------------------------------------------------------------------------------------------
+# The FastVGGT fork (its own `vggt` package: checked in a subprocess)
+# --------------------------------------------------------------------------------------------
+
+FORK_SRC = Path(os.environ.get("FASTVGGT_SRC", ROOT / "third_party" / "FastVGGT"))
+
+FORK_CHECK = textwrap.dedent("""
+    import copy, json, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    import vggt.layers.attention as fork
+    from vggt.layers.rope import RotaryPositionEmbedding2D, PositionGetter
+    import elsa_vision
+    from elsa_vision.verify import max_err, tolerance
+    torch.manual_seed(0)
+    attn = fork.Attention(64, num_heads=2, qk_norm=True, rope=RotaryPositionEmbedding2D(100),
+                          patch_width=4, patch_height=4).eval()
+    S, P = 3, 5 + 16
+    x = torch.randn(1, S * P, 64)
+    pos = PositionGetter()(S, 4, 4, "cpu") + 1
+    pos = torch.cat([torch.zeros(S, 5, 2, dtype=pos.dtype), pos], 1).view(1, S * P, 2)
+    result = {}
+    with torch.no_grad():
+        for merging in (0, None):
+            ref = attn(x, pos=pos, global_merging=merging)
+            oracle = copy.deepcopy(attn).double()(x.double(), pos=pos, global_merging=merging)
+            with elsa_vision.patched(attn, precision="ieee") as report:
+                out = attn(x, pos=pos, global_merging=merging)
+                delegated = attn._elsa.delegated
+            e, r = max_err(out, oracle), max_err(ref, oracle)
+            result[str(merging)] = dict(ok=e <= tolerance(r, out.dtype), err=e, ref_err=r, delegated=delegated,
+                                        patched=report.num_patched)
+    print(json.dumps(result))
+""")
+
+
+@pytest.mark.skipif(not (FORK_SRC / "merging" / "merge.py").is_file(),
+                    reason="FastVGGT source not found (set FASTVGGT_SRC)")
+def test_fastvggt_fork_merged_attention_runs_on_elsa():
+    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+    env.pop("PYTHONPATH", None)  # the fork's `vggt` must win over an installed upstream vggt
+    proc = subprocess.run([sys.executable, "-c", FORK_CHECK, str(FORK_SRC)], capture_output=True, text=True,
+                          env=env, cwd=str(ROOT), timeout=300)
+    if proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr:
+        pytest.skip(f"FastVGGT's dependencies are missing: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for merging, r in result.items():
+        assert r["ok"] and r["delegated"] == 0 and r["patched"] == 1, (merging, r)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the real model at 392x518 (`pytest -m gpu`)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_vggt():
+    from vggt.models.vggt import VGGT
+    torch.manual_seed(0)
+    model = VGGT(enable_track=False).cuda().eval()
+    x = frames(S=4, hw=(392, 518), seed=3).cuda()
+    return model, x
+
+
+@needs_vggt
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "fp32"])
+def test_gpu_real_vggt_follows_the_rule(gpu_vggt, mode):
+    model, x = gpu_vggt
+    ac = dict(device_type="cuda", dtype=torch.bfloat16) if mode == "bf16" else {}
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # fp32 reference without TF32; ELSA runs tf32x3
+    try:
+        ref = run(model, x, **ac)
+        with elsa_vision.patched(model):
+            out = run(model, x, **ac)
+            assert all(d == 0 for _, d in calls(model).values())
+        model.double()
+        try:
+            oracle = run(model, x.double())
+        finally:
+            model.float()
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    assert_rule(out, ref, oracle, what=f"{mode}: ")
+
+
+@needs_vggt
+@pytest.mark.gpu
+def test_gpu_lean_memory_and_merging(gpu_vggt):
+    model, x = gpu_vggt
+    ac = dict(device_type="cuda", dtype=torch.bfloat16)
+    with elsa_vision.patched(model):
+        full = run(model, x, **ac)
+    with elsa_vision.patched(model, lean_memory=True):
+        assert_equal(run(model, x, **ac), full)
+    with elsa_vision.patched(model, lean_memory=True, lean_chunk=1000):
+        chunked = run(model, x, **ac)
+    for key in OUTPUTS:
+        rel = (chunked[key] - full[key]).norm() / full[key].norm()
+        assert rel < 2e-2, (key, rel.item())
+    with elsa_vision.patched(model, token_merging=A.TokenMerging(seed=0)):
+        a, b = run(model, x, **ac), run(model, x, **ac)
+    assert_equal(a, b)  # deterministic on the GPU too
+    for key in OUTPUTS:
+        assert torch.isfinite(a[key]).all()
+
+
+@needs_vggt
+@pytest.mark.gpu
+def test_gpu_lean_memory_lowers_the_peak(gpu_vggt):
+    model, _ = gpu_vggt
+    x = frames(S=16, hw=(392, 518), seed=4).cuda()
+    peaks = {}
+    for lean in (False, True):
+        with elsa_vision.patched(model, lean_memory=lean):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            run(model, x, device_type="cuda", dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            peaks[lean] = torch.cuda.max_memory_allocated() - base
+    assert peaks[True] < 0.6 * peaks[False], peaks
