@@ -300,7 +300,8 @@ class SwinV2WindowAttention(_SwinBase):
 
     def _prepare(self, module, q, k):
         tau = torch.clamp(module.logit_scale, max=math.log(1.0 / 0.01)).exp()  # [H, 1, 1]
-        q = F.normalize(q, dim=-1) * tau
+        # normalize(q)·τ as one pass over q: q · (τ / max(‖q‖, eps)), F.normalize's eps
+        q = q * (tau / q.norm(dim=-1, keepdim=True).clamp_min(1e-12))
         k = F.normalize(k, dim=-1)
         H = module.num_heads
         n = module.window_size[0] * module.window_size[1]
