@@ -601,3 +601,39 @@ def test_gpu_lean_memory_lowers_the_peak(gpu_vggt):
             torch.cuda.synchronize()
             peaks[lean] = torch.cuda.max_memory_allocated() - base
     assert peaks[True] < 0.6 * peaks[False], peaks
+
+
+# --------------------------------------------------------------------------------------------
+# benchmarks/frames.py: its sweep, accuracy columns, capacity estimate and plot, on the stand-in
+# --------------------------------------------------------------------------------------------
+
+
+def test_frames_benchmark_logic_on_the_standin(standin, tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import frames as FB
+    monkeypatch.setattr(FB, "DEVICE", "cpu")
+    m = make_standin()
+
+    def apply(model, variant, dtype):
+        opts = FB.VARIANTS[variant]
+        if opts is None:
+            return lambda: None
+        elsa_vision.patch(model, backend="reference", lean_memory=(1, 3) if opts.get("lean_memory") else False,
+                          token_merging=A.TokenMerging() if opts.get("token_merging") else None)
+        return lambda: elsa_vision.unpatch(model)
+
+    variants = {v: FB.VARIANTS[v] for v in ("native", "elsa", "elsa-lean", "elsa-merge")}
+    rows = FB.sweep(m, variants, apply, ["aggregator", "full"], ["fp32"], {"fp32": [2, 3]}, 1, False, (42, 70),
+                    log=lambda s: None)
+    assert len(rows) == 2 * 2 * 4 and all(r["status"] == "ok" for r in rows)
+    full = {(r["frames"], r["variant"]): r for r in rows if r["part"] == "full"}
+    assert full[3, "elsa-lean"]["accuracy_vs"] == "elsa" and full[3, "elsa-lean"]["depth_rel_err"] == 0
+    assert full[3, "elsa"]["accuracy_vs"] == "native" and full[3, "elsa"]["depth_rel_err"] < 1e-5
+    assert 0 < full[3, "elsa-merge"]["depth_rel_err"] < 0.5 and full[3, "elsa-merge"]["pose_max_abs_diff"] > 0
+    assert all("speedup_vs_native" in r for r in rows)
+    for r in rows:
+        r["peak_gib"] = 0.25 * r["frames"] + 1
+    cap = FB.capacity(rows, 10 * 2**30)
+    assert {c["estimated_max_frames"] for c in cap} == {int(3 + (0.95 * 10 - 1.75) / 0.25)}
+    FB.plot(rows, tmp_path / "frames.png")
+    assert (tmp_path / "frames.png").stat().st_size > 0

@@ -1,0 +1,464 @@
+"""VGGT vs frame count: ELSA against native SDPA, with and without token merging, lean vs default
+memory; the FastVGGT fork side by side when its source is available.
+
+    python benchmarks/frames.py --quick                         # 8/16/32 frames, bf16, < 3 min on an H100
+    python benchmarks/frames.py --dtype fp32 --frames 50,100 --parts aggregator --variants native,elsa
+    python benchmarks/frames.py --dtype bf16 --frames 400 --variants native,elsa,elsa-merge,elsa-lean
+    python benchmarks/frames.py --dtype bf16 --frames 1000,2000 --parts full --variants elsa-lean-merge
+
+Writes benchmarks/results/<device>/frames.csv and frames.png (time and peak memory vs frames), and
+prints a table and, per variant with two or more frame counts, the largest frame count its memory
+trend predicts for this GPU.
+
+Model: upstream VGGT (``vggt`` importable, e.g. PYTHONPATH=third_party/vggt), random weights (or
+``--weights model.pt``), images 392×518 (1041 tokens per frame), built once on the GPU and reused.
+Parts: ``aggregator`` (model.aggregator(images)) and ``full`` (model(images): aggregator + camera,
+depth and point heads). dtypes: ``bf16`` (autocast, as VGGT's demo runs) and ``fp32`` (no autocast;
+ELSA in ``tf32x3``, float32-class accuracy; matmul precision "highest" for every linear layer).
+
+Variants: native (unpatched: SDPA), elsa (patched), elsa-lean (lean_memory=True), elsa-merge
+(TokenMerging(ratio=0.9)), elsa-lean-merge. FastVGGT fork (bf16 only; it casts its model to bf16):
+fastvggt-native / fastvggt-elsa (its merging from block 0, SDPA or ELSA), fastvggt-nomerge-native /
+-elsa. The fork installs under the same package name ``vggt``, so it runs in a subprocess whose
+sys.path starts with the fork's source (``--fastvggt PATH``, $FASTVGGT_SRC or third_party/FastVGGT).
+
+Timing: one case of VGGT at hundreds of frames takes tens of seconds, so each variant runs
+``--repeats`` times (default 1; minimum reported) and every run records its time (CUDA events) and
+its peak memory above what was allocated before the call (weights, input) — not the harness's
+separate warm-up / memory / timing calls. A warm-up pass at 2 frames compiles every kernel first.
+Variants of one case run back to back (interleaved across repeats). A variant that runs out of
+memory is recorded as OOM and skipped at larger frame counts.
+
+Accuracy of merging (full model, the fixed synthetic input): depth and world-point relative L2
+error and max |Δ pose encoding| of each variant against its reference — elsa-merge vs elsa,
+elsa-lean-merge vs elsa-lean, elsa vs native, elsa-lean vs elsa (should be 0), fastvggt-elsa vs
+fastvggt-native, fastvggt-native vs fastvggt-nomerge-native.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import fmt_table, metadata, results_dir, write_csv  # noqa: E402
+
+VARIANTS = {  # name → patch options (None = unpatched); order = run order (references first)
+    "native": None,
+    "elsa": {},
+    "elsa-lean": {"lean_memory": True},
+    "elsa-merge": {"token_merging": True},
+    "elsa-lean-merge": {"lean_memory": True, "token_merging": True},
+}
+FORK_VARIANTS = {  # name → (fork merging on?, patched?)
+    "fastvggt-nomerge-native": (False, False),
+    "fastvggt-native": (True, False),
+    "fastvggt-nomerge-elsa": (False, True),
+    "fastvggt-elsa": (True, True),
+}
+REFERENCE = {"elsa": "native", "elsa-lean": "elsa", "elsa-merge": "elsa", "elsa-lean-merge": "elsa-lean",
+             "fastvggt-elsa": "fastvggt-native", "fastvggt-native": "fastvggt-nomerge-native",
+             "fastvggt-nomerge-elsa": "fastvggt-nomerge-native"}
+DTYPES = {"bf16": torch.bfloat16, "fp32": None}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for the logic's smoke test
+DEFAULT_FRAMES = {"bf16": [50, 100, 200, 400], "fp32": [50, 100]}
+
+
+def csv_list(kind):
+    def parse(s):
+        return [kind(x) for x in s.split(",") if x.strip()]
+    return parse
+
+
+def synthetic_frames(S: int, hw=(392, 518), seed=0, device=None) -> torch.Tensor:
+    """[1, S, 3, H, W] in [0, 1]: one smooth random texture seen with a sliding camera (a fixed input)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    H, W = hw
+    base = torch.rand(1, 3, H // 16 + 1, W // 8 + 1, generator=g)
+    canvas = torch.nn.functional.interpolate(base, size=(H, 2 * W), mode="bicubic", align_corners=False).clamp(0, 1)
+    canvas = canvas.to(device or DEVICE)
+    shifts = torch.linspace(0, W - 1, S).round().long().tolist()
+    return torch.stack([canvas[0, :, :, s:s + W] for s in shifts])[None]
+
+
+# ------------------------------------------------------------------------------------------------
+# One measured call
+# ------------------------------------------------------------------------------------------------
+
+def free_memory():
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def timed_call(fn):
+    """(output, ms, peak bytes above the allocation before the call) of one call."""
+    free_memory()
+    if DEVICE != "cuda":
+        t = time.perf_counter()
+        out = fn()
+        return out, (time.perf_counter() - t) * 1e3, 0
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    out = fn()
+    b.record()
+    b.synchronize()
+    return out, a.elapsed_time(b), torch.cuda.max_memory_allocated() - base
+
+
+def forward(model, part, images, dtype):
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        if part == "aggregator":
+            model.aggregator(images)
+            return None
+        preds = model(images)
+    # keep what the accuracy columns need, off the GPU (it would inflate later variants' peaks)
+    return {k: preds[k].float().cpu() for k in ("pose_enc", "depth", "world_points") if k in preds}
+
+
+def accuracy(out, ref) -> dict:
+    if out is None or ref is None:
+        return {}
+    cols = {}
+    for key, name in (("depth", "depth_rel_err"), ("world_points", "points_rel_err")):
+        if key in out and key in ref:
+            cols[name] = ((out[key] - ref[key]).norm() / ref[key].norm().clamp_min(1e-30)).item()
+    if "pose_enc" in out and "pose_enc" in ref:
+        cols["pose_max_abs_diff"] = (out["pose_enc"] - ref["pose_enc"]).abs().max().item()
+    return cols
+
+
+# ------------------------------------------------------------------------------------------------
+# Sweep (shared by the upstream run and the fork worker)
+# ------------------------------------------------------------------------------------------------
+
+def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats, warmup, hw, log=print):
+    """Run every (dtype, frames, part, variant); ``apply(model, variant, dtype)`` sets the model up for
+    a variant and returns an undo function. Returns CSV rows."""
+    rows, oom = [], set()
+    P = 5 + (hw[0] // 14) * (hw[1] // 14)
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            if warmup:  # compile every kernel of every variant before timing anything
+                x = synthetic_frames(2, hw)
+                for part in parts:
+                    for v in variants:
+                        undo = apply(model, v, dtype)
+                        try:
+                            forward(model, part, x, dtype)
+                        finally:
+                            undo()
+                del x
+            for S in frames_by_dtype[dname]:
+                x = synthetic_frames(S, hw)
+                for part in parts:
+                    best = {v: None for v in variants}
+                    outs = {}
+                    for rep in range(repeats):
+                        for v in variants:
+                            if (dname, part, v) in oom:
+                                continue
+                            undo = apply(model, v, dtype)
+                            try:
+                                out, ms, peak = timed_call(lambda: forward(model, part, x, dtype))
+                            except torch.OutOfMemoryError:
+                                oom.add((dname, part, v))
+                                best[v] = "OOM"
+                                free_memory()
+                                continue
+                            finally:
+                                undo()
+                            if best[v] is None or ms < best[v][0]:
+                                best[v] = (ms, peak)
+                            outs[v] = out
+                            del out
+                    for v, r in best.items():
+                        row = {"part": part, "dtype": dname, "frames": S, "tokens": S * P, "variant": v,
+                               "repeats": repeats}
+                        if r is None:
+                            row["status"] = "skipped (OOM at fewer frames)"
+                        elif r == "OOM":
+                            row["status"] = "OOM"
+                        else:
+                            ms, peak = r
+                            row.update(status="ok", seconds=ms / 1e3, peak_gib=peak / 2**30)
+                            base = best.get(native_of(v))
+                            if isinstance(base, tuple):
+                                row["speedup_vs_native"] = base[0] / ms
+                                if base[1] > 0:
+                                    row["memory_vs_native"] = peak / base[1]
+                            ref = REFERENCE.get(v)
+                            acc = accuracy(outs.get(v), outs.get(ref))
+                            if acc:
+                                row.update(accuracy_vs=ref, **acc)
+                        rows.append(row)
+                        log(_line(row))
+                    del outs
+                del x
+                free_memory()
+        finally:
+            torch.set_float32_matmul_precision(prev)
+    return rows
+
+
+def native_of(variant: str) -> str:
+    """The SDPA run a variant's speed and memory are compared with."""
+    return variant.replace("elsa", "native") if variant.startswith("fastvggt") else "native"
+
+
+def _line(row) -> str:
+    s = f"{row['part']:>10} {row['dtype']:>4} {row['frames']:>5} frames {row['variant']:>24}: "
+    if row.get("status") != "ok":
+        return s + row.get("status", "")
+    s += f"{row['seconds']:8.3f} s  {row['peak_gib']:7.2f} GiB"
+    if "speedup_vs_native" in row:
+        s += f"  x{row['speedup_vs_native']:.2f} speed"
+    if "memory_vs_native" in row:
+        s += f"  x{row['memory_vs_native']:.2f} memory"
+    if "depth_rel_err" in row:
+        s += f"  vs {row['accuracy_vs']}: depth {row['depth_rel_err']:.2e}"
+        if "points_rel_err" in row:
+            s += f" points {row['points_rel_err']:.2e}"
+        s += f" pose {row['pose_max_abs_diff']:.2e}"
+    return s
+
+
+# ------------------------------------------------------------------------------------------------
+# Upstream VGGT
+# ------------------------------------------------------------------------------------------------
+
+def build_upstream(weights):
+    try:
+        from vggt.models.vggt import VGGT
+    except ImportError:
+        sys.exit("vggt is not importable: pip install git+https://github.com/facebookresearch/vggt "
+                 "(or PYTHONPATH=third_party/vggt)")
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # initialise on the GPU: seconds instead of half a minute
+        model = VGGT(enable_track=False)
+    if weights:
+        model.load_state_dict(torch.load(weights, map_location="cuda", weights_only=True), strict=False)
+    return model.eval()
+
+
+def upstream_apply(model, variant, dtype):
+    import elsa_vision
+    opts = VARIANTS[variant]
+    if opts is None:
+        return lambda: None
+    kw = dict(precision="tf32x3" if dtype is None else "auto")
+    if opts.get("lean_memory"):
+        kw["lean_memory"] = True
+    if opts.get("token_merging"):
+        kw["token_merging"] = elsa_vision.TokenMerging(ratio=0.9, seed=0)
+    elsa_vision.patch(model, **kw)
+    return lambda: elsa_vision.unpatch(model)
+
+
+# ------------------------------------------------------------------------------------------------
+# The FastVGGT fork, in its own process
+# ------------------------------------------------------------------------------------------------
+
+def fork_source(arg) -> Path | None:
+    if arg == "none":
+        return None
+    src = Path(arg or os.environ.get("FASTVGGT_SRC") or ROOT / "third_party" / "FastVGGT")
+    return src if (src / "merging" / "merge.py").is_file() and (src / "vggt").is_dir() else None
+
+
+def fork_worker(args):
+    sys.path.insert(0, str(args.fork_src))  # before anything imports `vggt`: the fork's package wins
+    from vggt.models.vggt import VGGT
+    import elsa_vision
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = VGGT(merging=0)
+    model = model.eval().to(torch.bfloat16)
+    model.update_patch_dimensions(args.width // 14, args.height // 14)
+
+    def apply(m, variant, dtype):
+        merging, patched = FORK_VARIANTS[variant]
+        m.aggregator.merging = 0 if merging else None
+        if patched:
+            elsa_vision.patch(m)
+            return lambda: elsa_vision.unpatch(m)
+        return lambda: None
+
+    variants = {v: None for v in FORK_VARIANTS if v in args.fork_variants}
+    rows = sweep(model, variants, apply, args.parts, ["bf16"], {"bf16": args.frames_bf16}, args.repeats,
+                 not args.no_warmup, (args.height, args.width), log=lambda s: print(s, flush=True))
+    Path(args.rows_out).write_text(json.dumps(rows))
+
+
+def run_fork(args, src: Path, frames):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--fork-worker", "--fork-src", str(src),
+               "--rows-out", str(out), "--frames-bf16", ",".join(map(str, frames)), "--parts", ",".join(args.parts),
+               "--fork-variants", ",".join(args.fork_variants), "--repeats", str(args.repeats),
+               "--height", str(args.height), "--width", str(args.width)] + (["--no-warmup"] if args.no_warmup else [])
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # keep upstream vggt off its path
+        env["PYTHONPATH"] = str(ROOT)
+        print(f"\nFastVGGT fork from {src} (subprocess)")
+        proc = subprocess.run(cmd, env=env, cwd=str(ROOT))
+        if proc.returncode != 0 or not out.is_file():
+            print(f"FastVGGT run failed (exit {proc.returncode}); its rows are missing")
+            return []
+        return json.loads(out.read_text())
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+
+def capacity(rows, total_bytes) -> list[dict]:
+    """Largest frame count the peak-memory trend (linear in frames) predicts for this GPU."""
+    out = []
+    keys = {(r["part"], r["dtype"], r["variant"]) for r in rows}
+    for part, dname, v in sorted(keys):
+        pts = sorted((r["frames"], r["peak_gib"] * 2**30) for r in rows
+                     if (r["part"], r["dtype"], r["variant"]) == (part, dname, v) and r.get("status") == "ok")
+        if len(pts) < 2 or pts[-1][0] == pts[0][0]:
+            continue
+        (s0, m0), (s1, m1) = pts[0], pts[-1]
+        slope = (m1 - m0) / (s1 - s0)
+        if slope <= 0:
+            continue
+        est = int(s1 + (0.95 * total_bytes - m1) / slope)
+        out.append({"part": part, "dtype": dname, "variant": v, "gib_per_frame": slope / 2**30,
+                    "estimated_max_frames": est})
+    return out
+
+
+def plot(rows, path: Path):
+    """Time and peak memory vs frames: a row per part; colour = variant, line = dtype."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(VARIANTS) + list(FORK_VARIANTS)
+    colour = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(names)}
+    parts = sorted({r["part"] for r in rows})
+    fig, axes = plt.subplots(len(parts), 2, figsize=(12, 4.2 * len(parts)), squeeze=False)
+    for i, part in enumerate(parts):
+        series = sorted({(r["dtype"], r["variant"]) for r in rows if r["part"] == part})
+        for dname, v in series:
+            pts = sorted((r["frames"], r["seconds"], r["peak_gib"]) for r in rows
+                         if (r["part"], r["dtype"], r["variant"]) == (part, dname, v) and r.get("status") == "ok")
+            if not pts:
+                continue
+            f, s, m = zip(*pts)
+            style = dict(color=colour.get(v), ls="--" if v.startswith("fastvggt") else (":" if dname == "fp32" else "-"),
+                         marker="o" if "native" in v else "s", ms=4, label=f"{v} {dname}")
+            axes[i, 0].plot(f, s, **style)
+            axes[i, 1].plot(f, m, **style)
+        tokens = {r["tokens"] // r["frames"] for r in rows if r["part"] == part}
+        for j, (what, unit) in enumerate((("time", "s"), ("peak memory", "GiB"))):
+            ax = axes[i, j]
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel(f"frames ({'/'.join(map(str, sorted(tokens)))} tokens each)")
+            ax.set_ylabel(f"{what} ({unit})")
+            ax.set_title(f"VGGT {part}: {what}")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[i, 0].legend(fontsize=7)
+    fig.suptitle(f"VGGT vs frames on {metadata()['device']} (dotted: fp32, solid: bf16, dashed: FastVGGT fork)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="8/16/32 frames, bf16, native/elsa/elsa-merge/elsa-lean")
+    p.add_argument("--frames", type=csv_list(int), help="frame counts (default bf16 50,100,200,400; fp32 50,100)")
+    p.add_argument("--dtype", type=csv_list(str), default=["fp32", "bf16"], help="fp32,bf16")
+    p.add_argument("--parts", type=csv_list(str), default=["aggregator", "full"], help="aggregator,full")
+    p.add_argument("--variants", type=csv_list(str), default=list(VARIANTS), help=",".join(VARIANTS))
+    p.add_argument("--fork-variants", type=csv_list(str), default=["fastvggt-native", "fastvggt-elsa"],
+                   help=",".join(FORK_VARIANTS))
+    p.add_argument("--fastvggt", default=None, help="FastVGGT source folder, or 'none' to skip it")
+    p.add_argument("--repeats", type=int, default=None, help="runs per variant (default 1; --quick 2)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the 2-frame compile pass")
+    p.add_argument("--weights", default=None, help="a VGGT checkpoint (.pt); default random weights")
+    p.add_argument("--height", type=int, default=392)
+    p.add_argument("--width", type=int, default=518)
+    p.add_argument("--name", default="frames", help="output file stem (CSV + PNG)")
+    # internal: the FastVGGT worker process
+    p.add_argument("--fork-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--fork-src", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--rows-out", help=argparse.SUPPRESS)
+    p.add_argument("--frames-bf16", type=csv_list(int), help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/frames.py needs a CUDA GPU")
+    if args.height % 14 or args.width % 14:
+        p.error("--height and --width must be multiples of 14")
+    bad = [v for v in args.variants if v not in VARIANTS] + [v for v in args.fork_variants if v not in FORK_VARIANTS]
+    bad += [d for d in args.dtype if d not in DTYPES] + [x for x in args.parts if x not in ("aggregator", "full")]
+    if bad:
+        p.error(f"unknown names {bad}; see --help")
+    if args.quick:
+        args.frames = args.frames or [8, 16, 32]
+        args.dtype = ["bf16"]
+        if args.variants == list(VARIANTS):
+            args.variants = ["native", "elsa", "elsa-merge", "elsa-lean"]
+    args.repeats = args.repeats or (2 if args.quick else 1)
+    if args.fork_worker:
+        return fork_worker(args)
+
+    hw = (args.height, args.width)
+    frames_by_dtype = {d: args.frames or DEFAULT_FRAMES[d] for d in args.dtype}
+    variants = {v: VARIANTS[v] for v in VARIANTS if v in args.variants}
+    model = build_upstream(args.weights)
+    total = torch.cuda.get_device_properties(0).total_memory - torch.cuda.memory_allocated()
+    print(f"VGGT ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, random weights"
+          f"{'' if not args.weights else ' → ' + args.weights}) on {metadata()['device']}; "
+          f"{hw[0]}x{hw[1]}, {5 + (hw[0] // 14) * (hw[1] // 14)} tokens per frame")
+    rows = sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
+                 not args.no_warmup, hw)
+    del model
+    free_memory()
+
+    src = fork_source(args.fastvggt)
+    if src is not None and "bf16" in args.dtype and args.fork_variants:
+        rows += run_fork(args, src, frames_by_dtype["bf16"])
+    elif args.fastvggt != "none":
+        print("\nFastVGGT fork: not run (" + ("no bf16 pass" if src is not None else
+              "source not found; pass --fastvggt PATH or set FASTVGGT_SRC") + ")")
+
+    out = results_dir()
+    csv_path = write_csv(rows, out / f"{args.name}.csv")
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if ok:
+        plot(ok, out / f"{args.name}.png")
+    cols = ["part", "dtype", "frames", "variant", "seconds", "peak_gib", "speedup_vs_native", "memory_vs_native",
+            "depth_rel_err", "points_rel_err", "pose_max_abs_diff", "status"]
+    print("\n" + fmt_table(rows, cols))
+    cap = capacity(ok, total)
+    if cap:
+        print("\nlargest frame count predicted by the peak-memory trend on this GPU:")
+        print(fmt_table(cap, ["part", "dtype", "variant", "gib_per_frame", "estimated_max_frames"]))
+        write_csv(cap, out / f"{args.name}_capacity.csv")
+    print(f"\nwrote {csv_path}" + (f" and {out / (args.name + '.png')}" if ok else ""))
+
+
+if __name__ == "__main__":
+    main()
