@@ -311,5 +311,22 @@ class SwinV2WindowAttention(_SwinBase):
         return q, k, 1.0, bias
 
 
+@torch.no_grad()
+def unzero_residual_norms(model: torch.nn.Module) -> int:
+    """Set to 1 the weights of normalisation layers that are initialised to exactly 0; returns how many.
+
+    timm's Swin v2 starts with its residual post-norms at zero (``_init_respostnorm``), so a model
+    built with ``pretrained=False`` ignores its attention output entirely: comparing patched and
+    unpatched random-weight models would prove nothing. Call this on such models before comparing
+    (tests, quickstart, benchmarks). Pretrained weights never need it."""
+    n = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)) and w is not None and not w.any():
+            w.fill_(1.0)
+            n += 1
+    return n
+
+
 for _adapter in (TimmAttention(), TimmRopeAttention(), SwinWindowAttention(), SwinV2WindowAttention()):
     register(_adapter)

@@ -30,6 +30,7 @@ from benchmarks.harness import fmt_table, measure  # noqa: E402
 
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters.registry import patched_modules  # noqa: E402
+from elsa_vision.adapters.timm import unzero_residual_norms  # noqa: E402
 
 # (timm name, image size, batch on GPU, batch on CPU)
 MODELS = [
@@ -41,7 +42,9 @@ MODELS = [
 def build(name: str, device: str) -> torch.nn.Module:
     import timm
     # drop_path_rate=0: stochastic depth would make two runs of one model differ
-    return timm.create_model(name, pretrained=False, drop_path_rate=0.0).to(device).eval()
+    model = timm.create_model(name, pretrained=False, drop_path_rate=0.0).to(device).eval()
+    unzero_residual_norms(model)  # random-weight Swin v2 would otherwise ignore its attention
+    return model
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:

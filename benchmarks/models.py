@@ -1,0 +1,262 @@
+"""Model benchmark: timm ViT / Swin with ELSA against timm's own attention, same process, interleaved.
+
+    python benchmarks/models.py --quick            # the headline cases, < 3 min on an H100
+    python benchmarks/models.py --family vit       # ViT-T/S/B x 224/384/512/768/1024 x batch 8/64
+    python benchmarks/models.py --family swin      # Swin-T, SwinV2-T x 224/256/384/512 x batch 8/64
+    python benchmarks/models.py                    # both (run the two families separately to stay
+                                                   # under a 10-minute job limit)
+
+Per case (model, image size, batch, forward | training step, fp32 | bf16 autocast), three variants
+run interleaved on one set of weights:
+
+  elsa       the model patched with ``elsa_vision.patch`` (a deep copy of the native model)
+  fused      timm's SDPA path (``module.fused_attn = True``; for Swin v1 this is timm's
+             experimental fused path). Swin v2 has no fused path: the column stays empty.
+  unfused    timm's explicit softmax(q kᵀ) path (``module.fused_attn = False``)
+
+A training step is forward + backward + SGD step. fp32 runs with ``torch.set_float32_matmul_precision
+("highest")`` (native attention is true fp32; ELSA runs its fp32-accurate 3xTF32 mode); pass
+``--matmul high`` to let both use TF32 (ELSA's ``tf32`` mode). Columns: median latency (ms) and
+peak memory above the weights (MiB) per variant, ``speedup_vs_<baseline>`` = baseline ms / ELSA ms
+(> 1: ELSA faster), ``mem_vs_<baseline>`` = ELSA MiB / baseline MiB, and for forward cases
+``max_diff`` = max |ELSA − fused (or unfused)| of the outputs. A variant that runs out of memory
+is recorded with its error and the others still run.
+
+Writes benchmarks/results/<device>/<name>.csv and <name>.png (speedups per case).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import itertools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import fmt_table, measure, results_dir, write_csv  # noqa: E402
+
+import elsa_vision  # noqa: E402
+from elsa_vision.adapters.registry import patched_modules  # noqa: E402
+from elsa_vision.adapters.timm import unzero_residual_norms  # noqa: E402
+
+VIT = {"ViT-T": "vit_tiny_patch16_224", "ViT-S": "vit_small_patch16_224", "ViT-B": "vit_base_patch16_224"}
+SWIN = {"Swin-T": "swin_tiny_patch4_window7_224", "SwinV2-T": "swinv2_tiny_window8_256"}
+VIT_SIZES = (224, 384, 512, 768, 1024)
+SWIN_SIZES = (224, 256, 384, 512)
+BATCHES = (8, 64)
+BASELINES = ("fused", "unfused")
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str      # short name (ViT-T, Swin-T, ...)
+    size: int
+    batch: int
+    mode: str       # "fwd" or "train"
+    dtype: str      # "fp32" or "bf16"
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.size}px b{self.batch} {self.mode} {self.dtype}"
+
+
+def all_cases(family: str, sizes=None, batches=None) -> list[Case]:
+    """The full grid of a family; ``sizes`` / ``batches`` replace the default lists."""
+    out = []
+    fams = {"vit": [(VIT, VIT_SIZES)], "swin": [(SWIN, SWIN_SIZES)], "all": [(VIT, VIT_SIZES), (SWIN, SWIN_SIZES)]}
+    for names, default_sizes in fams[family]:
+        grid = itertools.product(names, sizes or default_sizes, batches or BATCHES, ("fwd", "train"), ("fp32", "bf16"))
+        out += [Case(*g) for g in grid]
+    return out
+
+
+def quick_cases() -> list[Case]:
+    """The cases the performance goals name: ViT-T fp32 forward at 768/1024 px, Swin-T and SwinV2-T
+    training steps in bf16 and fp32, plus one bf16 ViT forward."""
+    cs = [Case("ViT-T", s, 8, "fwd", "fp32") for s in (768, 1024)]
+    cs.append(Case("ViT-S", 224, 64, "fwd", "bf16"))
+    cs += [Case(m, 224, 64, "train", dt) for m in SWIN for dt in ("bf16", "fp32")]
+    cs += [Case(m, 224, 8, "fwd", "bf16") for m in SWIN]
+    return cs
+
+
+def build(case: Case, device: str) -> torch.nn.Module:
+    import timm
+    name = {**VIT, **SWIN}[case.model]
+    # drop_path_rate=0 so every variant does the same work
+    model = timm.create_model(name, pretrained=False, img_size=case.size, drop_path_rate=0.0).to(device)
+    unzero_residual_norms(model)  # so that max_diff sees Swin v2's attention (zero post-norms at init)
+    return model
+
+
+def set_fused(model: torch.nn.Module, fused: bool) -> bool:
+    """Switch timm's attention path on every module that has one; False if none has."""
+    found = False
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = fused
+            found = True
+    return found
+
+
+def make_fn(model, x, case: Case, fused=None):
+    """A callable running one forward (no grad) or one training step of ``model`` on ``x``."""
+    amp = case.dtype == "bf16"
+    dev = x.device.type
+
+    def prep():
+        if fused is not None:
+            set_fused(model, fused)
+
+    if case.mode == "fwd":
+        model.eval()
+
+        def f():
+            prep()
+            with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
+                return model(x)
+        return f
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    target = torch.randint(0, 1000, (x.shape[0],), device=x.device)
+
+    def step():
+        prep()
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str) -> dict:
+    row = {"model": case.model, "size": case.size, "batch": case.batch, "mode": case.mode, "dtype": case.dtype}
+    try:
+        torch.manual_seed(0)
+        native = build(case, device)
+        elsa = copy.deepcopy(native)
+        report = elsa_vision.patch(elsa, precision=precision)
+        row["patched"] = report.num_patched
+        x = torch.randn(case.batch, 3, case.size, case.size, device=device)
+    except Exception as e:  # noqa: BLE001 - a case that cannot be built is a result
+        row["error"] = f"build: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        return row
+    # Swin v2's WindowAttention has no SDPA path (no fused_attn flag): only "unfused" applies
+    has_fused = any(hasattr(m, "fused_attn") for m in native.modules())
+    variants = {"elsa": make_fn(elsa, x, case)}
+    if has_fused:
+        variants["fused"] = make_fn(native, x, case, fused=True)
+    variants["unfused"] = make_fn(native, x, case, fused=False)
+    res = measure(variants, warmup=warmup, rounds=rounds)
+    for name, r in res.items():
+        row[f"{name}_ms"] = r.ms
+        row[f"{name}_mib"] = None if r.peak_bytes is None else r.peak_bytes / 2**20
+        if r.error:
+            row[f"{name}_error"] = r.error
+    e = res["elsa"]
+    for b in BASELINES:
+        r = res.get(b)
+        if r is not None and r.ms and e.ms:
+            row[f"speedup_vs_{b}"] = r.ms / e.ms
+        if r is not None and r.peak_bytes and e.peak_bytes:
+            row[f"mem_vs_{b}"] = e.peak_bytes / r.peak_bytes
+    if case.mode == "fwd" and e.ms:
+        base = next((b for b in BASELINES if res.get(b) is not None and res[b].ms), None)
+        if base:
+            try:
+                out_e = variants["elsa"]()
+                out_b = variants[base]()
+                row["max_diff"] = (out_e.float() - out_b.float()).abs().max().item()
+                row["max_diff_vs"] = base
+            except Exception as ex:  # noqa: BLE001
+                row["max_diff"] = None
+                row["error"] = f"diff: {type(ex).__name__}"
+    delegated = sum(s.delegated for _, s in patched_modules(elsa))
+    if delegated:
+        row["delegated_calls"] = delegated
+    del native, elsa, variants, x
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = [(mode, dt) for mode in ("fwd", "train") for dt in ("fp32", "bf16")
+              if any(r["mode"] == mode and r["dtype"] == dt for r in rows)]
+    if not groups:
+        return
+    fig, axes = plt.subplots(len(groups), 1, figsize=(max(8, 0.45 * len(rows) + 4), 3.2 * len(groups)), squeeze=False)
+    for ax, (mode, dt) in zip(axes[:, 0], groups):
+        rs = [r for r in rows if r["mode"] == mode and r["dtype"] == dt]
+        xs = range(len(rs))
+        for i, b in enumerate(BASELINES):
+            ys = [r.get(f"speedup_vs_{b}") or 0.0 for r in rs]
+            ax.bar([x + (i - 0.5) * 0.4 for x in xs], ys, width=0.4, label=f"vs timm {b}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"{r['model']} {r['size']} b{r['batch']}" for r in rs], rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("speedup (native / ELSA)")
+        ax.set_title(f"{'forward' if mode == 'fwd' else 'training step'}, {dt}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the headline cases only (< 3 min on an H100)")
+    ap.add_argument("--family", choices=["vit", "swin", "all"], default="all")
+    ap.add_argument("--models", nargs="*", help=f"subset of {list(VIT) + list(SWIN)}")
+    ap.add_argument("--sizes", nargs="*", type=int, help="image sizes (replace the defaults; filter with --quick)")
+    ap.add_argument("--batches", nargs="*", type=int, help="batch sizes (replace the defaults; filter with --quick)")
+    ap.add_argument("--modes", nargs="*", choices=["fwd", "train"])
+    ap.add_argument("--dtypes", nargs="*", choices=["fp32", "bf16"])
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--matmul", choices=["highest", "high"], default="highest",
+                    help="torch.set_float32_matmul_precision for the fp32 cases (ELSA 'auto' follows it)")
+    ap.add_argument("--precision", default="auto", help="ELSA precision passed to patch()")
+    ap.add_argument("--name", help="output file stem (default models[_quick][_family])")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args(argv)
+    if a.device == "cpu":
+        print("note: no GPU; this runs on the CPU (reference backend unless TRITON_INTERPRET=1) — "
+              "use small --sizes/--batches", file=sys.stderr)
+    torch.set_float32_matmul_precision(a.matmul)
+    if a.quick:
+        cases = [c for c in quick_cases() if (not a.sizes or c.size in a.sizes) and (not a.batches or c.batch in a.batches)]
+    else:
+        cases = all_cases(a.family, a.sizes, a.batches)
+    keep = lambda c: ((not a.models or c.model in a.models) and (not a.modes or c.mode in a.modes)  # noqa: E731
+                      and (not a.dtypes or c.dtype in a.dtypes))
+    cases = [c for c in cases if keep(c)]
+    name = a.name or ("models" + ("_quick" if a.quick else "") + ("" if a.family == "all" or a.quick else f"_{a.family}"))
+    out_dir = results_dir()
+    rows = []
+    for i, c in enumerate(cases):
+        print(f"[{i + 1}/{len(cases)}] {c.label}", flush=True)
+        rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision))
+        write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
+    cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
+            "speedup_vs_unfused", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
+    print(fmt_table(rows, cols))
+    errs = [(r, k) for r in rows for k in r if k.endswith("error")]
+    for r, k in errs:
+        print(f"  {r['model']} {r['size']} b{r['batch']} {r['mode']} {r['dtype']}: {k} = {r[k]}")
+    plot(rows, out_dir / f"{name}.png")
+    print(f"wrote {out_dir / (name + '.csv')} and {name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
