@@ -85,11 +85,12 @@ class Result:
 
 
 def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 10,
-            min_time_ms: float = 0.0, memory: bool = True) -> dict[str, Result]:
+            min_time_ms: float = 0.0, budget_ms: float = 0.0, memory: bool = True) -> dict[str, Result]:
     """Time the variants of one case interleaved; returns name → Result.
 
     A variant that raises (OOM, not supported) is recorded with its error and dropped from the
-    rounds. ``min_time_ms`` raises ``rounds`` until each variant has run at least that long.
+    rounds. ``min_time_ms`` raises ``rounds`` until each variant has run at least that long;
+    ``budget_ms`` lowers ``rounds`` (to no fewer than 3) so the timed rounds fit in that budget.
     """
     alive = dict(variants)
     errors: dict[str, str] = {}
@@ -107,6 +108,9 @@ def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, round
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     times: dict[str, list[float]] = {n: [] for n in alive}
+    if budget_ms and alive:
+        one = sum(_time_once(fn) for fn in alive.values())
+        rounds = max(3, min(rounds, int(budget_ms / max(one, 1e-3))))
     r = 0
     while alive and (r < rounds or (min_time_ms and min(sum(t) for t in times.values()) < min_time_ms)):
         for name, fn in alive.items():

@@ -18,7 +18,8 @@ scheduling choice: when (query blocks × batch·heads) cannot fill the GPU, the 
 balanced partitions so that every SM gets equal work (LeanAttention's stream-K idea).
 
 Backward. delta = rowsum(dO·O) (preprocess kernel); a dK/dV kernel loops over query tiles and a dQ
-kernel loops over key tiles, both recomputing P = 2^(s − lse) from the saved per-row log-sum-exp.
+kernel loops over key tiles, both recomputing P = 2^(s − lse) from the saved per-row log-sum-exp
+(kept in log2 units, lse₂ = m + log2 S, so no conversion rounds it).
 dBias has a kernel of its own whose programs own a tile of the bias and loop over the batch/head
 dimensions the bias is broadcast along. No atomics: gradients are bitwise reproducible.
 
@@ -70,14 +71,23 @@ def _dot(a, b, PREC: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     elif PREC == 1 or PREC == 3:
         return tl.dot(a, b, input_precision="tf32x3")
+    elif a.dtype == tl.float32:
+        # the tensor core truncates to tf32; rounding to nearest first halves the error (as cuBLAS does)
+        return tl.dot(_round_tf32(a), _round_tf32(b))
     else:
         return tl.dot(a, b)
 
 
 @triton.jit
+def _round_tf32(x):
+    """float32 → nearest tf32 value (10 mantissa bits), ties away from zero, still stored as float32."""
+    return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _split_tf32(x):
-    """x = hi + lo exactly, hi holding x's top 10 mantissa bits (what a tf32 tensor-core op reads)."""
-    hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    """x = hi + lo exactly, hi the nearest tf32 value (what a tf32 tensor-core op reads exactly)."""
+    hi = _round_tf32(x)
     return hi, x - hi
 
 
@@ -91,7 +101,10 @@ def _dot3(a_hi, a_lo, b_hi, b_lo):
 def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
             D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
             PREC: tl.constexpr):
-    """Log2-domain scores [BM, BN] of a query tile against the key tile at offs_n (−inf where invisible)."""
+    """Scores [BM, BN] of a query tile against the key tile at offs_n, −inf where invisible.
+
+    With a bias they are final log2-domain logits (q·k·scale + bias)·log2 e; without one they are
+    the raw q·k, and the caller applies the (positive) scale inside the exponent's FMA."""
     if MASK:
         k = tl.load(k_ptrs + offs_n[None, :] * sk_n,
                     mask=(offs_n[None, :] < k_end) & (offs_d[:, None] < D), other=0.0)
@@ -99,12 +112,12 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
         k = tl.load(k_ptrs + offs_n[None, :] * sk_n, mask=offs_d[:, None] < D, other=0.0)
     if PREC == 3:
         k_hi, k_lo = _split_tf32(k)
-        s = _dot3(q, q_lo, k_hi, k_lo) * qk_scale2
+        s = _dot3(q, q_lo, k_hi, k_lo)
     else:
-        s = _dot(q, k, PREC) * qk_scale2
+        s = _dot(q, k, PREC)
     if HAS_BIAS:
         bmask = (offs_m[:, None] < Nq) & (offs_n[None, :] < k_end)
-        s += tl.load(bias_ptrs + offs_n[None, :] * sb_n, mask=bmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        s = s * qk_scale2 + tl.load(bias_ptrs + offs_n[None, :] * sb_n, mask=bmask, other=0.0).to(tl.float32) * 1.4426950408889634
     if MASK:
         visible = offs_n[None, :] < k_end
         if CAUSAL:
@@ -137,14 +150,20 @@ def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, N
     """Merge the key tile at offs_n into the running monoid state (m_i, s_i, acc) of a query tile."""
     s = _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
                 D, HAS_BIAS, CAUSAL, MASK, PREC)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if HAS_BIAS:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale2)
     if MASK or HAS_BIAS:
         # a row with nothing visible yet has m = −inf: the tile must merge as the identity, not NaN
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_safe = m_new
     alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None])
+    if HAS_BIAS:
+        p = tl.math.exp2(s - m_safe[:, None])
+    else:
+        p = tl.math.exp2(s * qk_scale2 - m_safe[:, None])  # one FMA per score
     if MASK:
         v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=(offs_n[:, None] < k_end) & (offs_d[None, :] < D), other=0.0)
     else:
@@ -215,7 +234,7 @@ def _fwd_kernel(
         out = acc / tl.where(nonempty, s_i, 1.0)[:, None]
         tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-        lse = tl.where(nonempty, (m_i + tl.math.log2(tl.where(nonempty, s_i, 1.0))) * 0.6931471805599453,
+        lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, s_i, 1.0)),
                        float("inf"))
         tl.store(Lse + bh.to(tl.int64) * Nq + offs_m, lse, mask=row_ok)
 
@@ -252,7 +271,7 @@ def _merge_kernel(
     h = (bh % H).to(tl.int64)
     tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-    lse = tl.where(nonempty, (m + tl.math.log2(tl.where(nonempty, s, 1.0))) * 0.6931471805599453, float("inf"))
+    lse = tl.where(nonempty, m + tl.math.log2(tl.where(nonempty, s, 1.0)), float("inf"))
     tl.store(Lse + bh.to(tl.int64) * Nq + offs_m, lse, mask=row_ok)
 
 
@@ -310,7 +329,7 @@ def _bwd_dkdv_kernel(
         qm = row_ok[:, None] & (offs_d[None, :] < D)
         q = tl.load(q_base + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
         do = tl.load(do_base + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
-        lse2 = tl.load(Lse + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        lse2 = tl.load(Lse + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
         s = _dot(q, kT, PREC) * qk_scale2
         if HAS_BIAS:
@@ -349,7 +368,7 @@ def _bwd_dq_kernel(
     qm = row_ok[:, None] & (offs_d[None, :] < D)
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
     do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
-    lse2 = tl.load(Lse + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.load(Lse + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     k_hi = Nk
@@ -419,7 +438,7 @@ def _bwd_dbias_kernel(
             do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
             k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kvm, other=0.0)
             v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kvm, other=0.0)
-            lse2 = tl.load(Lse + bh * Nq + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+            lse2 = tl.load(Lse + bh * Nq + offs_m, mask=row_ok, other=float("inf"))
             delta = tl.load(Delta + bh * Nq + offs_m, mask=row_ok, other=0.0)
             s = _dot(q, tl.trans(k), PREC) * qk_scale2
             s += tl.load(Bias + b * sb_b + h * sb_h + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
@@ -519,10 +538,13 @@ def _strides4(t: Optional[torch.Tensor]) -> tuple[int, int, int, int]:
 
 def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
             summaries: Optional[dict] = None, config: Optional[Config] = None):
-    """Launch phase 1 (and phase 2 when split). Returns (out [B,H,Nq,D], lse [B,H,Nq] float32, natural log).
+    """Launch phase 1 (and phase 2 when split). Returns (out [B,H,Nq,D], lse₂ [B,H,Nq] float32 in log2
+    units: lse₂ = log2 Σ_j 2^(s_j·log2 e), +inf for rows that see no key).
 
     ``summaries``, when a dict, receives the phase-1 summary tensors and the partition plan (used by
     verify.structure to show what phase 2 reads)."""
+    if not scale > 0:
+        raise ValueError(f"the Triton forward needs scale > 0, got {scale}; use the reference backend")
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = _pow2(D)
@@ -615,7 +637,8 @@ def backward(do, q, k, v, bias, out, lse, scale: float, causal: bool, precision:
 @torch.library.custom_op("elsa_vision::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                   scale: float, causal: bool, precision: str, partitions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B,H,Nq,D], k/v [B,H,Nk,D], bias 4-D broadcastable (size-1 dims) → out [B,H,Nq,D], lse [B,H,Nq].
+    """q [B,H,Nq,D], k/v [B,H,Nk,D], bias 4-D broadcastable (size-1 dims) → out [B,H,Nq,D], lse₂ [B,H,Nq]
+    (log2 units).
     ``partitions`` ≤ 0 lets the planner choose."""
     return forward(q, k, v, bias, scale, causal, precision, partitions if partitions > 0 else None)
 

@@ -9,13 +9,22 @@ import torch
 from elsa_vision import verify
 
 
+def round_tf32(x):
+    """float32 → nearest tf32 value (what cuBLAS feeds a tf32 tensor-core product)."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+
+
 def torch_same_dtype(q, k, v, bias=None, scale=None, causal=False, tf32=False):
-    """Plain softmax attention in the inputs' dtype (the 'same-dtype reference' of the rule)."""
+    """Plain softmax attention in the inputs' dtype (the 'same-dtype reference' of the rule).
+    ``tf32``: both matmuls take tf32-rounded operands with float32 accumulation, on any device."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    # rounded values forward, identity gradient (autograd's matmuls then read the rounded operands)
+    r = (lambda t: t + (round_tf32(t.detach()) - t.detach())) if tf32 else (lambda t: t)
     try:
-        s = torch.matmul(q, k.transpose(-1, -2)) * scale
+        s = torch.matmul(r(q), r(k).transpose(-1, -2)) * scale
         if bias is not None:
             s = s + (torch.zeros(bias.shape, dtype=s.dtype, device=s.device).masked_fill_(~bias, float("-inf"))
                      if bias.dtype == torch.bool else bias.to(s.dtype))
@@ -25,7 +34,7 @@ def torch_same_dtype(q, k, v, bias=None, scale=None, causal=False, tf32=False):
             j = torch.arange(nk, device=q.device)[None, :]
             s = s.masked_fill(j > i + (nk - nq), float("-inf"))
         p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)
-        return torch.matmul(p, v)
+        return torch.matmul(r(p), r(v))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
 
@@ -56,7 +65,8 @@ def check_case(q, k, v, *, bias=None, causal=False, precision="auto", backend="a
     ins64 = [t.detach().double().requires_grad_(grads) for t in ins]
     b64 = ins64[3] if len(ins64) == 4 else bias
     ref = verify.oracle(*ins64[:3], bias=b64, causal=causal, scale=scale)
-    tf32 = precision == "tf32" and q.dtype == torch.float32 and q.is_cuda
+    tf32 = q.dtype == torch.float32 and (precision == "tf32" or (
+        precision == "auto" and torch.get_float32_matmul_precision() != "highest"))
     same_ins = [t.detach().requires_grad_(grads) for t in ins]
     sb = same_ins[3] if len(same_ins) == 4 else bias
     same = torch_same_dtype(*same_ins[:3], bias=sb, causal=causal, scale=scale, tf32=tf32)

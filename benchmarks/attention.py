@@ -1,0 +1,262 @@
+"""Attention benchmark: ELSA vs PyTorch SDPA backends, forward and forward+backward, same process.
+
+    python benchmarks/attention.py              # full sweep → benchmarks/results/<device>/attention.{csv,png}
+    python benchmarks/attention.py --quick      # N 4K/16K, d 64
+    python benchmarks/attention.py --tune fwd   # tile-shape sweep for the kernel config tables
+
+TF/s counts 4·Nq·Nk·d·H·B FLOPs for a forward (2 matmuls) and 3.5× that for forward+backward.
+Error: max |out − float64 oracle| over a sample of query rows (all keys). Peak memory: bytes
+allocated above the inputs during one call. Ratio: ELSA time / baseline time (< 1 = ELSA faster).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import fmt_table, measure, metadata, results_dir, write_csv  # noqa: E402
+
+import elsa_vision  # noqa: E402
+from elsa_vision import verify  # noqa: E402
+from elsa_vision.kernels import attention as K  # noqa: E402
+
+SDPA = {"math": SDPBackend.MATH, "mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def modes(dtype: str):
+    """(label, elsa precision) per dtype, and the SDPA baselines that run that dtype."""
+    if dtype == "fp32":
+        return [("elsa-ieee", "ieee"), ("elsa-tf32x3", "tf32x3"), ("elsa-tf32", "tf32")], ["math", "mem_efficient"]
+    return [("elsa", "auto")], ["math", "mem_efficient", "flash", "cudnn"]
+
+
+def make(B, H, nq, nk, d, dtype, grad, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = [torch.randn(B, H, n, d, device="cuda", dtype=dtype, generator=g).requires_grad_(grad) for n in (nq, nk, nk)]
+    return t
+
+
+def sdpa_fn(name, q, k, v, causal):
+    def f():
+        with sdpa_kernel(SDPA[name]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return f
+
+
+def sample_error(out, q, k, v, causal, rows=64):
+    """max |out − oracle| on `rows` query rows spread over Nq (oracle in float64 on those rows only)."""
+    nq = q.shape[2]
+    idx = torch.linspace(0, nq - 1, min(rows, nq), device=q.device).long()
+    qs = q.detach()[:, :, idx].double()
+    s = torch.matmul(qs, k.detach().double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        j = torch.arange(k.shape[2], device=q.device)
+        s = s.masked_fill(j[None, :] > idx[:, None] + (k.shape[2] - nq), float("-inf"))
+    ref = torch.matmul(torch.softmax(s, -1), v.detach().double())
+    return (out.detach()[:, :, idx].double() - ref).abs().max().item()
+
+
+def run_case(B, H, nq, nk, d, dtype_name, bwd, causal=False, budget_ms=1500, partitions=None, tag=""):
+    dtype = DT[dtype_name]
+    q, k, v = make(B, H, nq, nk, d, dtype, bwd)
+    do = torch.randn_like(q) if bwd else None
+    elsa_modes, base = modes(dtype_name)
+    fns, outs = {}, {}
+    for label, prec in elsa_modes:
+        def f(prec=prec, label=label):
+            o = elsa_vision.attention(q, k, v, causal=causal, precision=prec, partitions=partitions)
+            if bwd:
+                torch.autograd.grad(o, (q, k, v), do)
+            return o
+        fns[label] = f
+    for name in base:
+        sf = sdpa_fn(name, q, k, v, causal)
+        def g(sf=sf):
+            o = sf()
+            if bwd:
+                torch.autograd.grad(o, (q, k, v), do)
+            return o
+        fns[f"sdpa-{name}"] = g
+    # error vs float64 (forward rows only; one call each, outside the timing)
+    errs = {}
+    if not bwd:
+        for label, fn in fns.items():
+            try:
+                errs[label] = sample_error(fn(), q, k, v, causal)
+            except Exception:  # noqa: BLE001 - the failure is reported by measure below
+                errs[label] = None
+    res = measure(fns, budget_ms=budget_ms)
+    flops = 4.0 * B * H * nq * nk * d * (0.5 if causal and nq == nk else 1.0) * (3.5 if bwd else 1.0)
+    rows = []
+    for label, r in res.items():
+        rows.append({
+            "case": tag or "sweep", "pass": "fwd+bwd" if bwd else "fwd", "dtype": dtype_name, "B": B, "H": H,
+            "Nq": nq, "Nk": nk, "d": d, "causal": causal, "variant": label,
+            "ms": r.ms, "tflops": (flops / r.ms / 1e9) if r.ms else None,
+            "peak_mib": (r.peak_bytes / 2**20) if r.peak_bytes is not None else None,
+            "max_err_vs_fp64": errs.get(label), "error": r.error,
+        })
+    # ratios vs each baseline
+    base_ms = {r["variant"]: r["ms"] for r in rows if r["variant"].startswith("sdpa-") and r["ms"]}
+    for r in rows:
+        if r["variant"].startswith("elsa") and r["ms"]:
+            for bname, bms in base_ms.items():
+                r[f"speedup_vs_{bname[5:]}"] = bms / r["ms"]
+    del q, k, v, do, fns
+    torch.cuda.empty_cache()
+    return rows
+
+
+def few_queries(d=64, nq=16, nk=131072, H=16):
+    """Nq ≪ Nk: balanced key split (auto) against one partition."""
+    q, k, v = make(1, H, nq, nk, d, torch.float32, False)
+    rows = []
+    for dt_name in ("fp32", "bf16"):
+        dt = DT[dt_name]
+        qq, kk, vv = q.to(dt), k.to(dt), v.to(dt)
+        prec = "tf32x3" if dt_name == "fp32" else "auto"
+        fns = {"elsa-split(auto)": lambda: elsa_vision.attention(qq, kk, vv, precision=prec),
+               "elsa-1-partition": lambda: elsa_vision.attention(qq, kk, vv, precision=prec, partitions=1),
+               "sdpa-mem_efficient": sdpa_fn("mem_efficient", qq, kk, vv, False)}
+        if dt_name != "fp32":
+            fns["sdpa-flash"] = sdpa_fn("flash", qq, kk, vv, False)
+        res = measure(fns, budget_ms=500)
+        info = {}
+        K.forward(qq, kk, vv, None, 1 / math.sqrt(d), False, elsa_vision.resolve_precision(prec, dt), summaries=info)
+        one = res["elsa-1-partition"].ms
+        for label, r in res.items():
+            rows.append({"case": "few_queries", "pass": "fwd", "dtype": dt_name, "B": 1, "H": H, "Nq": nq, "Nk": nk,
+                         "d": d, "variant": label, "ms": r.ms, "peak_mib": (r.peak_bytes or 0) / 2**20,
+                         "partitions": info["n_part"] if "auto" in label else 1,
+                         "speedup_vs_1_partition": (one / r.ms) if r.ms and one else None, "error": r.error})
+    return rows
+
+
+# Tile shapes tried by --tune: (block_m, block_n, num_warps, num_stages) per (pass, dtype, precision, d).
+# Kept short: each candidate is a separate compile.
+CANDIDATES = {
+    ("fwd", "bf16", "native", 64): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3), (128, 32, 4, 4)],
+    ("fwd", "bf16", "native", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2)],
+    ("fwd", "bf16", "native", 32): [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)],
+    ("fwd", "fp32", "tf32x3", 64): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4)],
+    ("fwd", "fp32", "tf32x3", 128): [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
+    ("fwd", "fp32", "tf32x3", 32): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
+    ("fwd", "fp32", "ieee", 64): [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 128, 8, 1)],
+    ("fwd", "fp32", "ieee", 128): [(64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)],
+    ("fwd", "fp32", "tf32", 64): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
+    ("bwd", "bf16", "native", 64): [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
+    ("bwd", "bf16", "native", 128): [(64, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
+    ("bwd", "fp32", "tf32x3", 64): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+    ("bwd", "fp32", "tf32x3", 128): [(32, 32, 4, 1), (64, 32, 4, 2), (64, 64, 8, 2)],
+}
+
+
+def tune(kinds=("fwd", "bwd"), N=16384):
+    """Time the CANDIDATES tile shapes at N tokens (B=1, H=16) and print the best per entry."""
+    out = []
+    for (kind, dtn, prec, d), cands in CANDIDATES.items():
+        if kind not in kinds:
+            continue
+        q, k, v = make(1, 16, N, N, d, DT[dtn], False)
+        fns = {}
+        for bm, bn, w, st in cands:
+            cfg = K.Config(bm, bn, w, st)
+            name = f"{bm}x{bn}w{w}s{st}"
+            if kind == "fwd":
+                fns[name] = lambda cfg=cfg: K.forward(q, k, v, None, d ** -0.5, False, prec, 1, config=cfg)
+            else:
+                o, lse = K.forward(q, k, v, None, d ** -0.5, False, prec, 1)
+                do = torch.randn_like(o)
+                fns[name] = lambda cfg=cfg, o=o, lse=lse, do=do: K.backward(
+                    do, q, k, v, None, o, lse, d ** -0.5, False, prec, False, config=cfg)
+        res = measure(fns, warmup=1, rounds=5, memory=False)
+        flops = 4.0 * 16 * N * N * d * (2.5 if kind == "bwd" else 1.0)
+        ranked = sorted((r.ms, n) for n, r in res.items() if r.ms)
+        for n, r in res.items():
+            out.append({"kind": kind, "dtype": dtn, "precision": prec, "d": d, "config": n, "ms": r.ms,
+                        "tflops": flops / r.ms / 1e9 if r.ms else None, "error": r.error})
+        print(f"{kind} {dtn} {prec} d={d}: " + ", ".join(f"{n} {flops / ms / 1e9:.1f}" for ms, n in ranked),
+              flush=True)
+        del q, k, v, fns
+        torch.cuda.empty_cache()
+    return out
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sweep = [r for r in rows if r["case"] == "sweep" and r["d"] == 64 and r["ms"]]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, pas in zip(axes, ("fwd", "fwd+bwd")):
+        for (dt, var) in sorted({(r["dtype"], r["variant"]) for r in sweep if r["pass"] == pas}):
+            pts = sorted((r["Nq"], r["tflops"]) for r in sweep if r["pass"] == pas and r["dtype"] == dt and r["variant"] == var)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ls="-" if var.startswith("elsa") else "--", label=f"{dt} {var}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens N (B=1, H=16, d=64)")
+        ax.set_ylabel("TF/s")
+        ax.set_title(f"attention {pas}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    m = metadata()
+    fig.suptitle(f"ELSA vs SDPA — {m['device']}, torch {m['torch']}, triton {m['triton']}, {m['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tune", choices=["fwd", "bwd", "both"])
+    ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
+    ap.add_argument("--no-bwd", action="store_true")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
+    outdir = Path(a.out) if a.out else results_dir()
+    outdir.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if a.tune:
+        rows = tune(("fwd", "bwd") if a.tune == "both" else (a.tune,))
+        write_csv(rows, outdir / f"tune_{a.tune}.csv")
+        return
+    H = 16
+    if a.quick:
+        cases = [(n, n, 64) for n in (4096, 16384)]
+        dtypes = ("fp32", "bf16")
+    else:
+        cases = [(n, n, 64) for n in (197, 1041, 4096, 16384, 65536)] + [(104100, 104100, 64)]
+        cases += [(n, n, d) for n in (4096, 16384) for d in (32, 128)]
+        dtypes = ("fp32", "bf16", "fp16")
+    rows = []
+    for (nq, nk, d), dtn in itertools.product(cases, dtypes):
+        if dtn == "fp16" and (d != 64 or nq > 16384):
+            continue
+        for bwd in ((False,) if a.no_bwd else (False, True)):
+            if bwd and nq > 65536:
+                continue
+            new = run_case(1, H, nq, nk, d, dtn, bwd)
+            rows += new
+            print(fmt_table(new, ["pass", "dtype", "Nq", "d", "variant", "ms", "tflops", "peak_mib", "max_err_vs_fp64"]),
+                  flush=True)
+    rows += few_queries()
+    print(fmt_table(rows[-7:], ["dtype", "Nq", "Nk", "variant", "ms", "partitions", "speedup_vs_1_partition"]))
+    name = "attention_quick" if a.quick else "attention"
+    write_csv(rows, outdir / f"{name}.csv")
+    plot(rows, outdir / f"{name}.png")
+    print(f"wrote {outdir / name}.csv/.png")
+
+
+if __name__ == "__main__":
+    main()
