@@ -20,7 +20,8 @@ What gets patched (matched by class object):
   in the autocast dtype. Outside autocast float32 runs in the requested ``precision``. Attention
   dropout in training, xFormers ``attn_bias`` and other inputs the original would reject are handed
   to the original forward (counted in ``module._elsa.delegated``).
-* ``vggt.models.aggregator.Aggregator``, only when ``lean_memory`` or ``token_merging`` is given.
+* ``vggt.models.aggregator.Aggregator``, only when ``lean_memory`` or ``token_merging`` is given,
+  and ``vggt.heads.dpt_head.DPTHead`` with ``lean_memory``.
 
 The FastVGGT fork (https://github.com/mystorm16/FastVGGT) installs under the same ``vggt`` package
 name; its ``Attention`` (whose forward takes ``global_merging``) is recognised from its class and its
@@ -36,8 +37,9 @@ Patch options (keywords of ``elsa_vision.patch``):
   ``LookupError``; predictions are unchanged. Lean mode also bounds transient memory: frame blocks run
   in frame chunks, and global blocks compute q/k/v (already in the attention dtype) and the MLP in
   token chunks of ``lean_chunk`` tokens (default 65536). The heads already process frames in chunks
-  (``DPTHead.frames_chunk_size``, 8 frames). Inference only: an aggregator in training mode runs its
-  original forward.
+  (``DPTHead.frames_chunk_size``, 8 frames); in lean mode they write each chunk into preallocated
+  outputs instead of concatenating a list of chunks (``head_chunk`` frames per chunk, default the
+  head's own 8). Inference only: an aggregator in training mode runs its original forward.
 * ``token_merging``: a :class:`TokenMerging` (upstream VGGT only, inference only).
 """
 from __future__ import annotations
@@ -115,12 +117,13 @@ class TokenMerging:
 ATTENTION_TARGETS = ("vggt.layers.attention:Attention", "vggt.layers.attention:MemEffAttention")
 AGGREGATOR_TARGETS = ("vggt.models.aggregator:Aggregator",)
 BLOCK_TARGETS = ("vggt.layers.block:Block",)
+DPT_HEAD_TARGETS = ("vggt.heads.dpt_head:DPTHead",)
 
-_EXTRA: dict[str, list[type]] = {"attention": [], "aggregator": [], "block": []}
+_EXTRA: dict[str, list[type]] = {"attention": [], "aggregator": [], "block": [], "dpt_head": []}
 
 
 def register_classes(*, attention: Sequence[type] = (), aggregator: Sequence[type] = (),
-                     block: Sequence[type] = ()) -> Callable[[], None]:
+                     block: Sequence[type] = (), dpt_head: Sequence[type] = ()) -> Callable[[], None]:
     """Serve classes that carry vggt's code outside the ``vggt`` package (a vendored copy, a test
     stand-in) as if they were vggt's own. Returns a function that removes them again.
 
@@ -132,9 +135,12 @@ def register_classes(*, attention: Sequence[type] = (), aggregator: Sequence[typ
         global_blocks, depth, aa_block_size, patch_size, patch_start_idx, _process_frame_attention,
         _process_global_attention).
     block: ``Block``-like classes (norm1, attn, ls1, norm2, mlp, ls2) that lean mode may run in chunks.
+    dpt_head: classes with ``DPTHead``'s forward(aggregated_tokens_list, images, patch_start_idx,
+        frames_chunk_size=8) and ``_forward_impl(..., frames_start_idx, frames_end_idx)``.
     """
     added: list[tuple[str, type]] = []
-    for key, classes in (("attention", attention), ("aggregator", aggregator), ("block", block)):
+    for key, classes in (("attention", attention), ("aggregator", aggregator), ("block", block),
+                         ("dpt_head", dpt_head)):
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
                 raise TypeError(f"register_classes: {key} entries must be nn.Module classes, got {cls!r}")
@@ -445,6 +451,7 @@ class VGGTAttentionAdapter(Adapter):
         out = attention(q, k, v, scale=scale, precision=opts.get("precision", "auto"),
                         backend=opts.get("backend", "auto"))
         y = out.transpose(1, 2).reshape(B, out.shape[2], C)
+        del out  # [B, H, M, D] and its token-major copy need not coexist with proj's output
         y = module.proj_drop(module.proj(y))
         if plan is not None:
             y = unmerge(y, plan)
@@ -530,6 +537,8 @@ def _run_block(block, x, pos, per_frame: bool, chunk: int, block_classes: tuple)
                 out = y.new_empty((n_frames, *y.shape[1:]))
             out[f0:f0 + step] = y
         return out
+    if block._forward_hooks or block._forward_pre_hooks:  # hooks expect a call of the block itself
+        return block(x, pos=pos)
     # one long sequence: attention sees every token; the MLP residual is per token, so run it in chunks
     x = x + block.ls1(block.attn(block.norm1(x), pos=pos))
     N = x.shape[1]
@@ -628,5 +637,46 @@ class VGGTAggregatorAdapter(Adapter):
         return outputs, patch_start_idx
 
 
+class VGGTDPTHeadAdapter(Adapter):
+    """Lean mode for vggt's ``DPTHead``: the same frame chunks, written into preallocated outputs
+    instead of concatenated at the end (one copy of the full-resolution outputs, not two)."""
+
+    name = "vggt-dpt-head"
+    targets = DPT_HEAD_TARGETS
+
+    def classes(self) -> tuple[type, ...]:
+        return tuple(dict.fromkeys([*super().classes(), *_EXTRA["dpt_head"]]))
+
+    def skip_reason(self, module, options):
+        chunk = options.get("head_chunk")
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"head_chunk must be a positive int (frames) or None, got {chunk!r}")
+        return None if options.get("lean_memory") else "only used with lean_memory"
+
+    def forward(self, head, state: PatchState, *args, **kwargs):
+        try:  # the head's own defaults (vggt: frames_chunk_size=8)
+            a = inspect.signature(type(head).forward).bind(head, *args, **kwargs)
+        except TypeError:
+            return state.delegate(*args, reason="arguments the original forward does not take", **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        aggregated_tokens_list, images, patch_start_idx = a["aggregated_tokens_list"], a["images"], a["patch_start_idx"]
+        chunk = state.options.get("head_chunk") or a.get("frames_chunk_size")
+        S = images.shape[1]
+        if chunk is None or chunk >= S:
+            return state.original(aggregated_tokens_list, images, patch_start_idx, frames_chunk_size=chunk)
+        outs = None
+        for f0 in range(0, S, chunk):
+            part = head._forward_impl(aggregated_tokens_list, images, patch_start_idx, f0, min(S, f0 + chunk))
+            part = part if isinstance(part, tuple) else (part,)
+            if outs is None:
+                outs = tuple(t.new_empty((t.shape[0], S, *t.shape[2:])) for t in part)
+            for o, t in zip(outs, part):
+                o[:, f0:f0 + t.shape[1]] = t
+            del part
+        return outs if len(outs) > 1 else outs[0]
+
+
 register(VGGTAttentionAdapter())
 register(VGGTAggregatorAdapter())
+register(VGGTDPTHeadAdapter())

@@ -75,6 +75,8 @@ def test_clear_errors(tmp_path, monkeypatch):
 @pytest.mark.skipif(not HAS_VGGT, reason="vggt is not installed")
 def test_unreachable_weights_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True, raising=False)  # read at import time
     args = R.parse_args([str(tmp_path), "--weights", "facebook/VGGT-1B"])
     with pytest.raises(R.DemoError, match="--random-weights"):
         R.load_model(args)

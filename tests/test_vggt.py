@@ -230,8 +230,9 @@ def test_lean_memory_keeps_predictions_and_is_reversible(standin):
     assert all(isinstance(t, torch.Tensor) for t in layers)
     report = elsa_vision.patch(m, precision="ieee", lean_memory=(1, 3))
     assert report.patched["vggt-aggregator"] == ["aggregator"]
+    assert sorted(report.patched["vggt-dpt-head"]) == ["depth_head", "point_head"]
     lean = run(m, x)
-    assert_equal(lean, full)  # no chunking at this size: the very same operations
+    assert_equal(lean, full)  # no token chunking at this size: the very same operations
     with torch.no_grad():
         kept, _ = m.aggregator(x)
     assert isinstance(kept, A.LeanLayerList) and len(kept) == 4
@@ -248,7 +249,7 @@ def test_lean_memory_chunks_follow_the_tolerance_rule(standin):
     m = make_standin()
     x = frames()
     ref, oracle = run(m, x), oracle_outputs(m, x)
-    with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3), lean_chunk=7):
+    with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3), lean_chunk=7, head_chunk=1):
         out = run(m, x)
         # 3 frames of 20 tokens > 7 tokens: each frame block runs frame by frame
         assert m.aggregator.frame_blocks[0].attn._elsa.calls == 3

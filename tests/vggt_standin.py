@@ -6,7 +6,8 @@ It keeps what the ELSA adapter relies on: the class names, attribute names and f
 the DINOv2-style patch embedding (class + 4 register tokens, MemEffAttention blocks), the
 ``Aggregator`` (5 special tokens per frame, frame / global alternation, per-layer outputs
 concatenated to 2C), a camera head whose trunk attends over frames (head dim 128 with the default
-sizes here) and DPT-style heads that read chosen aggregator layers, processing frames in chunks.
+sizes here) and DPT-style heads (``forward`` / ``_forward_impl`` as in vggt) that read chosen
+aggregator layers, processing frames in chunks.
 Sizes are small so that the Triton interpreter runs it in seconds.
 
 The adapter serves these classes after ``elsa_vision.adapters.vggt.register_classes(**CLASSES)``.
@@ -283,20 +284,32 @@ class DPTHead(nn.Module):
         self.projects = nn.ModuleList([nn.Linear(dim_in, output_dim) for _ in self.intermediate_layer_idx])
 
     def forward(self, aggregated_tokens_list, images, patch_start_idx, frames_chunk_size=2):
-        B, S, _, H, W = images.shape
+        S = images.shape[1]
+        if frames_chunk_size is None or frames_chunk_size >= S:
+            return self._forward_impl(aggregated_tokens_list, images, patch_start_idx)
         preds, confs = [], []
-        for f0 in range(0, S, frames_chunk_size or S):
-            f1 = min(S, f0 + (frames_chunk_size or S))
-            out = 0
-            for proj, layer in zip(self.projects, self.intermediate_layer_idx):
-                x = aggregated_tokens_list[layer][:, f0:f1, patch_start_idx:]
-                out = out + proj(self.norm(x))
-            out = out.reshape(B * (f1 - f0), H // self.patch_size, W // self.patch_size, -1).permute(0, 3, 1, 2)
-            out = F.interpolate(out, size=(H, W), mode="bilinear", align_corners=True)
-            out = out.permute(0, 2, 3, 1).reshape(B, f1 - f0, H, W, -1)
-            preds.append(torch.exp(out[..., :-1]))
-            confs.append(1 + torch.exp(out[..., -1]))
+        for f0 in range(0, S, frames_chunk_size):
+            p, c = self._forward_impl(aggregated_tokens_list, images, patch_start_idx, f0,
+                                      min(S, f0 + frames_chunk_size))
+            preds.append(p)
+            confs.append(c)
         return torch.cat(preds, dim=1), torch.cat(confs, dim=1)
+
+    def _forward_impl(self, aggregated_tokens_list, images, patch_start_idx, frames_start_idx=None,
+                      frames_end_idx=None):
+        if frames_start_idx is not None:
+            images = images[:, frames_start_idx:frames_end_idx]
+        B, S, _, H, W = images.shape
+        out = 0
+        for proj, layer in zip(self.projects, self.intermediate_layer_idx):
+            x = aggregated_tokens_list[layer][:, :, patch_start_idx:]
+            if frames_start_idx is not None:
+                x = x[:, frames_start_idx:frames_end_idx]
+            out = out + proj(self.norm(x))
+        out = out.reshape(B * S, H // self.patch_size, W // self.patch_size, -1).permute(0, 3, 1, 2)
+        out = F.interpolate(out, size=(H, W), mode="bilinear", align_corners=True)
+        out = out.permute(0, 2, 3, 1).reshape(B, S, H, W, -1)
+        return torch.exp(out[..., :-1]), 1 + torch.exp(out[..., -1])
 
 
 class VGGT(nn.Module):
@@ -318,4 +331,4 @@ class VGGT(nn.Module):
         return preds
 
 
-CLASSES = dict(attention=[Attention, MemEffAttention], aggregator=[Aggregator], block=[Block])
+CLASSES = dict(attention=[Attention, MemEffAttention], aggregator=[Aggregator], block=[Block], dpt_head=[DPTHead])
