@@ -31,6 +31,7 @@ import copy
 import gc
 import itertools
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def make_fn(model, x, case: Case, fused=None):
     return step
 
 
-def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str) -> dict:
+def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0) -> dict:
     row = {"model": case.model, "size": case.size, "batch": case.batch, "mode": case.mode, "dtype": case.dtype}
     try:
         torch.manual_seed(0)
@@ -152,7 +153,7 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str) 
     if has_fused:
         variants["fused"] = make_fn(native, x, case, fused=True)
     variants["unfused"] = make_fn(native, x, case, fused=False)
-    res = measure(variants, warmup=warmup, rounds=rounds)
+    res = measure(variants, warmup=warmup, rounds=rounds, budget_ms=budget_ms)
     for name, r in res.items():
         row[f"{name}_ms"] = r.ms
         row[f"{name}_mib"] = None if r.peak_bytes is None else r.peak_bytes / 2**20
@@ -222,7 +223,11 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="*", choices=["fwd", "train"])
     ap.add_argument("--dtypes", nargs="*", choices=["fp32", "bf16"])
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds per variant (at most)")
+    ap.add_argument("--budget-s", type=float, default=6.0,
+                    help="per case: fewer rounds (at least 3) when the timed rounds would take longer")
+    ap.add_argument("--max-minutes", type=float, default=0.0,
+                    help="start no new case after this many minutes (the CSV keeps what finished)")
     ap.add_argument("--matmul", choices=["highest", "high"], default="highest",
                     help="torch.set_float32_matmul_precision for the fp32 cases (ELSA 'auto' follows it)")
     ap.add_argument("--precision", default="auto", help="ELSA precision passed to patch()")
@@ -240,12 +245,18 @@ def main(argv=None) -> int:
     keep = lambda c: ((not a.models or c.model in a.models) and (not a.modes or c.mode in a.modes)  # noqa: E731
                       and (not a.dtypes or c.dtype in a.dtypes))
     cases = [c for c in cases if keep(c)]
-    name = a.name or ("models" + ("_quick" if a.quick else "") + ("" if a.family == "all" or a.quick else f"_{a.family}"))
+    parts = ["models"] + (["quick"] if a.quick else []) + ([a.family] if a.family != "all" and not a.quick else [])
+    parts += ["-".join(m.lower() for m in a.models)] if a.models else []
+    name = a.name or "_".join(parts)
     out_dir = results_dir()
     rows = []
+    t0 = time.time()
     for i, c in enumerate(cases):
+        if a.max_minutes and time.time() - t0 > 60 * a.max_minutes:
+            print(f"time limit: {len(cases) - i} case(s) not run, from {c.label}")
+            break
         print(f"[{i + 1}/{len(cases)}] {c.label}", flush=True)
-        rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision))
+        rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision, 1e3 * a.budget_s))
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
             "speedup_vs_unfused", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
