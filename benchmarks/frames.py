@@ -251,6 +251,7 @@ def build_upstream(weights):
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialise on the GPU: seconds instead of half a minute
         model = VGGT(enable_track=False)
+    model = model.cuda()  # buffers made by legacy constructors (torch.FloatTensor) stay on the CPU above
     if weights:
         model.load_state_dict(torch.load(weights, map_location="cuda", weights_only=True), strict=False)
     return model.eval()
@@ -283,12 +284,16 @@ def fork_source(arg) -> Path | None:
 
 def fork_worker(args):
     sys.path.insert(0, str(args.fork_src))  # before anything imports `vggt`: the fork's package wins
+    import vggt.layers.attention as fork_attention
+    if not Path(fork_attention.__file__).resolve().is_relative_to(args.fork_src.resolve()):
+        sys.exit(f"`vggt` resolves to {fork_attention.__file__}, not the fork in {args.fork_src}: an installed "
+                 "upstream vggt (editable install?) shadows it; make upstream importable with PYTHONPATH instead")
     from vggt.models.vggt import VGGT
     import elsa_vision
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = VGGT(merging=0)
-    model = model.eval().to(torch.bfloat16)
+    model = model.cuda().eval().to(torch.bfloat16)
     model.update_patch_dimensions(args.width // 14, args.height // 14)
 
     def apply(m, variant, dtype):
@@ -447,8 +452,13 @@ def main():
     out = results_dir()
     csv_path = write_csv(rows, out / f"{args.name}.csv")
     ok = [r for r in rows if r.get("status") == "ok"]
+    png = None
     if ok:
-        plot(ok, out / f"{args.name}.png")
+        try:
+            plot(ok, out / f"{args.name}.png")
+            png = out / f"{args.name}.png"
+        except ImportError as e:
+            print(f"no plot ({e}); pip install matplotlib")
     cols = ["part", "dtype", "frames", "variant", "seconds", "peak_gib", "speedup_vs_native", "memory_vs_native",
             "depth_rel_err", "points_rel_err", "pose_max_abs_diff", "status"]
     print("\n" + fmt_table(rows, cols))
@@ -457,7 +467,7 @@ def main():
         print("\nlargest frame count predicted by the peak-memory trend on this GPU:")
         print(fmt_table(cap, ["part", "dtype", "variant", "gib_per_frame", "estimated_max_frames"]))
         write_csv(cap, out / f"{args.name}_capacity.csv")
-    print(f"\nwrote {csv_path}" + (f" and {out / (args.name + '.png')}" if ok else ""))
+    print(f"\nwrote {csv_path}" + (f" and {png}" if png else ""))
 
 
 if __name__ == "__main__":

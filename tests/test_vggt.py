@@ -489,6 +489,8 @@ FORK_CHECK = textwrap.dedent("""
     import copy, json, sys, torch
     sys.path.insert(0, sys.argv[1])
     import vggt.layers.attention as fork
+    from pathlib import Path
+    assert Path(fork.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), fork.__file__
     from vggt.layers.rope import RotaryPositionEmbedding2D, PositionGetter
     import elsa_vision
     from elsa_vision.verify import max_err, tolerance
@@ -538,7 +540,9 @@ def test_fastvggt_fork_merged_attention_runs_on_elsa():
 def gpu_vggt():
     from vggt.models.vggt import VGGT
     torch.manual_seed(0)
-    model = VGGT(enable_track=False).cuda().eval()
+    with torch.device("cuda"):
+        model = VGGT(enable_track=False)
+    model = model.cuda().eval()  # .cuda(): buffers from legacy constructors are made on the CPU
     x = frames(S=4, hw=(392, 518), seed=3).cuda()
     return model, x
 
@@ -591,7 +595,7 @@ def test_gpu_lean_memory_and_merging(gpu_vggt):
 @pytest.mark.gpu
 def test_gpu_lean_memory_lowers_the_peak(gpu_vggt):
     model, _ = gpu_vggt
-    x = frames(S=16, hw=(392, 518), seed=4).cuda()
+    x = frames(S=32, hw=(392, 518), seed=4).cuda()
     peaks = {}
     for lean in (False, True):
         with elsa_vision.patched(model, lean_memory=lean):
