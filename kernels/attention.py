@@ -127,27 +127,39 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
 
 
 @triton.jit
-def _fold(p, v, acc, s_i, alpha, PREC: tl.constexpr):
+def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr):
     """Fold one tile into the running state: (acc·α + p·v, S·α + Σp). p [BM, BN] float32, v [BN, D_PAD].
 
     With half-precision v the probabilities are rounded to v's dtype for the dot; S sums the rounded
-    values so that the output is a convex combination of v with exactly the weights the dot used."""
+    values so that the output is a convex combination of v with exactly the weights the dot used.
+    In strict float32 ("ieee") the running sums are Kahan-compensated (c_acc, c_s): the FMA dot
+    already adds BN terms in sequence, and without compensation the error of the tile-to-tile sum
+    grows with the number of key tiles."""
     if PREC == 3:
         p_hi, p_lo = _split_tf32(p)
         v_hi, v_lo = _split_tf32(v)
-        return acc * alpha[:, None] + _dot3(p_hi, p_lo, v_hi, v_lo), s_i * alpha + tl.sum(p, 1)
+        return acc * alpha[:, None] + _dot3(p_hi, p_lo, v_hi, v_lo), c_acc, s_i * alpha + tl.sum(p, 1), c_s
+    elif PREC == 0:
+        a = acc * alpha[:, None]
+        y = _dot(p, v, PREC) - c_acc * alpha[:, None]
+        t = a + y
+        sa = s_i * alpha
+        ys = tl.sum(p, 1) - c_s * alpha
+        ts = sa + ys
+        return t, (t - a) - y, ts, (ts - sa) - ys
     elif v.dtype == tl.float32:
-        return acc * alpha[:, None] + _dot(p, v, PREC), s_i * alpha + tl.sum(p, 1)
+        return acc * alpha[:, None] + _dot(p, v, PREC), c_acc, s_i * alpha + tl.sum(p, 1), c_s
     else:
         ph = p.to(v.dtype)
-        return acc * alpha[:, None] + _dot(ph, v, PREC), s_i * alpha + tl.sum(ph.to(tl.float32), 1)
+        return acc * alpha[:, None] + _dot(ph, v, PREC), c_acc, s_i * alpha + tl.sum(ph.to(tl.float32), 1), c_s
 
 
 @triton.jit
 def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
-               qk_scale2, m_i, s_i, acc, D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-               MASK: tl.constexpr, PREC: tl.constexpr):
-    """Merge the key tile at offs_n into the running monoid state (m_i, s_i, acc) of a query tile."""
+               qk_scale2, m_i, s_i, c_s, acc, c_acc, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+               CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr):
+    """Merge the key tile at offs_n into the running monoid state (m_i, s_i, acc) of a query tile
+    (c_s, c_acc: compensation terms, used in strict float32 only)."""
     s = _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
                 D, HAS_BIAS, CAUSAL, MASK, PREC)
     if HAS_BIAS:
@@ -168,8 +180,8 @@ def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, N
         v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=(offs_n[:, None] < k_end) & (offs_d[None, :] < D), other=0.0)
     else:
         v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=offs_d[None, :] < D, other=0.0)
-    acc, s_i = _fold(p, v, acc, s_i, alpha, PREC)
-    return m_new, s_i, acc
+    acc, c_acc, s_i, c_s = _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC)
+    return m_new, s_i, c_s, acc, c_acc
 
 
 @triton.jit
@@ -211,16 +223,21 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    c_s = tl.zeros([BLOCK_M], tl.float32)
+    c_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     offs_n0 = tl.arange(0, BLOCK_N)
     # unmasked interior tiles, then the masked tail (partial tile, causal diagonal)
     for start in range(k_lo, full_end, BLOCK_N):
-        m_i, s_i, acc = _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk,
-                                   k_end, sk_n, sv_n, sb_n, qk_scale2, m_i, s_i, acc,
-                                   D, HAS_BIAS, CAUSAL, False, PREC)
+        m_i, s_i, c_s, acc, c_acc = _scan_tile(
+            q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
+            qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC)
     for start in range(full_end, k_hi, BLOCK_N):
-        m_i, s_i, acc = _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk,
-                                   k_end, sk_n, sv_n, sb_n, qk_scale2, m_i, s_i, acc,
-                                   D, HAS_BIAS, CAUSAL, True, PREC)
+        m_i, s_i, c_s, acc, c_acc = _scan_tile(
+            q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
+            qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC)
+    if PREC == 0:
+        acc -= c_acc
+        s_i -= c_s
 
     row_ok = offs_m < Nq
     if SPLIT:
@@ -467,33 +484,36 @@ def _pow2(d: int) -> int:
 
 
 def fwd_config(dtype: torch.dtype, d_pad: int, precision: str) -> Config:
-    """Forward tile shape by dtype / padded head dim / float32 mode (measured on an H100/H200)."""
+    """Forward tile shape by dtype / padded head dim / float32 mode: the fastest of the candidates in
+    benchmarks/attention.py --tune, measured on an H200 (N = 16K, B = 1, H = 16)."""
     if INTERPRET:
         return Config(16, 16, 1, 1)
     if dtype != torch.float32:
         if d_pad <= 64:
             return Config(128, 64, 4, 3)
         if d_pad <= 128:
-            return Config(128, 64, 8, 3)
+            return Config(64, 64, 4, 3)
         return Config(64, 32, 4, 2)
     if precision == "ieee":
-        return Config(64, 32, 4, 2) if d_pad <= 64 else Config(32, 32, 4, 2)
+        return Config(64, 64, 4, 2) if d_pad <= 64 else Config(32, 64, 4, 2) if d_pad <= 128 else Config(32, 32, 4, 1)
+    if d_pad <= 32:
+        return Config(128, 128, 8, 3) if precision == "tf32x3" else Config(128, 64, 4, 3)
     if d_pad <= 64:
-        return Config(128, 32, 8, 2) if precision == "tf32x3" else Config(128, 64, 8, 2)
+        return Config(128, 64, 8, 3) if precision == "tf32x3" else Config(128, 64, 4, 3)
     if d_pad <= 128:
-        return Config(64, 32, 4, 2)
+        return Config(128, 32, 8, 2)
     return Config(32, 32, 4, 1)
 
 
 def bwd_config(dtype: torch.dtype, d_pad: int, precision: str) -> Config:
-    """Backward tile shape: block_n small enough that the dK/dV accumulators stay in registers."""
+    """Backward tile shape (same sweep): block_n small enough that the dK/dV accumulators stay in registers."""
     if INTERPRET:
         return Config(16, 16, 1, 1)
     if dtype != torch.float32:
         if d_pad <= 64:
-            return Config(64, 64, 4, 2)
+            return Config(64, 64, 4, 3)
         if d_pad <= 128:
-            return Config(64, 64, 8, 2)
+            return Config(128, 64, 8, 2)
         return Config(32, 32, 4, 1)
     if d_pad <= 64:
         return Config(64, 32, 4, 2)

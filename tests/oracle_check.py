@@ -33,7 +33,7 @@ def torch_same_dtype(q, k, v, bias=None, scale=None, causal=False, tf32=False):
             i = torch.arange(nq, device=q.device)[:, None]
             j = torch.arange(nk, device=q.device)[None, :]
             s = s.masked_fill(j > i + (nk - nq), float("-inf"))
-        p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)
+        p = torch.softmax(s, -1).nan_to_num(0.0)  # in the inputs' dtype, as plain PyTorch code would
         return torch.matmul(r(p), r(v))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
