@@ -33,10 +33,11 @@ Patch options (keywords of ``elsa_vision.patch``):
 * ``backend``: ``"auto"`` (default), ``"triton"`` or ``"reference"``.
 * ``lean_memory``: ``True`` keeps the aggregator outputs of layers 4, 11, 17, 23 (what VGGT's DPT
   heads read) and the last layer (what the camera head reads); a sequence of layer indices keeps those
-  and the last. The other 19 entries of the returned list are ``None`` and indexing them raises
+  and the last. The other entries of the returned list are ``None`` and indexing them raises
   ``LookupError``; predictions are unchanged. Lean mode also bounds transient memory: frame blocks run
-  in frame chunks, and global blocks compute q/k/v (already in the attention dtype) and the MLP in
-  token chunks of ``lean_chunk`` tokens (default 65536). The heads already process frames in chunks
+  in frame chunks, and global blocks form norm1 → q/k/v (stored in the attention dtype), the output
+  projection and the MLP in chunks of ``lean_chunk`` tokens (default 65536) — the same per-token
+  operations, so values agree to rounding. The heads already process frames in chunks
   (``DPTHead.frames_chunk_size``, 8 frames); in lean mode they write each chunk into preallocated
   outputs instead of concatenating a list of chunks (``head_chunk`` frames per chunk, default the
   head's own 8). Inference only: an aggregator in training mode runs its original forward.
@@ -79,7 +80,8 @@ class TokenMerging:
       output.
 
     All random choices come from a generator seeded with ``seed`` (on the CPU, so they are the same
-    on every device); the same destinations serve every block and batch element.
+    on every device); the same destinations serve every block and batch element. Inference only: in
+    training mode the global blocks run exact attention.
 
     Differences from the FastVGGT fork's code: it fixes the grid (37×28) and batch 1, picks the
     protected tokens on a fixed stride, lets protected tokens take part twice (as destination and
@@ -349,16 +351,19 @@ def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     return None
 
 
-def _project(module, x: torch.Tensor, pos, chunk: Optional[int]):
-    """q, k, v [B, H, N, D] after q/k norm and RoPE, exactly as vggt's Attention forms them.
+def _project(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None):
+    """q, k, v [B, H, N, D] after q/k norm and RoPE, exactly as vggt's Attention forms them from
+    ``prenorm(x)`` (``x`` itself when prenorm is None).
 
     With ``chunk`` and B·N > chunk, tokens are processed ``chunk`` at a time into [B, N, H, D]
     buffers (the returned tensors are transposed views) held in the dtype attention will run in
     (the autocast dtype under autocast) — the per-token operations give the same values, and the
-    float32 q/k/qkv temporaries of the whole sequence never exist at once."""
+    float32 temporaries of the whole sequence (normalized input, q/k, RoPE) never exist at once."""
     B, N, C = x.shape
     H, D = module.num_heads, module.head_dim
     if chunk is None or B * N <= chunk:
+        if prenorm is not None:
+            x = prenorm(x)
         qkv = module.qkv(x).reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = module.q_norm(q), module.k_norm(k)
@@ -370,7 +375,8 @@ def _project(module, x: torch.Tensor, pos, chunk: Optional[int]):
     bufs = None
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
-        part = module.qkv(x[:, n0:n1]).reshape(B, n1 - n0, 3, H, D)
+        xc = x[:, n0:n1] if prenorm is None else prenorm(x[:, n0:n1])
+        part = module.qkv(xc).reshape(B, n1 - n0, 3, H, D)
         q, k, v = part[:, :, 0], part[:, :, 1], part[:, :, 2]
         q, k = module.q_norm(q).transpose(1, 2), module.k_norm(k).transpose(1, 2)  # [B, H, n, D]
         if module.rope is not None:
@@ -382,6 +388,80 @@ def _project(module, x: torch.Tensor, pos, chunk: Optional[int]):
         bufs[1][:, n0:n1] = k.transpose(1, 2)
         bufs[2][:, n0:n1] = v
     return tuple(b.transpose(1, 2) for b in bufs)
+
+
+def _project_out(module, out: torch.Tensor, chunk: Optional[int]) -> torch.Tensor:
+    """proj(out as [B, M, C]) for out [B, H, M, D]; with ``chunk``, a chunk of tokens at a time (no
+    token-major copy of the whole output)."""
+    B, H, M, D = out.shape
+    if chunk is None or B * M <= chunk:
+        return module.proj(out.transpose(1, 2).reshape(B, M, H * D))
+    step = max(1, chunk // B)
+    y = None
+    for n0 in range(0, M, step):
+        part = module.proj(out[:, :, n0:n0 + step].transpose(1, 2).reshape(B, -1, H * D))
+        if y is None:
+            y = part.new_empty((B, M, part.shape[-1]))
+        y[:, n0:n0 + step] = part
+    return y
+
+
+def _unsupported(module, kind: "_Kind", x, pos, attn_bias, merging) -> Optional[str]:
+    """Why the original forward must handle this call (None when ELSA serves it exactly)."""
+    if kind.memeff and attn_bias is not None:
+        return "attn_bias (xFormers nested tensors)"
+    if kind.memeff and pos is not None and (not kind.fork or module.rope is None):
+        return "MemEffAttention given pos"
+    if module.rope is not None and pos is None:
+        return "rope without positions"
+    if module.training and module.attn_drop.p > 0:
+        return "attention dropout in training"
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return "input is not [B, N, C]"
+    if kind.fork and merging is not None and getattr(sys.modules.get(type(module).__module__), "vis_attn_map", False):
+        return "FastVGGT attention-map visualisation"
+    return None
+
+
+def _merge_call(module) -> Optional[_AggregatorCall]:
+    """The running aggregator call if it merges tokens in this module's block."""
+    call = _MERGING.get()
+    layer = call.layers.get(id(module)) if call is not None else None
+    if layer is not None and layer >= call.cfg.start_layer and not module.training:
+        return call
+    return None
+
+
+def _elsa_attention(module, state: PatchState, x, pos, kind: "_Kind", merging=None, prenorm=None):
+    """The ELSA forward of one attention call (inputs already checked by ``_unsupported``).
+
+    Returns None when q, k, v come out in different dtypes outside autocast (the caller hands the
+    call to the original forward, which raises as SDPA does)."""
+    opts = state.options
+    B, N, C = x.shape
+    chunk = int(opts.get("lean_chunk", 1 << 16)) if opts.get("lean_memory") else None
+    q, k, v = _project(module, x, pos, chunk, prenorm)
+    if _autocast_dtype(x.device) is None and not (q.dtype == k.dtype == v.dtype):
+        return None
+    plan = unmerge_fn = None
+    if kind.fork:
+        if merging is not None and merging in _FORK_BLOCKS:
+            q, k, v, unmerge_fn = _fork_merge(module, x, q, k, v)
+    else:
+        call = _merge_call(module)
+        if call is not None:
+            plan = call.plan(x if prenorm is None else prenorm(x))
+            q, k, v = (merge_mean(t.transpose(1, 2), plan).transpose(1, 2) for t in (q, k, v))
+    # SDPA's default scale is 1/sqrt(head_dim); the unfused path multiplies by module.scale
+    scale = None if kind.fork or module.fused_attn else float(module.scale)
+    out = attention(q, k, v, scale=scale, precision=opts.get("precision", "auto"), backend=opts.get("backend", "auto"))
+    del q, k, v
+    y = module.proj_drop(_project_out(module, out, chunk))
+    if plan is not None:
+        y = unmerge(y, plan)
+    elif unmerge_fn is not None:
+        y = unmerge_fn(y)
+    return y
 
 
 class VGGTAttentionAdapter(Adapter):
@@ -411,53 +491,13 @@ class VGGTAttentionAdapter(Adapter):
         bound.apply_defaults()
         a = bound.arguments
         x, pos, merging = a["x"], a.get("pos"), a.get("global_merging")
-
-        def delegate(reason):
-            return state.delegate(*args, reason=reason, **kwargs)
-
-        if kind.memeff and a.get("attn_bias") is not None:
-            return delegate("attn_bias (xFormers nested tensors)")
-        if kind.memeff and pos is not None and (not kind.fork or module.rope is None):
-            return delegate("MemEffAttention given pos")
-        if module.rope is not None and pos is None:
-            return delegate("rope without positions")
-        if module.training and module.attn_drop.p > 0:
-            return delegate("attention dropout in training")
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            return delegate("input is not [B, N, C]")
-        if kind.fork and merging is not None and getattr(sys.modules.get(type(module).__module__), "vis_attn_map", False):
-            return delegate("FastVGGT attention-map visualisation")
-
-        opts = state.options
-        B, N, C = x.shape
-        lean = bool(opts.get("lean_memory"))
-        q, k, v = _project(module, x, pos, int(opts.get("lean_chunk", 1 << 16)) if lean else None)
-        if _autocast_dtype(x.device) is None and not (q.dtype == k.dtype == v.dtype):
-            return delegate("q, k, v of different dtypes outside autocast")
-
-        plan = unmerge_fn = None
-        if kind.fork:
-            if merging is not None and merging in _FORK_BLOCKS:
-                q, k, v, unmerge_fn = _fork_merge(module, x, q, k, v)
-        else:
-            call = _MERGING.get()
-            layer = call.layers.get(id(module)) if call is not None else None
-            if layer is not None and layer >= call.cfg.start_layer and not module.training:
-                plan = call.plan(x)
-                q, k, v = (merge_mean(t.transpose(1, 2), plan).transpose(1, 2) for t in (q, k, v))
-
-        # SDPA's default scale is 1/sqrt(head_dim); the unfused path multiplies by module.scale
-        scale = None if kind.fork or module.fused_attn else float(module.scale)
-        out = attention(q, k, v, scale=scale, precision=opts.get("precision", "auto"),
-                        backend=opts.get("backend", "auto"))
-        y = out.transpose(1, 2).reshape(B, out.shape[2], C)
-        del out  # [B, H, M, D] and its token-major copy need not coexist with proj's output
-        y = module.proj_drop(module.proj(y))
-        if plan is not None:
-            y = unmerge(y, plan)
-        elif unmerge_fn is not None:
-            y = unmerge_fn(y)
-        return y
+        why = _unsupported(module, kind, x, pos, a.get("attn_bias"), merging)
+        if why is None:
+            y = _elsa_attention(module, state, x, pos, kind, merging)
+            if y is not None:
+                return y
+            why = "q, k, v of different dtypes outside autocast"
+        return state.delegate(*args, reason=why, **kwargs)
 
 
 def _fork_merge(module, x, q, k, v):
@@ -540,7 +580,7 @@ def _run_block(block, x, pos, per_frame: bool, chunk: int, block_classes: tuple)
     if block._forward_hooks or block._forward_pre_hooks:  # hooks expect a call of the block itself
         return block(x, pos=pos)
     # one long sequence: attention sees every token; the MLP residual is per token, so run it in chunks
-    x = x + block.ls1(block.attn(block.norm1(x), pos=pos))
+    x = x + block.ls1(_block_attention(block, x, pos))
     N = x.shape[1]
     if N <= chunk:
         return x + block.ls2(block.mlp(block.norm2(x)))
@@ -555,8 +595,25 @@ def _run_block(block, x, pos, per_frame: bool, chunk: int, block_classes: tuple)
     return out
 
 
+def _block_attention(block, x, pos):
+    """block.attn(block.norm1(x), pos=pos); when the attention is ours and nothing observes the call
+    (no hooks, no token merging), norm1 runs inside its token chunks instead of on the whole sequence."""
+    attn = block.attn
+    state = attn.__dict__.get("_elsa")
+    if (not isinstance(state, PatchState) or not isinstance(state.adapter, VGGTAttentionAdapter)
+            or attn._forward_hooks or attn._forward_pre_hooks or _merge_call(attn) is not None):
+        return attn(block.norm1(x), pos=pos)
+    kind = _attention_kind(type(attn))
+    if kind.fork or _unsupported(attn, kind, x, pos, None, None) is not None:
+        return attn(block.norm1(x), pos=pos)
+    state.calls += 1
+    y = _elsa_attention(attn, state, x, pos, kind, prenorm=block.norm1)
+    return y if y is not None else state.delegate(block.norm1(x), pos=pos, reason="q, k, v of different dtypes "
+                                                  "outside autocast")
+
+
 def _lean_process(agg, kind: str, keep: frozenset, chunk: int):
-    """Stand-in for Aggregator._process_{frame,global}_attention (same signature and results) that
+    """Replacement for Aggregator._process_{frame,global}_attention (same signature and results) that
     drops the intermediates of layers not in ``keep`` and runs blocks with bounded memory."""
     blocks = agg.frame_blocks if kind == "frame" else agg.global_blocks
     block_classes = _block_classes()
