@@ -194,7 +194,9 @@ def infer(model, images: torch.Tensor, device: torch.device, dtype, progress: bo
             torch.cuda.synchronize(device)
         bar.update()
 
-    hooks = [b.attn.register_forward_hook(tick) for b in model.aggregator.global_blocks]
+    # ls1 runs once per global block in every mode; a hook on the block or its attention would make
+    # lean mode run them whole (it keeps hooked calls intact) and lose its chunking
+    hooks = [b.ls1.register_forward_hook(tick) for b in model.aggregator.global_blocks]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
