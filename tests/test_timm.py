@@ -75,6 +75,8 @@ def check_model(model, x, *, grads=True, train=True, backend="auto"):
     else:
         with torch.no_grad():
             ref, orc = model(x), m64(x.double())
+    with torch.no_grad():
+        ref_nograd = model(x)  # same grad mode as the bitwise check after unpatch (kernel choice may differ)
     report = elsa_vision.patch(model, backend=backend)
     n_attn = _n_attention(model)
     assert n_attn > 0 and report.num_patched == n_attn, str(report)
@@ -99,7 +101,7 @@ def check_model(model, x, *, grads=True, train=True, backend="auto"):
     assert len(states) == n_attn and all(s.calls > 0 and s.delegated == 0 for _, s in states)
     assert elsa_vision.unpatch(model) == n_attn
     with torch.no_grad():
-        assert torch.equal(model(x), ref), "unpatch must restore the original forward bitwise"
+        assert torch.equal(model(x), ref_nograd), "unpatch must restore the original forward bitwise"
     return report
 
 
@@ -167,9 +169,16 @@ def test_swinv2_tiny_window16():
     check_model(m, _img(1, 64))
 
 
-def test_compile_fullgraph():
-    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2).eval()
-    x = _img(1, 32)
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "swinv2_tiny_window8_256"])
+def test_compile_fullgraph(name):
+    if name.startswith("vit"):
+        m = timm.create_model(name, pretrained=False, img_size=32, depth=2)
+    else:  # one stage of two blocks, 4 windows of 4x4, the second shifted
+        m = timm.create_model(name, pretrained=False, img_size=32, depths=(2,), num_heads=(2,), embed_dim=32,
+                              window_size=4, drop_path_rate=0.0)
+        ta.unzero_residual_norms(m)
+    m.eval()
+    x = _img(2, 32)
     with torch.no_grad():
         ref = m(x)
     elsa_vision.patch(m)
@@ -177,7 +186,7 @@ def test_compile_fullgraph():
     out = c(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     out.sum().backward()
-    assert m.blocks[0].attn.qkv.weight.grad is not None
+    assert all(p.grad is not None for n, p in m.named_parameters() if ".attn." in n and "k_bias" not in n)
     assert all(s.calls > 0 and s.delegated == 0 for _, s in registry.patched_modules(m))
     torch._dynamo.reset()
 
@@ -632,3 +641,36 @@ def test_quickstart_cpu():
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all outputs match" in r.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_quickstart():
+    """The README's command, on the GPU: exits 0 only if every output check passes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "demos" / "quickstart.py"), "--rounds", "5"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,size", [("swin_tiny_patch4_window7_224", 224), ("swinv2_tiny_window8_256", 256)])
+def test_gpu_finetune_swin_demo(tmp_path, model, size):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import json
+    demo = _load_demo("finetune_swin")
+    out = tmp_path / "run"
+    rc = demo.main(["--synthetic", str(tmp_path / "shapes"), "--classes", "4", "--per-class", "32",
+                    "--val-per-class", "8", "--img-size", str(size), "--batch", "16", "--epochs", "1",
+                    "--model", model, "--workers", "2", "--compare-native", "--out", str(out), "--drop-path", "0"])
+    assert rc == 0
+    e, n = json.loads((out / "history.json").read_text())
+    assert e.get("delegated_calls", 0) == 0
+    # bf16 autocast: the first step sees identical weights and data, so the losses agree closely
+    assert abs(e["loss"][0] - n["loss"][0]) < 2e-2
+    assert (out / "loss_curves.png").exists() and (out / "elsa_best.pt").exists()
