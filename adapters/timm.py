@@ -33,6 +33,7 @@ included — through ``elsa_vision.attention`` on that backend).
 from __future__ import annotations
 
 import math
+import re
 from typing import Optional
 
 import torch
@@ -48,11 +49,8 @@ def _timm_version() -> Optional[tuple[int, ...]]:
         import timm
     except ImportError:
         return None
-    parts = []
-    for p in timm.__version__.split(".")[:3]:
-        digits = "".join(c for c in p if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+    # leading digits of each field: "1.0.20rc1" → (1, 0, 20)
+    return tuple(int(re.match(r"\d*", p).group() or 0) for p in timm.__version__.split(".")[:3])
 
 
 def _api():

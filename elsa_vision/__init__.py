@@ -3,13 +3,14 @@ for timm ViT / Swin and VGGT.
 
     import elsa_vision
     out = elsa_vision.attention(q, k, v)        # q/k/v [B, H, N, D]
+    out = elsa_vision.window_attention(q, k, v, bias=rel_bias, mask=shift_mask)  # Swin windows
     report = elsa_vision.patch(model)           # timm / VGGT models
 """
-from .api import attention, patch, patched, resolve_precision, unpatch
+from .api import attention, patch, patched, resolve_precision, unpatch, window_attention
 from .dispatch import BACKENDS, NotSupportedError
 from . import verify
 
-__all__ = ["attention", "patch", "unpatch", "patched", "resolve_precision", "verify", "BACKENDS",
+__all__ = ["attention", "window_attention", "patch", "unpatch", "patched", "resolve_precision", "verify", "BACKENDS",
            "NotSupportedError"]
 __version__ = "0.1.0"
 

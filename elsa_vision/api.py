@@ -172,6 +172,121 @@ def attention(
     return (out, lse.detach()) if return_lse else out
 
 
+WINDOW_BLOCKS = ("auto", 64, 128, 256)
+
+
+def _window_bias(bias, H: int, N: int, q, fn: str):
+    """Validate a window bias shared by all windows; returns an [H, N, N] view (or None)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{fn}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if bias.device != q.device:
+        raise ValueError(f"{fn}: bias is on {bias.device} but q is on {q.device}; move it with bias.to(q.device)")
+    shape = tuple(bias.shape)
+    lead = shape[:-2] if len(shape) >= 2 else ()
+    ok = (2 <= len(shape) <= 4 and shape[-2:] == (N, N) and all(s == 1 for s in lead[:-1])
+          and (not lead or lead[-1] in (1, H)))
+    if not ok:
+        raise ValueError(f"{fn}: bias must be [H, N, N] = [{H}, {N}, {N}] (or [1, H, N, N], [N, N]) and is "
+                         f"shared by every window, got {shape}; a per-window term belongs in mask [nW, N, N]")
+    if bias.dtype == torch.bool:
+        fdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        bias = torch.zeros(bias.shape, dtype=fdt, device=q.device).masked_fill_(~bias, float("-inf"))
+    elif not bias.is_floating_point():
+        raise TypeError(f"{fn}: bias dtype {bias.dtype} must be floating point (additive) or bool (keep-mask)")
+    # a head-broadcast bias is read with stride 0 (autograd sums its gradient over heads)
+    return bias.reshape(shape[-3:] if len(shape) >= 3 else (1, N, N)).expand(H, N, N)
+
+
+def _window_mask(mask, BW: int, N: int, q, fn: str):
+    """Validate a per-window mask [nW, N, N]; returns it as an additive float tensor (or None)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{fn}: mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.device != q.device:
+        raise ValueError(f"{fn}: mask is on {mask.device} but q is on {q.device}; move it with mask.to(q.device)")
+    if mask.dim() != 3 or tuple(mask.shape[1:]) != (N, N) or mask.shape[0] < 1:
+        raise ValueError(f"{fn}: mask must be [nW, N, N] with N = {N} (one [N, N] slice per window position), "
+                         f"got {tuple(mask.shape)}; for a single mask shared by all windows use mask[None]")
+    nW = mask.shape[0]
+    if BW % nW:
+        raise ValueError(f"{fn}: q has {BW} windows (dim 0 = batch · nW), which is not a multiple of the mask's "
+                         f"nW = {nW}; windows must be ordered batch-major (row r uses mask[r % nW])")
+    if mask.dtype == torch.bool:
+        # keep-mask, as in SDPA: True = the key takes part
+        return torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, float("-inf"))
+    if not mask.is_floating_point():
+        raise TypeError(f"{fn}: mask dtype {mask.dtype} must be floating point (additive, e.g. 0 / -100 / -inf) "
+                        "or bool (True = attend)")
+    if mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{fn}: the mask takes no gradient; pass mask.detach(), or put a learned term in bias")
+    return mask
+
+
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    block="auto",
+    precision: str = "auto",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact attention inside windows (Swin): ``softmax(q kᵀ · scale + bias + mask[window]) v``.
+
+    Args:
+        q, k, v: [B·nW, H, N, D] — one row per window, windows ordered batch-major: row r is window
+            position r mod nW of image r // nW (what Swin's window partition produces). N ≤ 256 on the
+            Triton backend (7×7 = 49, 8×8 = 64, 12×12 = 144, 16×16 = 256, or any other count);
+            D 16…128. float32, float16 or bfloat16 (float64 on the reference backend).
+        bias: [H, N, N] (or [1, H, N, N]; [N, N] for one bias over all heads), shared by every window
+            — Swin's relative-position bias. Additive; a bool tensor is a keep-mask. Gets a gradient
+            (summed over all windows) when it requires one.
+        mask: [nW, N, N], read by window id (row r uses mask[r mod nW]) — Swin's shifted-window mask.
+            Additive (timm's 0 / −100, or −inf), or bool (True = attend). Takes no gradient.
+            Rows that see no key (all −inf) return 0.
+        scale: logit scale, default 1/√D.
+        block: key tile, 64, 128 or 256, or ``"auto"``. A window of N ≤ block tokens is one tile
+            (single-pass softmax); a larger one is folded over ⌈N / block⌉ tiles. See
+            ``elsa_vision.kernels.window`` for the speed/memory trade-off. Ignored by the reference
+            backend.
+        precision: float32 only — ``"ieee"``, ``"tf32x3"``, ``"tf32"``, ``"auto"`` (as in attention()).
+        backend: ``"triton"``, ``"reference"`` or ``"auto"``.
+
+    Returns:
+        [B·nW, H, N, D] in the inputs' dtype. On the Triton backend its memory layout is
+        [B·nW, N, H, D], so ``out.transpose(1, 2).reshape(B·nW, N, H·D)`` costs no copy.
+
+    The [B·nW, H, N, N] tensor of bias + mask that timm builds is never materialised, in the forward
+    or the backward. Under ``torch.autocast`` q, k, v and bias are cast to the autocast dtype, as SDPA does.
+    """
+    fn = "window_attention"
+    q, k, v, bias = _autocast(q, k, v, bias)
+    _check_qkv(q, k, v, fn)
+    BW, H, N, D = q.shape
+    if k.shape[2] != N:
+        raise ValueError(f"{fn}: q has {N} tokens per window but k/v have {k.shape[2]}; "
+                         "window attention is self-attention inside each window")
+    scale = _check_scale(scale, D, fn)
+    bias = _window_bias(bias, H, N, q, fn)
+    mask = _window_mask(mask, BW, N, q, fn)
+    if block not in WINDOW_BLOCKS or isinstance(block, bool):
+        raise ValueError(f"{fn}: block must be one of {WINDOW_BLOCKS}, got {block!r}")
+    prec = resolve_precision(precision, q.dtype)
+    if q.numel() == 0:
+        # no window or no token: nothing to attend (empty sums keep the graph connected for autograd)
+        empty = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device) + empty
+    p = Problem(op=fn, device=q.device.type, dtype=q.dtype, head_dim=D, has_bias=bias is not None,
+                has_mask=mask is not None, window_tokens=N, precision=prec)
+    return select(p, backend).run[fn](q, k, v, bias, mask, scale, prec, 0 if block == "auto" else int(block))
+
+
 def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None,
           include: Optional[Sequence[str]] = None, exclude: Optional[Sequence[str]] = None, **options):
     """Route every supported attention module of ``model`` through ELSA; returns a PatchReport.

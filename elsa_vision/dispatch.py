@@ -44,6 +44,7 @@ class Backend:
     supports_causal: bool
     supports_bias: bool
     max_window_tokens: int = 0
+    op_head_dims: dict = field(default_factory=dict)  # op name → (lo, hi) where it differs from head_dims
     available: Callable[[], Optional[str]] = lambda: None  # None when usable, else why not
     devices_note: str = ""
     run: dict = field(default_factory=dict)  # op name → callable
@@ -60,7 +61,7 @@ class Backend:
             reasons.append(f"device '{p.device}' not supported (supports {', '.join(devices)}{self.devices_note})")
         if p.dtype not in self.dtypes:
             reasons.append(f"dtype {p.dtype} not supported (supports {', '.join(str(d) for d in self.dtypes)})")
-        lo, hi = self.head_dims
+        lo, hi = self.op_head_dims.get(p.op, self.head_dims)
         if not lo <= p.head_dim <= hi:
             reasons.append(f"head dim {p.head_dim} outside [{lo}, {hi}]")
         if p.causal and not self.supports_causal:
@@ -102,6 +103,19 @@ def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions
     return reference.attention(q, k, v, bias, scale, causal, return_lse=True)
 
 
+# Window entry points take (q, k, v, bias3, mask3, scale, precision, block) and return out [BW,H,N,D]:
+# bias3 [H,N,N] or None, mask3 [nW,N,N] additive float or None, block 0 = auto.
+
+def _run_triton_window(q, k, v, bias, mask, scale, precision, block):
+    from .kernels import window  # noqa: F401  (registers the custom ops)
+    return window.window_attention(q, k, v, bias, mask, scale, precision, block)
+
+
+def _run_reference_window(q, k, v, bias, mask, scale, precision, block):
+    from .kernels import reference
+    return reference.window_attention(q, k, v, bias, mask, scale)
+
+
 TRITON = Backend(
     name="triton",
     ops=("attention",),
@@ -114,6 +128,11 @@ TRITON = Backend(
     devices_note="; CPU tensors only under TRITON_INTERPRET=1",
     run={"attention": _run_triton_attention},
 )
+# windowed kernel (kernels/window.py): windows up to 256 tokens, head dims up to 128
+TRITON.ops += ("window_attention",)
+TRITON.max_window_tokens = 256
+TRITON.op_head_dims["window_attention"] = (16, 128)
+TRITON.run["window_attention"] = _run_triton_window
 
 REFERENCE = Backend(
     name="reference",
@@ -125,6 +144,9 @@ REFERENCE = Backend(
     supports_bias=True,
     run={"attention": _run_reference_attention},
 )
+REFERENCE.ops += ("window_attention",)
+REFERENCE.max_window_tokens = 1 << 16
+REFERENCE.run["window_attention"] = _run_reference_window
 
 BACKENDS: list[Backend] = [TRITON, REFERENCE]
 

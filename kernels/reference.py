@@ -96,3 +96,61 @@ def attention(
         return out
     lse = torch.where(nonempty, _safe_max(m) + torch.log(torch.where(nonempty, s, 1)), float("inf"))
     return out, lse.float()
+
+
+def _window_chunk(q, k, v, bias, mask, scale: float, r0: int):
+    """Windows r0 .. r0+len(q) of a window_attention call: (out [c,H,N,D], lse [c,H,N])."""
+    cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    s = torch.matmul(q.to(cdt), k.to(cdt).transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.to(cdt)
+    if mask is not None:
+        ids = torch.arange(r0, r0 + q.shape[0], device=q.device) % mask.shape[0]
+        s = s + mask.to(cdt)[ids][:, None]
+    m = s.amax(dim=-1)
+    p = torch.exp(s - _safe_max(m)[..., None])
+    z = p.sum(dim=-1)
+    nonempty = z > 0
+    zs = torch.where(nonempty, z, 1)
+    out = torch.where(nonempty[..., None], torch.matmul(p, v.to(cdt)) / zs[..., None], 0).to(q.dtype)
+    lse = torch.where(nonempty, _safe_max(m) + torch.log(zs), float("inf"))
+    return out, lse.float()
+
+
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    chunk_elems: int = 1 << 22,
+    return_lse: bool = False,
+):
+    """Exact windowed attention, chunked over windows.
+
+    q/k/v [BW,H,N,D] with windows batch-major (row r is window r mod nW); bias [H,N,N] (shared by all
+    windows) or None; mask [nW,N,N] additive float or None. Each chunk of windows builds its own
+    [c,H,N,N] scores (c·H·N² ≤ ``chunk_elems``) and is checkpointed under autograd, so neither the
+    forward nor the backward ever holds the [BW,H,N,N] tensor. The mask takes no gradient.
+    Returns out [BW,H,N,D] (and lse [BW,H,N] float32, +inf for rows with no visible key).
+    """
+    BW, H, N, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if mask is not None:
+        mask = mask.detach()
+    c = max(1, chunk_elems // max(1, H * N * N))
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+    outs, lses = [], []
+    for r0 in range(0, BW, c):
+        r1 = min(BW, r0 + c)
+        args = (q[r0:r1], k[r0:r1], v[r0:r1], bias, mask, scale, r0)
+        o, l = checkpoint(_window_chunk, *args, use_reentrant=False) if grad else _window_chunk(*args)
+        outs.append(o)
+        lses.append(l)
+    if not outs:
+        out = q.new_zeros(q.shape)
+        lse = torch.full((BW, H, N), float("inf"), device=q.device)
+    else:
+        out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,711 @@
+"""Windowed ELSA attention for Swin: thousands of tiny windows, fused relative-position bias and
+shifted-window mask, forward and backward.
+
+Problem. q, k, v are [BW, H, N, D] with BW = batch · nW windows ordered batch-major (row r is window
+r mod nW of image r // nW); N ≤ 256 tokens per window (49, 64, 144, 256 in Swin v1/v2). The logits of
+row r, head h are
+
+    s = q kᵀ · scale + bias[h] + mask[r mod nW]          bias [H, N, N], mask [nW, N, N]
+
+The bias and the mask are read in place by head and by window id: the [BW, H, N, N] tensor that
+timm materialises is never built, in the forward or the backward.
+
+Tiling. Every window is padded to N_pad = next power of two ≥ N (≥ 16) inside the tile; padded keys
+score −inf and padded query rows are never stored. ``block`` B ∈ {64, 128, 256} is the key tile:
+
+  N ≤ B   the whole window is one key tile and the softmax is the trivial monoid fold of one tile:
+          m = rowmax, S = Σ 2^(s−m), W = Σ 2^(s−m) v, out = W / S. No running rescale.
+          For N_pad ≤ 64 the backward is one kernel per program that computes dq, dk, dv and the
+          bias gradient of a whole window at once (no loop over tiles).
+  N > B   the key tiles of a window are folded with the ELSA monoid operator
+          (m, S, W) ⊕ (m', S', W') in registers, ⌈N/B⌉ steps.
+
+Programs. A program owns one head and a run of consecutive windows (and, for N_pad > 64, one query
+tile of them). It loads the head's bias tile once and loops over its windows, reading each window's
+mask slice by window id. Runs hold at least G = max(1, B // N_pad) windows and are lengthened by the
+planner until the grid is a few programs per SM, so a Swin stage is hundreds of programs, not
+tens of thousands of nearly empty ones, and the loop over windows is software-pipelined.
+
+Backward. P is recomputed from q, k and the saved row log-sum-exp; dS = P ⊙ (dP − delta).
+  N ≤ B   delta = rowsum(P ⊙ dP) is exact inside the tile (the output is not read back).
+          N_pad ≤ 64: one fused kernel (dq, dk, dv, dbias). Larger windows: a row kernel (dq, delta,
+          dbias rows) then a key-strip kernel (dk, dv).
+  N > B   a dq kernel (which also writes delta = rowsum(dO ⊙ O)), a dk/dv kernel, and a dbias kernel
+          owning one [BM, B] tile of the bias.
+The bias gradient is summed over windows in registers; each program writes its partial sum to a
+[programs-per-head, H, N, N] float32 buffer, reduced in a fixed order by ``torch.sum``. No atomics:
+every gradient is bitwise reproducible. The mask takes no gradient.
+
+Block trade-off (B is the ``block`` argument; "auto" = :func:`choose_block`):
+
+  B = 64   N ≤ 64 (Swin 7×7, SwinV2 8×8): one 64×64 tile per window, a run of ≥ 1 window per program.
+           N = 144: three 64-wide key tiles folded (192² work instead of 256²: least padding, but the
+           backward needs four passes over the window instead of two).
+  B = 128  N ≤ 64: same tiles as 64 with runs of ≥ 2 windows. N ≤ 128 in one tile. N = 144: 2 tiles of
+           128 (256² work, multi-pass backward: never better than 64 or 256 for N = 144).
+  B = 256  every N ≤ 256 in one tile: single-pass forward, two-kernel backward, no output read back;
+           for N_pad = 256 the query side is split into 16–64-row strips to keep the 256-wide score
+           strips in registers.
+  Memory: outputs plus the lse [BW, H, N] float32 for every block; the backward adds dbias partials
+  (float32 [P, H, N, N], P ≈ a few programs per SM per head, independent of BW) and, for N > B only,
+  delta [BW, H, N] and the forward output kept for backward. Speed is measured by
+  benchmarks/windows.py (block sweep); the paper's A100 sweep (supplementary §F.1) found B = 64 ~15%
+  slower and ~20% lighter than 128, and 256 no faster.
+
+Outputs are allocated in the [BW, N, H, D] memory layout (returned as the [BW, H, N, D] view), which is
+what Swin consumes next (``out.transpose(1, 2).reshape(BW, N, H·D)`` is then free); dq, dk, dv likewise.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import INTERPRET, LOG2E, _PREC, _dot, _pow2, _sm_count
+
+BLOCKS = (64, 128, 256)
+MAX_TOKENS = 256
+MAX_HEAD_DIM = 128
+
+# Programs per SM the planners aim for (a few resident per SM hide latency; the rest is loop length).
+FWD_PROGRAMS_PER_SM = 8
+BWD_PROGRAMS_PER_SM = 4
+# Tuning switches (measured by benchmarks/windows.py): keep the bias tile in registers across a run
+# instead of re-reading it (an L1 hit) per window; pipelining depth of the window loop.
+BIAS_IN_REGISTERS = False
+STAGES = 2
+
+_L2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+# ---------------------------------------------------------------------------------------------
+# jit helpers
+
+
+@triton.jit
+def _load_rows(base, offs_r, offs_d, s_r, s_d, N, D: tl.constexpr):
+    """[R, D_PAD] tile of rows offs_r (zero past N and past D)."""
+    return tl.load(base + offs_r[:, None] * s_r + offs_d[None, :] * s_d,
+                   mask=(offs_r[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _load_pairs2(base, offs_m, offs_n, NR):
+    """[BM, BN] tile of an [NR, NR] bias/mask table (row stride NR, a multiple of 16, so the loads
+    vectorise), float32, times log2 e. Table entries past N are 0; past NR the tile reads 0."""
+    x = tl.load(base + offs_m[:, None] * NR + offs_n[None, :],
+                mask=(offs_m[:, None] < NR) & (offs_n[None, :] < NR), other=0.0)
+    return x.to(tl.float32) * _L2E
+
+
+@triton.jit
+def _logits(q, k, bias2, bias_base, mask_base, offs_m, offs_n, N, NR, qk_scale2,
+            HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
+    """Log2-domain logits [BM, BN] = (q kᵀ·scale + bias + mask)·log2 e; −inf on keys past N.
+    q [BM, D_PAD], k [BN, D_PAD]. With BIAS_REGS the bias tile is ``bias2`` (held in registers by the
+    caller), else it is read from ``bias_base`` (an L1 hit after the first window)."""
+    s = _dot(q, tl.trans(k), PREC) * qk_scale2
+    if HAS_BIAS:
+        if BIAS_REGS:
+            s += bias2
+        else:
+            s += _load_pairs2(bias_base, offs_m, offs_n, NR)
+    if HAS_MASK:
+        s += _load_pairs2(mask_base, offs_m, offs_n, NR)
+    return tl.where(offs_n[None, :] < N, s, float("-inf"))
+
+
+@triton.jit
+def _run(pid, n_tiles, WPP, BW):
+    """Split a flat program id into (tile index, first window, end window) of its run."""
+    t = pid % n_tiles
+    r0 = (pid // n_tiles) * WPP
+    return t, r0, tl.minimum(r0 + WPP, BW)
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+#
+# Bias and mask arrive as tables with a 16-aligned row stride NR: bias [H or 1, NR, NR] (head stride
+# sb_h, 0 for a bias shared by all heads), mask [nW, NR, NR]; window r reads mask slice r mod nW.
+
+
+@triton.jit
+def _win_fwd_kernel(
+    Q, K, V, Bias, Mask, Out, Lse,
+    sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    so_b, so_h, so_n, so_d, sb_h,
+    BW, H, N, NR, nW, WPP, qk_scale2,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """grid (runs × query tiles, H). Writes out [BW, H, N, D] and lse [BW, H, N] (natural log)."""
+    h = tl.program_id(1).to(tl.int64)
+    pid_m, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M), WPP, BW)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < N
+    bias_h = Bias + h * sb_h
+    mask_stride = NR.to(tl.int64) * NR
+    bias2 = 0.0
+    if SINGLE and HAS_BIAS and BIAS_REGS:
+        bias2 = _load_pairs2(bias_h, offs_m, offs_n0, NR)  # once for the whole run
+    for r in range(r0, r1):
+        rr = tl.cast(r, tl.int64)
+        mask_base = Mask + (rr % nW) * mask_stride
+        q = _load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D)
+        k_base = K + rr * sk_b + h * sk_h
+        v_base = V + rr * sv_b + h * sv_h
+        if SINGLE:
+            # the whole window is one key tile: the fold of one tile is a plain softmax
+            k = _load_rows(k_base, offs_n0, offs_d, sk_n, sk_d, N, D)
+            v = _load_rows(v_base, offs_n0, offs_d, sv_n, sv_d, N, D)
+            s = _logits(q, k, bias2, bias_h, mask_base, offs_m, offs_n0, N, NR, qk_scale2,
+                        HAS_BIAS, BIAS_REGS, HAS_MASK, PREC)
+            m_i = tl.max(s, 1)
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row with no visible key
+            p = tl.math.exp2(s - m_safe[:, None])
+            s_i = tl.sum(p, 1)
+            acc = _dot(p.to(v.dtype), v, PREC)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            s_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+            for start in range(0, N, BLOCK_N):
+                offs_n = start + offs_n0
+                k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
+                v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
+                s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, qk_scale2,
+                            HAS_BIAS, False, HAS_MASK, PREC)
+                # monoid merge of the running state with this tile's (m, S, W)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # identity tile: nothing visible
+                alpha = tl.math.exp2(m_i - m_safe)
+                p = tl.math.exp2(s - m_safe[:, None])
+                s_i = s_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+                m_i = m_new
+        nonempty = s_i > 0
+        den = tl.where(nonempty, s_i, 1.0)
+        out = acc / den[:, None]
+        tl.store(Out + rr * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d,
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+        lse = tl.where(nonempty, (m_i + tl.math.log2(den)) * _LN2, float("inf"))
+        tl.store(Lse + (rr * H + h) * N + offs_m, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward
+
+
+@triton.jit
+def _win_bwd_fused_kernel(
+    Q, K, V, Bias, Mask, dOut, Lse, dQ, dK, dV, dBiasPart,
+    sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, sb_h,
+    BW, H, N, NR, nW, WPP, qk_scale2, scale,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """N ≤ BLOCK: a program owns whole windows (all queries, all keys: one [BLOCK, BLOCK] tile) of one
+    head for a run of windows. Writes dq, dk, dv and its partial bias gradient dBiasPart[run, h]
+    (float32 [NR, NR]). dq/dk/dv share the strides sg_* (unit stride along D)."""
+    h = tl.program_id(1).to(tl.int64)
+    run = tl.program_id(0)
+    r0 = run * WPP
+    r1 = tl.minimum(r0 + WPP, BW)
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, D_PAD)
+    tok_ok = offs < N
+    io_mask = tok_ok[:, None] & (offs_d[None, :] < D)
+    bias_h = Bias + h * sb_h
+    mask_stride = NR.to(tl.int64) * NR
+    bias2 = 0.0
+    if HAS_BIAS and BIAS_REGS:
+        bias2 = _load_pairs2(bias_h, offs, offs, NR)
+    if BIAS_GRAD:
+        dbias = tl.zeros([BLOCK, BLOCK], tl.float32)
+    for r in range(r0, r1):
+        rr = tl.cast(r, tl.int64)
+        q = _load_rows(Q + rr * sq_b + h * sq_h, offs, offs_d, sq_n, sq_d, N, D)
+        k = _load_rows(K + rr * sk_b + h * sk_h, offs, offs_d, sk_n, sk_d, N, D)
+        v = _load_rows(V + rr * sv_b + h * sv_h, offs, offs_d, sv_n, sv_d, N, D)
+        do = _load_rows(dOut + rr * sdo_b + h * sdo_h, offs, offs_d, sdo_n, sdo_d, N, D)
+        lse2 = tl.load(Lse + (rr * H + h) * N + offs, mask=tok_ok, other=float("inf")) * _L2E
+        s = _logits(q, k, bias2, bias_h, Mask + (rr % nW) * mask_stride, offs, offs, N, NR, qk_scale2,
+                    HAS_BIAS, BIAS_REGS, HAS_MASK, PREC)
+        p = tl.math.exp2(s - lse2[:, None])  # 0 on padded keys, padded rows, fully masked rows
+        dv = _dot(tl.trans(p.to(do.dtype)), do, PREC)
+        dp = _dot(do, tl.trans(v), PREC)
+        delta = tl.sum(p * dp, 1)  # = rowsum(dO ⊙ O), exact: the tile holds every key of the row
+        ds = p * (dp - delta[:, None])
+        dq = _dot(ds.to(k.dtype), k, PREC) * scale
+        dk = _dot(tl.trans(ds.to(q.dtype)), q, PREC) * scale
+        g_ptrs = rr * sg_b + h * sg_h + offs[:, None] * sg_n + offs_d[None, :]
+        tl.store(dQ + g_ptrs, dq.to(dQ.dtype.element_ty), mask=io_mask)
+        tl.store(dK + g_ptrs, dk.to(dK.dtype.element_ty), mask=io_mask)
+        tl.store(dV + g_ptrs, dv.to(dV.dtype.element_ty), mask=io_mask)
+        if BIAS_GRAD:
+            dbias += ds
+    if BIAS_GRAD:
+        # dS is 0 on padded rows/keys, so the whole [NR, NR] slice is written (vector stores)
+        tl.store(dBiasPart + (run.to(tl.int64) * H + h) * mask_stride + offs[:, None] * NR + offs[None, :],
+                 dbias, mask=(offs[:, None] < NR) & (offs[None, :] < NR))
+
+
+@triton.jit
+def _win_bwd_dq_kernel(
+    Q, K, V, Bias, Mask, dOut, Out, Lse, Delta, dQ,
+    sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    sdo_b, sdo_h, sdo_n, sdo_d, so_b, so_h, so_n, so_d, sg_b, sg_h, sg_n, sb_h,
+    BW, H, N, NR, nW, WPP, qk_scale2, scale,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+):
+    """N > BLOCK_N: one query tile of one head for a run of windows, looping over the key tiles.
+    Also writes delta = rowsum(dO ⊙ O) [BW, H, N] for the dk/dv and dbias kernels."""
+    h = tl.program_id(1).to(tl.int64)
+    pid_m, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M), WPP, BW)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < N
+    bias_h = Bias + h * sb_h
+    mask_stride = NR.to(tl.int64) * NR
+    for r in range(r0, r1):
+        rr = tl.cast(r, tl.int64)
+        mask_base = Mask + (rr % nW) * mask_stride
+        q = _load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D)
+        do = _load_rows(dOut + rr * sdo_b + h * sdo_h, offs_m, offs_d, sdo_n, sdo_d, N, D)
+        o = _load_rows(Out + rr * so_b + h * so_h, offs_m, offs_d, so_n, so_d, N, D)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(Delta + (rr * H + h) * N + offs_m, delta, mask=row_ok)
+        lse2 = tl.load(Lse + (rr * H + h) * N + offs_m, mask=row_ok, other=float("inf")) * _L2E
+        k_base = K + rr * sk_b + h * sk_h
+        v_base = V + rr * sv_b + h * sv_h
+        dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        for start in range(0, N, BLOCK_N):
+            offs_n = start + offs_n0
+            k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
+            v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
+            s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, qk_scale2,
+                        HAS_BIAS, False, HAS_MASK, PREC)
+            p = tl.math.exp2(s - lse2[:, None])
+            dp = _dot(do, tl.trans(v), PREC)
+            ds = p * (dp - delta[:, None])
+            dq += _dot(ds.to(k.dtype), k, PREC)
+        dq = dq * scale
+        tl.store(dQ + rr * sg_b + h * sg_h + offs_m[:, None] * sg_n + offs_d[None, :], dq.to(dQ.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _win_bwd_dkdv_kernel(
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, dK, dV,
+    sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, sb_h,
+    BW, H, N, NR, nW, WPP, qk_scale2, scale,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+):
+    """One key tile [BLOCK_N] of one head for a run of windows, looping over the query tiles."""
+    h = tl.program_id(1).to(tl.int64)
+    pid_n, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_N), WPP, BW)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    bias_h = Bias + h * sb_h
+    mask_stride = NR.to(tl.int64) * NR
+    for r in range(r0, r1):
+        rr = tl.cast(r, tl.int64)
+        mask_base = Mask + (rr % nW) * mask_stride
+        k = _load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D)
+        v = _load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D)
+        q_base = Q + rr * sq_b + h * sq_h
+        do_base = dOut + rr * sdo_b + h * sdo_h
+        row_stats = (rr * H + h) * N
+        dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        for start in range(0, N, BLOCK_M):
+            offs_m = start + offs_m0
+            row_ok = offs_m < N
+            q = _load_rows(q_base, offs_m, offs_d, sq_n, sq_d, N, D)
+            do = _load_rows(do_base, offs_m, offs_d, sdo_n, sdo_d, N, D)
+            lse2 = tl.load(Lse + row_stats + offs_m, mask=row_ok, other=float("inf")) * _L2E
+            delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
+            s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, qk_scale2,
+                        HAS_BIAS, False, HAS_MASK, PREC)
+            p = tl.math.exp2(s - lse2[:, None])
+            dv += _dot(tl.trans(p.to(do.dtype)), do, PREC)
+            dp = _dot(do, tl.trans(v), PREC)
+            ds = p * (dp - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, PREC)
+        dk = dk * scale
+        g_base = rr * sg_b + h * sg_h
+        kv_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
+        tl.store(dK + g_base + offs_n[:, None] * sg_n + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=kv_mask)
+        tl.store(dV + g_base + offs_n[:, None] * sg_n + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _win_bwd_dbias_kernel(
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, dBiasPart,
+    sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    sdo_b, sdo_h, sdo_n, sdo_d, sb_h,
+    BW, H, N, NR, nW, WPP, qk_scale2,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+):
+    """N > BLOCK_N: a program owns one [BLOCK_M, BLOCK_N] tile of head h's bias and sums dS over a run
+    of windows into dBiasPart[run, h] (float32 [NR, NR])."""
+    h = tl.program_id(1).to(tl.int64)
+    n_nt = tl.cdiv(N, BLOCK_N)
+    tile, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M) * n_nt, WPP, BW)
+    offs_m = (tile // n_nt) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile % n_nt) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < N
+    mask_stride = NR.to(tl.int64) * NR
+    bias2 = _load_pairs2(Bias + h * sb_h, offs_m, offs_n, NR)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for r in range(r0, r1):
+        rr = tl.cast(r, tl.int64)
+        q = _load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D)
+        do = _load_rows(dOut + rr * sdo_b + h * sdo_h, offs_m, offs_d, sdo_n, sdo_d, N, D)
+        k = _load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D)
+        v = _load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D)
+        row_stats = (rr * H + h) * N
+        lse2 = tl.load(Lse + row_stats + offs_m, mask=row_ok, other=float("inf")) * _L2E
+        delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
+        s = _logits(q, k, bias2, Bias, Mask + (rr % nW) * mask_stride, offs_m, offs_n, N, NR, qk_scale2,
+                    True, True, HAS_MASK, PREC)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = _dot(do, tl.trans(v), PREC)
+        acc += p * (dp - delta[:, None])
+    run = tl.program_id(0) // (tl.cdiv(N, BLOCK_M) * n_nt)
+    tl.store(dBiasPart + (run.to(tl.int64) * H + h) * mask_stride + offs_m[:, None] * NR + offs_n[None, :], acc,
+             mask=(offs_m[:, None] < NR) & (offs_n[None, :] < NR))
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+def choose_block(n: int, dtype: torch.dtype, d: int = 32) -> int:
+    """``block="auto"``: the key tile for windows of ``n`` tokens.
+
+    Windows up to 64 tokens (Swin 7×7, SwinV2 8×8) are one 64-wide tile. Larger windows fold
+    64-wide tiles, except in half precision with head dims ≤ 64, where one 256-wide tile of 16-row
+    query strips fits the registers (ptxas, sm_90) and saves the running rescale; in float32 a
+    128- or 256-wide score tile spills (see :func:`make_plan`)."""
+    n_pad = _pow2(n)
+    if n_pad > 64 and dtype in (torch.float16, torch.bfloat16) and _pow2(d) <= 64:
+        return 256
+    return 64
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call is tiled (see the module docstring)."""
+    block: int
+    n_pad: int
+    single: bool          # forward: N ≤ block, the whole window is one key tile
+    fwd_m: int            # forward query tile
+    fwd_n: int            # forward key tile
+    fwd_warps: int
+    fused_bwd: bool       # backward: one kernel, one [N_pad, N_pad] tile per window
+    fused_warps: int
+    dq_m: int             # tiled backward, dq kernel: query tile it owns, key tile of its loop
+    dq_n: int
+    dq_warps: int
+    kv_m: int             # dk/dv kernel: query tile of its loop, key tile it owns
+    kv_n: int
+    kv_warps: int
+    db_m: int             # dbias kernel: the bias tile it owns
+    db_n: int
+    db_warps: int
+    min_windows: int      # G = max(1, block // N_pad): shortest run of windows per forward program
+    bias_regs: bool       # single-tile kernels hold the head's bias tile in registers for the whole run
+    stages: int           # software-pipelining depth of the backward's loops over windows
+    fwd_stages: int       # and of the forward's
+
+
+# Backward tiles (query tile, key tile, warps) per precision class, from ptxas reports for sm_90 at
+# head dim ≤ 64: the largest shapes that do not spill. Triton's 3xTF32 and IEEE-FMA dots keep several
+# copies of their operands in registers, so those classes get narrower key tiles.
+_BWD_TILES = {
+    #          dq kernel      dk/dv kernel    dbias kernel
+    "half":   ((64, 64, 4), (64, 64, 4), (64, 64, 4)),
+    "tf32":   ((64, 32, 4), (64, 16, 4), (64, 32, 4)),
+    "tf32x3": ((64, 32, 4), (64, 16, 4), (64, 32, 4)),
+    "ieee":   ((64, 32, 8), (64, 32, 8), (32, 32, 8)),
+}
+
+
+def _precision_class(dtype: torch.dtype, precision: str) -> str:
+    if dtype in (torch.float16, torch.bfloat16):
+        return "half"
+    return {"ieee": "ieee", "tf32x3": "tf32x3", "tf32x3n": "tf32x3"}.get(precision, "tf32")
+
+
+def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "native") -> Plan:
+    """Tile shapes for windows of ``n`` tokens, head dim ``d``, key tile ``block``.
+
+    Chosen from ptxas reports for sm_90 (registers, spills, shared memory): a float32 [BM, BN] tile
+    costs BM·BN / (32·warps) registers per thread. The forward's single tile is [min(N_pad, 64), N_pad]
+    up to N_pad = 128 and [16, 256] for N_pad = 256 (a 64×256 score tile spills). The single-kernel
+    backward (five dots on [N_pad, N_pad] tiles) fits registers for half precision and TF32 with
+    N_pad ≤ 64; otherwise the backward runs as three kernels with the tiles of ``_BWD_TILES``."""
+    if block not in BLOCKS:
+        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+    n_pad = _pow2(n)
+    d_pad = _pow2(d)
+    cls = _precision_class(dtype, precision)
+    single = n_pad <= block
+    fwd_n = n_pad if single else block
+    # Four warps throughout: with eight, Triton lays 64-row (wgmma) and 32-row tiles out as eight warps
+    # along the rows, which computes every product twice. Key tiles wider than 64 keep 16 query rows
+    # (a 64×128 float32 score tile already spills).
+    fwd_m = min(n_pad, 64) if fwd_n <= 64 else 16
+    fused = n_pad <= 64 and cls == "half" and d_pad <= 32
+    (dq_m, dq_n, w1), (kv_m, kv_n, w2), (db_m, db_n, w3) = _BWD_TILES[cls]
+    stages = fwd_stages = STAGES
+    # shared memory: the k and v tiles of every pipeline stage must fit (H100: 227 KiB per block)
+    esize = 2 if cls == "half" else 4
+    kv_bytes = lambda width, st: 2 * width * d_pad * esize * st  # noqa: E731
+    if kv_bytes(fwd_n, fwd_stages) > 96 * 1024:
+        fwd_stages = 1
+    while kv_bytes(fwd_n, 1) > 128 * 1024:
+        fwd_n //= 2  # the window no longer fits one key tile: fold several
+    single = fwd_n >= n_pad
+    if d_pad >= 64:
+        # wider operand tiles: narrower key tiles, and at 128 one pipeline stage (shared memory)
+        cap = 16 if (cls != "half" or d_pad >= 128) else 32
+        dq_n, kv_n, db_n = min(dq_n, cap), min(kv_n, cap), min(db_n, cap)
+        if d_pad >= 128:
+            fwd_m, stages, fwd_stages = min(fwd_m, 32), 1, 1
+    return Plan(block=block, n_pad=n_pad, single=single, fwd_m=fwd_m, fwd_n=fwd_n, fwd_warps=4,
+                fused_bwd=fused, fused_warps=4,
+                dq_m=dq_m, dq_n=dq_n, dq_warps=w1, kv_m=kv_m, kv_n=kv_n, kv_warps=w2,
+                db_m=db_m, db_n=db_n, db_warps=w3, min_windows=max(1, block // n_pad),
+                bias_regs=BIAS_IN_REGISTERS, stages=stages, fwd_stages=fwd_stages)
+
+
+def plan_runs(bw: int, programs_per_run: int, min_windows: int, device: torch.device, per_sm: int,
+              requested: Optional[int] = None) -> tuple[int, int]:
+    """(windows per program, runs): split the BW windows of each head into runs of consecutive
+    windows so that runs × programs_per_run is about ``per_sm`` programs per SM (never runs shorter
+    than ``min_windows``). ``requested`` forces the run length (tests)."""
+    if requested is not None and requested > 0:
+        wpp = int(requested)
+    else:
+        sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
+        runs = max(1, min(bw, triton.cdiv(per_sm * sms, programs_per_run)))
+        wpp = max(min_windows, triton.cdiv(bw, runs))
+    wpp = max(1, min(wpp, bw))
+    return wpp, triton.cdiv(bw, wpp)
+
+
+def _bnhd_empty(bw: int, h: int, n: int, d: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """[BW, H, N, D] view of a [BW, N, H, D] buffer: the layout Swin reshapes to (BW, N, H·D) for free."""
+    return torch.empty((bw, n, h, d), device=like.device, dtype=dtype or like.dtype).transpose(1, 2)
+
+
+def _table(x: torch.Tensor, nr: int) -> tuple[torch.Tensor, int]:
+    """(table, lead stride): x [L, N, N] as rows of stride ``nr`` (a multiple of 16) with unit column
+    stride, so tile loads vectorise. Zero-copy when x already is such (N % 16 == 0, contiguous rows);
+    otherwise a zero-padded [L, nr, nr] copy — the [H, N, N] / [nW, N, N] input, never per window.
+    A lead dim broadcast with stride 0 (one bias for all heads) keeps stride 0."""
+    n = x.shape[-1]
+    if n == nr and x.stride(-1) == 1 and x.stride(-2) == nr and x.stride(0) % 16 == 0:
+        return x, x.stride(0)
+    lead0 = x.shape[0] > 1 and x.stride(0) == 0
+    src = x[:1] if lead0 else x
+    t = src.new_zeros((src.shape[0], nr, nr))
+    t[:, :n, :n] = src
+    return t, (0 if lead0 else nr * nr)
+
+
+def _tables(bias, mask, n: int, like: torch.Tensor):
+    """(bias table, its head stride, mask table, NR); absent inputs become a placeholder pointer."""
+    nr = triton.cdiv(n, 16) * 16
+    bt, sb_h = _table(bias, nr) if bias is not None else (like, 0)
+    mt = _table(mask, nr)[0] if mask is not None else like
+    if mask is not None and mt.stride(0) != nr * nr:  # the kernel steps windows by NR·NR
+        mt = mt.contiguous()
+    return bt, sb_h, mt, nr
+
+
+def _resolve_block(block: int, n: int, dtype, d: int = 32) -> int:
+    return choose_block(n, dtype, d) if not block else int(block)
+
+
+def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
+            windows_per_program: Optional[int] = None):
+    """q/k/v [BW,H,N,D]; bias [H,N,N] or None; mask [nW,N,N] float or None; ``block`` 0 = auto.
+    Returns (out [BW,H,N,D] in the [BW,N,H,D] layout, lse [BW,H,N] float32 natural log)."""
+    BW, H, N, D = q.shape
+    nW = mask.shape[0] if mask is not None else 1
+    pl = make_plan(N, D, q.dtype, _resolve_block(block, N, q.dtype, D), precision)
+    out = _bnhd_empty(BW, H, N, D, q)
+    lse = torch.empty((BW, H, N), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        lse.fill_(float("inf"))
+        return out.zero_(), lse
+    bt, sb_h, mt, nr = _tables(bias, mask, N, q)
+    n_mt = triton.cdiv(N, pl.fwd_m)
+    wpp, runs = plan_runs(BW, n_mt * H, pl.min_windows, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
+    _win_fwd_kernel[(runs * n_mt, H)](
+        q, k, v, bt, mt, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), sb_h,
+        BW, H, N, nr, nW, wpp, scale * LOG2E,
+        D=D, D_PAD=_pow2(D), BLOCK_M=pl.fwd_m, BLOCK_N=pl.fwd_n, SINGLE=pl.single,
+        HAS_BIAS=bias is not None, BIAS_REGS=pl.bias_regs, HAS_MASK=mask is not None, PREC=_PREC[precision],
+        num_warps=pl.fwd_warps, num_stages=pl.fwd_stages,
+    )
+    return out, lse
+
+
+def backward(do, q, k, v, bias, mask, out, lse, scale: float, precision: str, block: int = 0,
+             bias_grad: bool = False, windows_per_program: Optional[int] = None):
+    """Returns (dq, dk, dv, dbias); dbias [H,N,N] in bias.dtype, or None unless ``bias_grad``.
+    ``out`` is read only by the tiled backward (``not make_plan(...).fused_bwd``)."""
+    BW, H, N, D = q.shape
+    nW = mask.shape[0] if mask is not None else 1
+    pl = make_plan(N, D, q.dtype, _resolve_block(block, N, q.dtype, D), precision)
+    prec = _PREC[precision]
+    dq = _bnhd_empty(BW, H, N, D, q)
+    dk = _bnhd_empty(BW, H, N, D, k)
+    dv = _bnhd_empty(BW, H, N, D, v)
+    if dq.numel() == 0:
+        dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if bias_grad else None
+        return dq.zero_(), dk.zero_(), dv.zero_(), dbias
+    has_bias, has_mask = bias is not None, mask is not None
+    bt, sb_h, mt, nr = _tables(bias, mask, N, q)
+    qkv_do = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    g3 = dq.stride()[:3]  # dq, dk, dv share one layout
+    rest = (BW, H, N, nr, nW)
+    common = dict(D=D, D_PAD=_pow2(D), HAS_MASK=has_mask, PREC=prec, num_stages=pl.stages)
+    dparts = None
+    if pl.fused_bwd:
+        wpp, runs = plan_runs(BW, H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
+        if bias_grad:
+            dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
+        _win_bwd_fused_kernel[(runs, H)](
+            q, k, v, bt, mt, do, lse, dq, dk, dv, dparts if bias_grad else lse,
+            *qkv_do, *g3, sb_h, *rest, wpp, scale * LOG2E, scale,
+            BLOCK=pl.n_pad, HAS_BIAS=has_bias, BIAS_REGS=pl.bias_regs, BIAS_GRAD=bias_grad,
+            num_warps=pl.fused_warps, **common)
+    else:
+        delta = torch.empty((BW, H, N), device=q.device, dtype=torch.float32)
+        n_mt = triton.cdiv(N, pl.dq_m)
+        wpp, runs = plan_runs(BW, n_mt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
+        _win_bwd_dq_kernel[(runs * n_mt, H)](
+            q, k, v, bt, mt, do, out, lse, delta, dq,
+            *qkv_do, *out.stride(), *g3, sb_h, *rest, wpp, scale * LOG2E, scale,
+            BLOCK_M=pl.dq_m, BLOCK_N=pl.dq_n, HAS_BIAS=has_bias, num_warps=pl.dq_warps, **common)
+        n_nt = triton.cdiv(N, pl.kv_n)
+        wpp, runs = plan_runs(BW, n_nt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
+        _win_bwd_dkdv_kernel[(runs * n_nt, H)](
+            q, k, v, bt, mt, do, lse, delta, dk, dv,
+            *qkv_do, *g3, sb_h, *rest, wpp, scale * LOG2E, scale,
+            BLOCK_M=pl.kv_m, BLOCK_N=pl.kv_n, HAS_BIAS=has_bias, num_warps=pl.kv_warps, **common)
+        if bias_grad:
+            n_tiles = triton.cdiv(N, pl.db_m) * triton.cdiv(N, pl.db_n)
+            wpp, runs = plan_runs(BW, n_tiles * H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
+            dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
+            _win_bwd_dbias_kernel[(runs * n_tiles, H)](
+                q, k, v, bt, mt, do, lse, delta, dparts,
+                *qkv_do, sb_h, *rest, wpp, scale * LOG2E,
+                BLOCK_M=pl.db_m, BLOCK_N=pl.db_n, num_warps=pl.db_warps, **common)
+    dbias = None
+    if bias_grad:
+        # fixed-order reduction of the per-run partial sums: deterministic
+        red = dparts[0] if dparts.shape[0] == 1 else dparts.sum(0)
+        dbias = red[:, :N, :N].to(bias.dtype)
+    return dq, dk, dv, dbias
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library custom ops: opaque to torch.compile, with fake (meta) implementations and autograd
+
+
+@torch.library.custom_op("elsa_vision::window_fwd", mutates_args=())
+def window_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+               mask: Optional[torch.Tensor], scale: float, precision: str, block: int,
+               windows_per_program: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q/k/v [BW,H,N,D], bias [H,N,N], mask [nW,N,N] (float) → out [BW,H,N,D] ([BW,N,H,D] layout),
+    lse [BW,H,N]. ``block`` 0 = auto; ``windows_per_program`` ≤ 0 lets the planner choose."""
+    return forward(q, k, v, bias, mask, scale, precision, block, windows_per_program)
+
+
+@window_fwd.register_fake
+def _(q, k, v, bias, mask, scale, precision, block, windows_per_program):
+    BW, H, N, D = q.shape
+    return _bnhd_empty(BW, H, N, D, q), q.new_empty((BW, H, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("elsa_vision::window_bwd", mutates_args=())
+def window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], out: Optional[torch.Tensor],
+               lse: torch.Tensor, scale: float, precision: str, block: int, windows_per_program: int,
+               bias_grad: bool) -> list[torch.Tensor]:
+    """→ [dq, dk, dv, dbias]; dbias [H,N,N] is an empty tensor unless ``bias_grad``."""
+    dq, dk, dv, dbias = backward(do, q, k, v, bias, mask, out, lse, scale, precision, block, bias_grad,
+                                 windows_per_program)
+    return [dq, dk, dv, dbias if dbias is not None else q.new_empty(0)]
+
+
+@window_bwd.register_fake
+def _(do, q, k, v, bias, mask, out, lse, scale, precision, block, windows_per_program, bias_grad):
+    BW, H, N, D = q.shape
+    db = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
+    return [_bnhd_empty(BW, H, N, D, q), _bnhd_empty(BW, H, N, D, k), _bnhd_empty(BW, H, N, D, v), db]
+
+
+def _setup_fwd(ctx, inputs, output):
+    q, k, v, bias, mask, scale, precision, block, wpp = inputs
+    out, lse = output
+    N = q.shape[2]
+    # only the tiled backward reads the forward output (delta = rowsum(dO ⊙ O))
+    keep_out = not make_plan(N, q.shape[3], q.dtype, _resolve_block(block, N, q.dtype, q.shape[3]), precision).fused_bwd
+    ctx.save_for_backward(q, k, v, bias, mask, out if keep_out else None, lse)
+    ctx.args = (scale, precision, block, wpp)
+
+
+def _backward_fwd(ctx, dout, dlse):
+    q, k, v, bias, mask, out, lse = ctx.saved_tensors
+    bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
+    dq, dk, dv, dbias = torch.ops.elsa_vision.window_bwd(dout, q, k, v, bias, mask, out, lse, *ctx.args, bias_grad)
+    return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None, None
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "elsa_vision.window_attention does not support double backward (gradients of gradients). "
+        "Use backend='reference' for higher-order derivatives.")
+
+
+def _setup_bwd(ctx, inputs, output):
+    pass
+
+
+window_fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
+window_bwd.register_autograd(_no_double_backward, setup_context=_setup_bwd)
+
+
+def window_attention(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
+                     windows_per_program: Optional[int] = None) -> torch.Tensor:
+    """Launcher behind the dispatcher's "triton" window backend (inputs already validated by
+    :func:`elsa_vision.window_attention`). Returns out [BW,H,N,D]."""
+    out, _ = torch.ops.elsa_vision.window_fwd(q, k, v, bias, mask, scale, precision, int(block or 0),
+                                             int(windows_per_program or 0))
+    return out
