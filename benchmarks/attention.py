@@ -153,8 +153,10 @@ CANDIDATES = {
     ("fwd", "fp32", "tf32x3", 64): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4)],
     ("fwd", "fp32", "tf32x3", 128): [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
     ("fwd", "fp32", "tf32x3", 32): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
-    ("fwd", "fp32", "ieee", 64): [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 128, 8, 1)],
-    ("fwd", "fp32", "ieee", 128): [(64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)],
+    # a fifth entry False turns off the Kahan compensation of the strict-fp32 running sums
+    ("fwd", "fp32", "ieee", 64): [(64, 64, 4, 2), (64, 64, 4, 2, False), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2),
+                                  (64, 64, 8, 2), (32, 64, 2, 2)],
+    ("fwd", "fp32", "ieee", 128): [(64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2, False)],
     ("fwd", "fp32", "tf32", 64): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
     ("bwd", "bf16", "native", 64): [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
     ("bwd", "bf16", "native", 128): [(64, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
@@ -163,17 +165,17 @@ CANDIDATES = {
 }
 
 
-def tune(kinds=("fwd", "bwd"), N=16384):
+def tune(kinds=("fwd", "bwd"), N=16384, only=None):
     """Time the CANDIDATES tile shapes at N tokens (B=1, H=16) and print the best per entry."""
     out = []
     for (kind, dtn, prec, d), cands in CANDIDATES.items():
-        if kind not in kinds:
+        if kind not in kinds or (only and only not in (dtn, prec)):
             continue
         q, k, v = make(1, 16, N, N, d, DT[dtn], False)
         fns = {}
-        for bm, bn, w, st in cands:
-            cfg = K.Config(bm, bn, w, st)
-            name = f"{bm}x{bn}w{w}s{st}"
+        for cand in cands:
+            cfg = K.Config(*cand)
+            name = "{}x{}w{}s{}".format(*cand) + ("" if cfg.kahan else "-nokahan")
             if kind == "fwd":
                 fns[name] = lambda cfg=cfg: K.forward(q, k, v, None, d ** -0.5, False, prec, 1, config=cfg)
             else:
@@ -222,6 +224,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", choices=["fwd", "bwd", "both"])
+    ap.add_argument("--only", help="with --tune: one dtype or precision (e.g. ieee, bf16)")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--no-bwd", action="store_true")
     a = ap.parse_args(argv)
@@ -231,7 +234,7 @@ def main(argv=None):
     outdir.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     if a.tune:
-        rows = tune(("fwd", "bwd") if a.tune == "both" else (a.tune,))
+        rows = tune(("fwd", "bwd") if a.tune == "both" else (a.tune,), only=a.only)
         write_csv(rows, outdir / f"tune_{a.tune}.csv")
         return
     H = 16

@@ -127,7 +127,7 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
 
 
 @triton.jit
-def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr):
+def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr, KAHAN: tl.constexpr):
     """Fold one tile into the running state: (acc·α + p·v, S·α + Σp). p [BM, BN] float32, v [BN, D_PAD].
 
     With half-precision v the probabilities are rounded to v's dtype for the dot; S sums the rounded
@@ -139,7 +139,7 @@ def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr):
         p_hi, p_lo = _split_tf32(p)
         v_hi, v_lo = _split_tf32(v)
         return acc * alpha[:, None] + _dot3(p_hi, p_lo, v_hi, v_lo), c_acc, s_i * alpha + tl.sum(p, 1), c_s
-    elif PREC == 0:
+    elif PREC == 0 and KAHAN:
         a = acc * alpha[:, None]
         y = _dot(p, v, PREC) - c_acc * alpha[:, None]
         t = a + y
@@ -157,7 +157,7 @@ def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr):
 @triton.jit
 def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
                qk_scale2, m_i, s_i, c_s, acc, c_acc, D: tl.constexpr, HAS_BIAS: tl.constexpr,
-               CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr):
+               CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, KAHAN: tl.constexpr):
     """Merge the key tile at offs_n into the running monoid state (m_i, s_i, acc) of a query tile
     (c_s, c_acc: compensation terms, used in strict float32 only)."""
     s = _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
@@ -180,7 +180,7 @@ def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, N
         v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=(offs_n[:, None] < k_end) & (offs_d[None, :] < D), other=0.0)
     else:
         v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=offs_d[None, :] < D, other=0.0)
-    acc, c_acc, s_i, c_s = _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC)
+    acc, c_acc, s_i, c_s = _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC, KAHAN)
     return m_new, s_i, c_s, acc, c_acc
 
 
@@ -192,6 +192,7 @@ def _fwd_kernel(
     H, Nq, Nk, part_len, n_part, qk_scale2,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    KAHAN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -230,12 +231,12 @@ def _fwd_kernel(
     for start in range(k_lo, full_end, BLOCK_N):
         m_i, s_i, c_s, acc, c_acc = _scan_tile(
             q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
-            qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC)
+            qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
     for start in range(full_end, k_hi, BLOCK_N):
         m_i, s_i, c_s, acc, c_acc = _scan_tile(
             q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
-            qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC)
-    if PREC == 0:
+            qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
+    if PREC == 0 and KAHAN:
         acc -= c_acc
         s_i -= c_s
 
@@ -477,6 +478,7 @@ class Config:
     block_n: int
     num_warps: int
     num_stages: int
+    kahan: bool = True  # strict float32 only: compensated tile-to-tile sums
 
 
 def _pow2(d: int) -> int:
@@ -586,7 +588,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_strides4(bias),
         H, Nq, Nk, part_len, n_part, scale * LOG2E,
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split, PREC=_PREC[precision],
+        HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split, PREC=_PREC[precision], KAHAN=cfg.kahan,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
@@ -693,16 +695,17 @@ def _setup_fwd(ctx, inputs, output):
 
 def _backward_fwd(ctx, dout, dlse):
     q, k, v, bias, out, lse = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    bias_grad = bool(bias is not None and need[3])
+    bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
     dq, dk, dv, dbias = torch.ops.elsa_vision.attention_bwd(dout, q, k, v, bias, out, lse, *ctx.args, bias_grad)
     return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None
 
 
+_DOUBLE_BACKWARD = ("elsa_vision.attention does not support double backward (gradients of gradients). "
+                    "Use backend='reference' for higher-order derivatives.")
+
+
 def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "elsa_vision.attention does not support double backward (gradients of gradients). "
-        "Use backend='reference' for higher-order derivatives.")
+    raise RuntimeError(_DOUBLE_BACKWARD)
 
 
 def _setup_bwd(ctx, inputs, output):
@@ -711,3 +714,36 @@ def _setup_bwd(ctx, inputs, output):
 
 attention_fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
 attention_bwd.register_autograd(_no_double_backward, setup_context=_setup_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# eager path: the same kernels behind a plain autograd.Function. The custom op's dispatch costs
+# tens of microseconds a call, which is most of the time of a ViT-sized problem; it is only needed
+# when torch.compile traces the call.
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale, causal, precision, partitions):
+        out, lse = forward(q, k, v, bias, scale, causal, precision, partitions or None)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.args = (scale, causal, precision)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if torch.is_grad_enabled():
+            raise RuntimeError(_DOUBLE_BACKWARD)
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
+        dq, dk, dv, dbias = backward(dout.contiguous() if dout.stride(-1) != 1 else dout, q, k, v, bias, out, lse,
+                                     *ctx.args, bias_grad)
+        return dq, dk, dv, dbias, None, None, None, None
+
+
+def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int]):
+    """(out, lse₂) with autograd: the custom op under torch.compile, the autograd.Function otherwise."""
+    if torch.compiler.is_compiling():
+        return torch.ops.elsa_vision.attention_fwd(q, k, v, bias, scale, causal, precision, partitions or 0)
+    return _Attention.apply(q, k, v, bias, scale, causal, precision, partitions)

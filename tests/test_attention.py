@@ -168,8 +168,8 @@ def test_reference_gradcheck_float64():
 def test_double_backward_raises():
     q, k, v = (t.requires_grad_() for t in qkv(1, 1, 8, 8, 32))
     out = elsa_vision.attention(q, k, v, backend="triton")
-    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
+        (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
         g.sum().backward()
 
 
