@@ -81,10 +81,23 @@ STAGES = 2
 
 _L2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
+# Triton's CPU interpreter truncates float32 → bfloat16; the GPU rounds to nearest even. _to rounds
+# explicitly there, so that CPU tests see the GPU's arithmetic.
+_RNE_BF16 = tl.constexpr(INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------
 # jit helpers
+
+
+@triton.jit
+def _to(x, dt: tl.constexpr):
+    """x.to(dt), rounding to nearest even (see _RNE_BF16)."""
+    if _RNE_BF16 and dt == tl.bfloat16:
+        b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        x = b.to(tl.float32, bitcast=True)
+    return x.to(dt)
 
 
 @triton.jit
@@ -173,7 +186,7 @@ def _win_fwd_kernel(
             m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row with no visible key
             p = tl.math.exp2(s - m_safe[:, None])
             s_i = tl.sum(p, 1)
-            acc = _dot(p.to(v.dtype), v, PREC)
+            acc = _dot(_to(p, v.dtype), v, PREC)
         else:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             s_i = tl.zeros([BLOCK_M], tl.float32)
@@ -190,13 +203,13 @@ def _win_fwd_kernel(
                 alpha = tl.math.exp2(m_i - m_safe)
                 p = tl.math.exp2(s - m_safe[:, None])
                 s_i = s_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+                acc = acc * alpha[:, None] + _dot(_to(p, v.dtype), v, PREC)
                 m_i = m_new
         nonempty = s_i > 0
         den = tl.where(nonempty, s_i, 1.0)
         out = acc / den[:, None]
         tl.store(Out + rr * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d,
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+                 _to(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
         lse = tl.where(nonempty, (m_i + tl.math.log2(den)) * _LN2, float("inf"))
         tl.store(Lse + (rr * H + h) * N + offs_m, lse, mask=row_ok)
 
@@ -243,16 +256,16 @@ def _win_bwd_fused_kernel(
         s = _logits(q, k, bias2, bias_h, Mask + (rr % nW) * mask_stride, offs, offs, N, NR, qk_scale2,
                     HAS_BIAS, BIAS_REGS, HAS_MASK, PREC)
         p = tl.math.exp2(s - lse2[:, None])  # 0 on padded keys, padded rows, fully masked rows
-        dv = _dot(tl.trans(p.to(do.dtype)), do, PREC)
+        dv = _dot(tl.trans(_to(p, do.dtype)), do, PREC)
         dp = _dot(do, tl.trans(v), PREC)
         delta = tl.sum(p * dp, 1)  # = rowsum(dO ⊙ O), exact: the tile holds every key of the row
         ds = p * (dp - delta[:, None])
-        dq = _dot(ds.to(k.dtype), k, PREC) * scale
-        dk = _dot(tl.trans(ds.to(q.dtype)), q, PREC) * scale
+        dq = _dot(_to(ds, k.dtype), k, PREC) * scale
+        dk = _dot(tl.trans(_to(ds, q.dtype)), q, PREC) * scale
         g_ptrs = rr * sg_b + h * sg_h + offs[:, None] * sg_n + offs_d[None, :]
-        tl.store(dQ + g_ptrs, dq.to(dQ.dtype.element_ty), mask=io_mask)
-        tl.store(dK + g_ptrs, dk.to(dK.dtype.element_ty), mask=io_mask)
-        tl.store(dV + g_ptrs, dv.to(dV.dtype.element_ty), mask=io_mask)
+        tl.store(dQ + g_ptrs, _to(dq, dQ.dtype.element_ty), mask=io_mask)
+        tl.store(dK + g_ptrs, _to(dk, dK.dtype.element_ty), mask=io_mask)
+        tl.store(dV + g_ptrs, _to(dv, dV.dtype.element_ty), mask=io_mask)
         if BIAS_GRAD:
             dbias += ds
     if BIAS_GRAD:
@@ -301,9 +314,9 @@ def _win_bwd_dq_kernel(
             p = tl.math.exp2(s - lse2[:, None])
             dp = _dot(do, tl.trans(v), PREC)
             ds = p * (dp - delta[:, None])
-            dq += _dot(ds.to(k.dtype), k, PREC)
+            dq += _dot(_to(ds, k.dtype), k, PREC)
         dq = dq * scale
-        tl.store(dQ + rr * sg_b + h * sg_h + offs_m[:, None] * sg_n + offs_d[None, :], dq.to(dQ.dtype.element_ty),
+        tl.store(dQ + rr * sg_b + h * sg_h + offs_m[:, None] * sg_n + offs_d[None, :], _to(dq, dQ.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
@@ -344,15 +357,15 @@ def _win_bwd_dkdv_kernel(
             s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, qk_scale2,
                         HAS_BIAS, False, HAS_MASK, PREC)
             p = tl.math.exp2(s - lse2[:, None])
-            dv += _dot(tl.trans(p.to(do.dtype)), do, PREC)
+            dv += _dot(tl.trans(_to(p, do.dtype)), do, PREC)
             dp = _dot(do, tl.trans(v), PREC)
             ds = p * (dp - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, PREC)
+            dk += _dot(tl.trans(_to(ds, q.dtype)), q, PREC)
         dk = dk * scale
         g_base = rr * sg_b + h * sg_h
         kv_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
-        tl.store(dK + g_base + offs_n[:, None] * sg_n + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=kv_mask)
-        tl.store(dV + g_base + offs_n[:, None] * sg_n + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=kv_mask)
+        tl.store(dK + g_base + offs_n[:, None] * sg_n + offs_d[None, :], _to(dk, dK.dtype.element_ty), mask=kv_mask)
+        tl.store(dV + g_base + offs_n[:, None] * sg_n + offs_d[None, :], _to(dv, dV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -492,6 +505,10 @@ def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "
         dq_n, kv_n, db_n = min(dq_n, cap), min(kv_n, cap), min(db_n, cap)
         if d_pad >= 128:
             fwd_m, stages, fwd_stages = min(fwd_m, 32), 1, 1
+    if INTERPRET:
+        # the CPU interpreter pays per loop step, not per register: fewer, wider backward tiles
+        dq_n = kv_n = db_n = 64
+        db_m = 64
     return Plan(block=block, n_pad=n_pad, single=single, fwd_m=fwd_m, fwd_n=fwd_n, fwd_warps=4,
                 fused_bwd=fused, fused_warps=4,
                 dq_m=dq_m, dq_n=dq_n, dq_warps=w1, kv_m=kv_m, kv_n=kv_n, kv_warps=w2,

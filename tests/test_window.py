@@ -1,0 +1,401 @@
+"""Windowed attention (Swin): the Triton window kernel (under TRITON_INTERPRET=1 on CPU), the chunked
+reference backend, the public API's validation, dispatch, and GPU runs at real Swin sizes.
+
+Correctness rule (DESIGN §7): against a float64 oracle, max|elsa − oracle| ≤ 2 × max|torch − oracle|
++ 1e-6 where "torch" is timm's own unfused path in the inputs' dtype (q·kᵀ·scale + bias + mask,
+softmax, ·v); gradients (dq, dk, dv, dbias) 3×.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import elsa_vision
+from elsa_vision import dispatch
+from elsa_vision.verify import max_err, tolerance
+
+INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_interp = pytest.mark.skipif(not INTERP, reason="Triton on CPU needs TRITON_INTERPRET=1")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _swin_mask(nW: int, N: int, kind: str = "timm", gen=None) -> torch.Tensor:
+    """[nW, N, N] additive mask shaped like Swin's shifted-window mask: tokens of a window fall in a
+    few regions and only attend inside their region (timm: 0 / −100). ``kind="inf"`` uses −inf and
+    makes window 1 see a single key per row (and one fully masked row)."""
+    region = torch.randint(0, 3, (nW, N), generator=gen)
+    region[0] = 0  # window 0: unshifted (all 0)
+    same = region[:, :, None] == region[:, None, :]
+    fill = -100.0 if kind == "timm" else float("-inf")
+    m = torch.zeros(nW, N, N).masked_fill(~same, fill)
+    if kind == "inf" and nW > 1:
+        m[1] = float("-inf")
+        m[1, :, 0] = 0.0
+        m[1, N // 2, :] = float("-inf")  # a row that sees no key: returns 0
+    return m
+
+
+def _timm_path(q, k, v, bias, mask, scale, dtype):
+    """timm's unfused WindowAttention math in ``dtype`` (float64 = the oracle)."""
+    BW, H, N, _ = q.shape
+    a = (q.to(dtype) * scale) @ k.to(dtype).transpose(-2, -1)
+    if bias is not None:
+        a = a + bias.to(dtype).reshape(-1, N, N)
+    if mask is not None:
+        nW = mask.shape[0]
+        a = a.view(-1, nW, H, N, N) + mask.to(dtype).unsqueeze(1).unsqueeze(0)
+        a = a.view(-1, H, N, N)
+    # rows whose keys are all -inf give 0 (the kernel's and the oracle's convention)
+    mx = a.amax(-1, keepdim=True)
+    e = torch.exp(a - torch.where(torch.isneginf(mx), 0, mx))
+    z = e.sum(-1, keepdim=True)
+    p = e / torch.where(z > 0, z, 1)
+    return p @ v.to(dtype)
+
+
+def _inputs(B, nW, H, N, D, dtype, *, bias=True, mask="timm", seed=0, layout="timm"):
+    g = torch.Generator().manual_seed(seed)
+    BW = B * nW
+    if layout == "timm":  # q/k/v as views of one qkv buffer, exactly as timm's WindowAttention makes them
+        qkv = torch.randn(BW, N, 3, H, D, generator=g).to(dtype).permute(2, 0, 3, 1, 4)
+        q, k, v = (qkv[i].detach().requires_grad_(True) for i in range(3))
+    else:
+        q, k, v = (torch.randn(BW, H, N, D, generator=g).to(dtype).requires_grad_(True) for _ in range(3))
+    b = (torch.randn(H, N, N, generator=g) * 2).requires_grad_(True) if bias else None
+    m = _swin_mask(nW, N, mask, g) if mask else None
+    return q, k, v, b, m
+
+
+def _check(q, k, v, bias, mask, *, scale=None, grads=True, seed=1, **kw):
+    """Run window_attention and compare output (and gradients) with the oracle under the §7 rule."""
+    D = q.shape[-1]
+    sc = scale if scale is not None else 1 / math.sqrt(D)
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    out = elsa_vision.window_attention(q, k, v, bias=bias, mask=mask, scale=scale, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = _timm_path(q, k, v, bias, mask, sc, q.dtype)
+    orc = _timm_path(q, k, v, bias, mask, sc, torch.float64)
+    e, r = max_err(out, orc), max_err(ref, orc)
+    assert e <= tolerance(r, q.dtype), f"output: err {e:.3g} vs torch {r:.3g}"
+    if not grads:
+        return out
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(q.dtype)
+    gx = torch.autograd.grad(out, leaves, g)
+    gr = torch.autograd.grad(ref, leaves, g)
+    go = torch.autograd.grad(orc, leaves, g.double())
+    for name, a, b, c in zip("q k v bias".split(), gx, gr, go):
+        assert a.shape == c.shape
+        e, r = max_err(a, c), max_err(b, c)
+        assert e <= tolerance(r, q.dtype, grad=True), f"d{name}: err {e:.3g} vs torch {r:.3g}"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel under the interpreter: every tiling mode, block size and dtype
+
+F32 = (torch.float32, "ieee")
+F32X3 = (torch.float32, "tf32x3")
+BF16 = (torch.bfloat16, "auto")
+F16 = (torch.float16, "auto")
+
+# (N, nW, H, D, block, (dtype, precision), bias, mask); batch 2 throughout. The backward is the fused
+# single kernel for half precision at N_pad ≤ 64 and D ≤ 32, the tiled three-kernel one otherwise.
+CASES = [
+    (49, 4, 2, 32, 64, F32, True, "timm"),        # Swin-T window, fp32 strict, tiled backward
+    (49, 4, 2, 32, 128, BF16, True, "timm"),      # fused backward
+    (49, 64, 1, 16, 256, F32X3, True, "timm"),    # nW = 64 (Swin-T stage 1), small D
+    (49, 64, 1, 16, 64, F16, True, "timm"),       # (batch 1 here: the interpreter is slow)
+    (50, 1, 2, 32, 64, F32, True, None),          # odd N, no mask
+    (50, 4, 2, 32, 256, BF16, False, "inf"),      # −inf mask, a fully masked row, no bias
+    (64, 4, 2, 32, 64, F32X3, False, "timm"),     # SwinV2 window 8, mask only
+    (64, 1, 2, 32, 128, BF16, True, None),
+    (144, 4, 1, 32, 64, F32, True, "timm"),       # window 12: three 64-wide key tiles folded
+    (144, 1, 1, 32, 128, F32X3, True, None),      # two 128-wide tiles
+    (144, 4, 1, 32, 256, BF16, True, "timm"),     # one 256-wide tile (16-row query strips)
+    (256, 1, 1, 32, 256, F32, True, "timm"),      # SwinV2 window 16
+    (256, 4, 1, 32, 64, BF16, True, "timm"),
+    (100, 4, 1, 64, "auto", F32, True, "timm"),   # wider head dims
+    (20, 4, 2, 80, "auto", BF16, True, "timm"),   # D = 80 (padded tile), N_pad = 32
+    (7, 1, 3, 128, "auto", F32X3, True, None),    # D = 128
+]
+
+
+@needs_interp
+@pytest.mark.parametrize("N,nW,H,D,block,dp,bias,mask", CASES,
+                         ids=[f"N{c[0]}-nW{c[1]}-H{c[2]}-D{c[3]}-B{c[4]}-{str(c[5][0])[6:]}-{c[5][1]}"
+                              f"{'-bias' if c[6] else ''}{'-' + c[7] if c[7] else ''}" for c in CASES])
+def test_triton_matches_oracle(N, nW, H, D, block, dp, bias, mask):
+    dtype, precision = dp
+    batch = 1 if (nW == 64 and dtype == torch.float16) else 2
+    q, k, v, b, m = _inputs(batch, nW, H, N, D, dtype, bias=bias, mask=mask)
+    out = _check(q, k, v, b, m, block=block, precision=precision, backend="triton")
+    if mask == "inf":
+        assert torch.all(out[1::nW, :, N // 2] == 0)  # window 1's fully masked row
+
+
+@needs_interp
+@pytest.mark.parametrize("wpp", [1, 3])
+def test_runs_of_windows_and_dbias_partials(wpp):
+    """Force several runs per head (the last one short): the per-run dbias partials are summed."""
+    from elsa_vision.kernels import window as W
+    q, k, v, b, m = _inputs(2, 4, 2, 49, 32, torch.float32)
+    sc = 1 / math.sqrt(32)
+    for precision in ("ieee", "tf32x3"):
+        out, lse = torch.ops.elsa_vision.window_fwd(q, k, v, b, m, sc, precision, 64, wpp)
+        ref = _timm_path(q, k, v, b, m, sc, torch.float64)
+        assert max_err(out, ref) < 1e-5
+        do = torch.randn_like(out)
+        dq, dk, dv, db = W.backward(do, q, k, v, b, m, out, lse, sc, precision, 64, True, wpp)
+        go = torch.autograd.grad(ref, (q, k, v, b), do.double())
+        for a, c in zip((dq, dk, dv, db), go):
+            assert max_err(a, c) < 2e-5
+    # the half-precision fused backward, too
+    qh, kh, vh = (t.detach().bfloat16() for t in (q, k, v))
+    out, lse = torch.ops.elsa_vision.window_fwd(qh, kh, vh, b, m, sc, "native", 64, wpp)
+    do = torch.randn_like(out)
+    _, _, _, db = W.backward(do, qh, kh, vh, b, m, out, lse, sc, "native", 64, True, wpp)
+    _, _, _, db1 = W.backward(do, qh, kh, vh, b, m, out, lse, sc, "native", 64, True, 8)
+    assert torch.allclose(db, db1, atol=1e-4)
+
+
+@needs_interp
+def test_lse_and_layout():
+    from elsa_vision.kernels import window as W
+    q, k, v, b, m = _inputs(1, 4, 2, 49, 32, torch.float32)
+    sc = 0.2
+    out, lse = W.forward(q, k, v, b, m, sc, "ieee")
+    s = (q.double() @ k.double().transpose(-1, -2)) * sc + b.double() + m.double().unsqueeze(1)
+    assert max_err(lse, torch.logsumexp(s, -1)) < 1e-5
+    # the output is laid out [BW, N, H, D]: Swin's reshape to (BW, N, H·D) is a view
+    assert out.transpose(1, 2).is_contiguous()
+    out2 = out.transpose(1, 2).reshape(4, 49, 64)
+    assert out2.data_ptr() == out.data_ptr()
+
+
+@needs_interp
+def test_bias_forms_and_bool_mask():
+    """[1,H,N,N] and head-shared [N,N] biases (gradient summed over heads), bool keep-masks."""
+    N, H = 49, 2
+    q, k, v, b, m = _inputs(2, 4, H, N, 32, torch.float32)
+    keep = m == 0
+    out_bool = elsa_vision.window_attention(q, k, v, bias=b, mask=keep, precision="ieee", backend="triton")
+    ref = _timm_path(q, k, v, b, torch.zeros_like(m).masked_fill(~keep, float("-inf")), 32 ** -0.5, torch.float64)
+    assert max_err(out_bool, ref) < 1e-5
+    b4 = b.detach()[None].clone().requires_grad_(True)
+    _check(q, k, v, b4, m, precision="ieee", backend="triton")
+    b2 = b.detach()[0].clone().requires_grad_(True)  # one [N, N] bias for every head
+    out = elsa_vision.window_attention(q, k, v, bias=b2, mask=m, precision="ieee", backend="triton")
+    ref = _timm_path(q, k, v, b2.expand(H, N, N), m, 32 ** -0.5, torch.float64)
+    assert max_err(out, ref) < 1e-5
+    g = torch.randn_like(out)
+    (db,) = torch.autograd.grad(out, b2, g)
+    (dbr,) = torch.autograd.grad(ref, b2, g.double())
+    assert db.shape == (N, N) and max_err(db, dbr) < 2e-5
+
+
+@needs_interp
+def test_all_blocks_agree_and_auto():
+    """Every block size computes the same function (they differ only in tiling)."""
+    q, k, v, b, m = _inputs(1, 4, 1, 144, 32, torch.float32, seed=3)
+    outs = [elsa_vision.window_attention(q, k, v, bias=b, mask=m, block=blk, precision="ieee", backend="triton")
+            for blk in (64, 128, 256, "auto")]
+    for o in outs[1:]:
+        assert max_err(o, outs[0]) < 1e-5
+
+
+@needs_interp
+def test_autocast_and_custom_op():
+    q, k, v, b, m = _inputs(2, 4, 2, 49, 32, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = elsa_vision.window_attention(q, k, v, bias=b, mask=m, backend="triton")
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and b.grad is not None and b.grad.dtype == torch.float32
+    from elsa_vision.kernels import window  # noqa: F401
+    args = (q.detach(), k.detach(), v.detach(), b.detach(), m, 0.2, "ieee", 64, 0)
+    torch.library.opcheck(torch.ops.elsa_vision.window_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_interp
+def test_torch_compile_fullgraph():
+    q, k, v, b, m = _inputs(2, 4, 2, 49, 32, torch.float32)
+
+    def f(q, k, v, b):
+        return elsa_vision.window_attention(q, k, v, bias=b, mask=m, precision="ieee", backend="triton")
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, b)
+    ref = f(q, k, v, b)
+    assert max_err(out, ref) == 0
+    out.sum().backward()
+    assert b.grad is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# reference backend (pure torch, chunked over windows)
+
+
+@pytest.mark.parametrize("N,nW,dtype", [(49, 4, torch.float32), (50, 1, torch.float64), (64, 4, torch.bfloat16),
+                                        (144, 4, torch.float32), (256, 1, torch.float32)])
+def test_reference_matches_oracle(N, nW, dtype):
+    q, k, v, b, m = _inputs(2, nW, 2, N, 16, dtype, seed=5)
+    _check(q, k, v, b, m, backend="reference")
+
+
+def test_reference_chunks_without_expanding():
+    """Small chunks (several windows per chunk, window ids crossing chunk edges) give the same result,
+    and the scores of at most one chunk exist at a time."""
+    from elsa_vision.kernels import reference
+    q, k, v, b, m = _inputs(3, 4, 2, 49, 16, torch.float64, mask="inf", seed=6)
+    b = b.detach().double().requires_grad_(True)
+    full = _timm_path(q, k, v, b, m, 0.25, torch.float64)
+    H, N = 2, 49
+    out = reference.window_attention(q, k, v, b, m, 0.25, chunk_elems=5 * H * N * N)
+    assert max_err(out, full) < 1e-12
+    g = torch.randn_like(out)
+    a = torch.autograd.grad(out, (q, k, v, b), g)
+    c = torch.autograd.grad(full, (q, k, v, b), g)
+    for x, y in zip(a, c):
+        assert max_err(x, y) < 1e-12
+
+
+def test_reference_on_cpu_without_interpreter(monkeypatch):
+    """Without the interpreter, CPU tensors go to the reference backend (and 'triton' explains why not)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, b, m = _inputs(2, 4, 2, 49, 16, torch.float32)
+    p = dispatch.Problem(op="window_attention", device="cpu", dtype=torch.float32, head_dim=16,
+                         has_bias=True, has_mask=True, window_tokens=49)
+    assert dispatch.select(p).name == "reference"
+    with pytest.raises(elsa_vision.NotSupportedError, match="device 'cpu'"):
+        elsa_vision.window_attention(q, k, v, bias=b, mask=m, backend="triton")
+    _check(q, k, v, b, m)
+
+
+def test_dispatch_limits():
+    p = dispatch.Problem(op="window_attention", device="cuda", dtype=torch.float32, head_dim=32, window_tokens=300)
+    triton_backend = next(b for b in dispatch.BACKENDS if b.name == "triton")
+    assert any("300 tokens" in r for r in triton_backend.not_supported_reasons(p))
+    p = dispatch.Problem(op="window_attention", device="cuda", dtype=torch.float32, head_dim=160, window_tokens=49)
+    assert any("head dim 160" in r for r in triton_backend.not_supported_reasons(p))
+    p = dispatch.Problem(op="window_attention", device="cuda", dtype=torch.float32, head_dim=32, window_tokens=256)
+    if triton_backend.available() is None:
+        assert triton_backend.not_supported_reasons(p) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# validation: clear errors
+
+
+def test_bad_inputs_raise_clear_errors():
+    wa = elsa_vision.window_attention
+    q = torch.randn(8, 2, 49, 16)
+    m = torch.zeros(4, 49, 49)
+    with pytest.raises(ValueError, match="not a multiple of the mask's nW = 3"):
+        wa(q, q, q, mask=torch.zeros(3, 49, 49))
+    with pytest.raises(ValueError, match=r"mask must be \[nW, N, N\]"):
+        wa(q, q, q, mask=torch.zeros(4, 49, 50))
+    with pytest.raises(ValueError, match=r"mask must be \[nW, N, N\]"):
+        wa(q, q, q, mask=torch.zeros(49, 49))
+    with pytest.raises(ValueError, match=r"bias must be \[H, N, N\]"):
+        wa(q, q, q, bias=torch.zeros(3, 49, 49))
+    with pytest.raises(ValueError, match=r"bias must be \[H, N, N\]"):
+        wa(q, q, q, bias=torch.zeros(2, 2, 49, 49))
+    with pytest.raises(ValueError, match="block must be one of"):
+        wa(q, q, q, block=96)
+    with pytest.raises(ValueError, match="block must be one of"):
+        wa(q, q, q, block=True)
+    with pytest.raises(ValueError, match="self-attention inside each window"):
+        wa(q, torch.randn(8, 2, 50, 16), torch.randn(8, 2, 50, 16))
+    with pytest.raises(ValueError, match="takes no gradient"):
+        wa(q, q, q, mask=m.clone().requires_grad_(True))
+    with pytest.raises(TypeError, match="must be floating point"):
+        wa(q, q, q, mask=m.long())
+    with pytest.raises(ValueError, match="4-D"):
+        wa(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="precision must be one of"):
+        wa(q, q, q, precision="fast")
+    # an unsupported head dim on the Triton backend names the limit
+    p = dispatch.Problem(op="window_attention", device="cuda", dtype=torch.float32, head_dim=160, window_tokens=49)
+    with pytest.raises(elsa_vision.NotSupportedError, match=r"head dim 160 outside \[16, 128\]"):
+        dispatch.select(p, "triton")
+
+
+def test_empty_batch():
+    q = torch.randn(0, 2, 49, 16, requires_grad=True)
+    out = elsa_vision.window_attention(q, q, q, mask=torch.zeros(4, 49, 49))
+    assert out.shape == q.shape
+    out.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real Swin sizes (run with `pytest -m gpu`)
+
+# (batch·nW, nW, heads, N): Swin-T stages at batch 8 (stage 1 with the shifted-window mask), SwinV2
+# window 8 and window 16, and Swin-B 384 (window 12)
+GPU_SHAPES = [(512, 64, 3, 49), (128, 16, 6, 49), (32, 4, 12, 49), (8, 1, 24, 49),
+              (256, 64, 3, 64), (64, 16, 3, 256), (128, 16, 8, 144)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("BW,nW,H,N", GPU_SHAPES)
+@pytest.mark.parametrize("dp", [(torch.float32, "tf32x3"), (torch.float32, "ieee"), (torch.bfloat16, "auto"),
+                                (torch.float16, "auto")], ids=["fp32-tf32x3", "fp32-ieee", "bf16", "fp16"])
+@pytest.mark.parametrize("block", ["auto", 64, 128, 256])
+def test_gpu_swin_sizes(BW, nW, H, N, dp, block):
+    dtype, precision = dp
+    q, k, v, b, m = _inputs(BW // nW, nW, H, N, 32, dtype)
+    q, k, v = (t.detach().cuda().requires_grad_(True) for t in (q, k, v))
+    b = b.detach().cuda().requires_grad_(True)
+    _check(q, k, v, b, m.cuda(), block=block, precision=precision, backend="triton")
+
+
+@gpu
+@needs_cuda
+def test_gpu_tf32_against_tf32_torch():
+    """precision='tf32' is compared with torch's own TF32 matmuls (the same-precision reference)."""
+    q, k, v, b, m = _inputs(8, 64, 3, 49, 32, torch.float32)
+    q, k, v = (t.detach().cuda().requires_grad_(True) for t in (q, k, v))
+    b = b.detach().cuda().requires_grad_(True)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        _check(q, k, v, b, m.cuda(), precision="tf32", backend="triton")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_deterministic_and_memory(dtype):
+    """Bitwise-reproducible gradients, and peak memory well under the [B·nW, H, N, N] tensor timm builds."""
+    BW, nW, H, N, D = 4096, 64, 3, 49, 32
+    q, k, v, b, m = _inputs(BW // nW, nW, H, N, D, dtype)
+    q, k, v = (t.detach().cuda().requires_grad_(True) for t in (q, k, v))
+    b, m = b.detach().cuda().requires_grad_(True), m.cuda()
+
+    def run():
+        out = elsa_vision.window_attention(q, k, v, bias=b, mask=m, backend="triton")
+        return torch.autograd.grad(out, (q, k, v, b), torch.ones_like(out))
+
+    g1 = run()
+    g2 = run()
+    for a, c in zip(g1, g2):
+        assert torch.equal(a, c)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    expanded = BW * H * N * N * 4
+    assert extra < expanded / 2, f"peak {extra / 2**20:.1f} MiB vs expanded mask {expanded / 2**20:.1f} MiB"
