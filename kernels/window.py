@@ -57,7 +57,7 @@ what Swin consumes next (``out.transpose(1, 2).reshape(BW, N, H·D)`` is then fr
 """
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -469,6 +469,7 @@ def _precision_class(dtype: torch.dtype, precision: str) -> str:
     return {"ieee": "ieee", "tf32x3": "tf32x3", "tf32x3n": "tf32x3"}.get(precision, "tf32")
 
 
+@functools.lru_cache(maxsize=None)
 def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "native") -> Plan:
     """Tile shapes for windows of ``n`` tokens, head dim ``d``, key tile ``block``.
 
@@ -566,9 +567,10 @@ def _resolve_block(block: int, n: int, dtype, d: int = 32) -> int:
 
 
 def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
-            windows_per_program: Optional[int] = None):
+            windows_per_program: Optional[int] = None, tables=None):
     """q/k/v [BW,H,N,D]; bias [H,N,N] or None; mask [nW,N,N] float or None; ``block`` 0 = auto.
-    Returns (out [BW,H,N,D] in the [BW,N,H,D] layout, lse [BW,H,N] float32 natural log)."""
+    Returns (out [BW,H,N,D] in the [BW,N,H,D] layout, lse [BW,H,N] float32 natural log).
+    ``tables``: :func:`_tables` of (bias, mask), when the caller already has them."""
     BW, H, N, D = q.shape
     nW = mask.shape[0] if mask is not None else 1
     pl = make_plan(N, D, q.dtype, _resolve_block(block, N, q.dtype, D), precision)
@@ -577,7 +579,7 @@ def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
     if out.numel() == 0:
         lse.fill_(float("inf"))
         return out.zero_(), lse
-    bt, sb_h, mt, nr = _tables(bias, mask, N, q)
+    bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q)
     n_mt = triton.cdiv(N, pl.fwd_m)
     wpp, runs = plan_runs(BW, n_mt * H, pl.min_windows, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
     _win_fwd_kernel[(runs * n_mt, H)](
@@ -592,7 +594,7 @@ def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
 
 
 def backward(do, q, k, v, bias, mask, out, lse, scale: float, precision: str, block: int = 0,
-             bias_grad: bool = False, windows_per_program: Optional[int] = None):
+             bias_grad: bool = False, windows_per_program: Optional[int] = None, tables=None):
     """Returns (dq, dk, dv, dbias); dbias [H,N,N] in bias.dtype, or None unless ``bias_grad``.
     ``out`` is read only by the tiled backward (``not make_plan(...).fused_bwd``)."""
     BW, H, N, D = q.shape
@@ -606,7 +608,7 @@ def backward(do, q, k, v, bias, mask, out, lse, scale: float, precision: str, bl
         dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if bias_grad else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
     has_bias, has_mask = bias is not None, mask is not None
-    bt, sb_h, mt, nr = _tables(bias, mask, N, q)
+    bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q)
     qkv_do = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     g3 = dq.stride()[:3]  # dq, dk, dv share one layout
     rest = (BW, H, N, nr, nW)
@@ -706,9 +708,7 @@ def _backward_fwd(ctx, dout, dlse):
 
 
 def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "elsa_vision.window_attention does not support double backward (gradients of gradients). "
-        "Use backend='reference' for higher-order derivatives.")
+    raise RuntimeError(_DOUBLE_BACKWARD)
 
 
 def _setup_bwd(ctx, inputs, output):
@@ -719,10 +719,47 @@ window_fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
 window_bwd.register_autograd(_no_double_backward, setup_context=_setup_bwd)
 
 
+# ---------------------------------------------------------------------------------------------
+# eager path: the same kernels behind a plain autograd.Function. The custom op's dispatch costs tens
+# of microseconds a call — as much as the kernels of a late Swin stage; it is only needed when
+# torch.compile traces the call.
+
+_DOUBLE_BACKWARD = ("elsa_vision.window_attention does not support double backward (gradients of gradients). "
+                    "Use backend='reference' for higher-order derivatives.")
+
+
+class _WindowAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, mask, scale, precision, block, wpp):
+        N = q.shape[2]
+        tables = _tables(bias, mask, N, q) if q.numel() else None
+        out, lse = forward(q, k, v, bias, mask, scale, precision, block, wpp, tables)
+        keep_out = not make_plan(N, q.shape[3], q.dtype, _resolve_block(block, N, q.dtype, q.shape[3]),
+                                 precision).fused_bwd
+        ctx.save_for_backward(q, k, v, bias, mask, out if keep_out else None, lse)
+        ctx.args = (scale, precision, block)
+        ctx.wpp = wpp
+        ctx.tables = tables  # the padded bias / mask copies (small), reused by the backward
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if torch.is_grad_enabled():
+            raise RuntimeError(_DOUBLE_BACKWARD)
+        q, k, v, bias, mask, out, lse = ctx.saved_tensors
+        bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
+        dq, dk, dv, dbias = backward(dout, q, k, v, bias, mask, out, lse, *ctx.args, bias_grad, ctx.wpp, ctx.tables)
+        return dq, dk, dv, dbias, None, None, None, None, None
+
+
 def window_attention(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
                      windows_per_program: Optional[int] = None) -> torch.Tensor:
     """Launcher behind the dispatcher's "triton" window backend (inputs already validated by
-    :func:`elsa_vision.window_attention`). Returns out [BW,H,N,D]."""
-    out, _ = torch.ops.elsa_vision.window_fwd(q, k, v, bias, mask, scale, precision, int(block or 0),
-                                             int(windows_per_program or 0))
-    return out
+    :func:`elsa_vision.window_attention`): the custom op under torch.compile, the autograd.Function
+    otherwise. Returns out [BW,H,N,D]."""
+    if torch.compiler.is_compiling():
+        out, _ = torch.ops.elsa_vision.window_fwd(q, k, v, bias, mask, scale, precision, int(block or 0),
+                                                 int(windows_per_program or 0))
+        return out
+    return _WindowAttention.apply(q, k, v, bias, mask, scale, precision, int(block or 0),
+                                  int(windows_per_program or 0) or None)

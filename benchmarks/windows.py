@@ -1,0 +1,244 @@
+"""Swin window-attention benchmark: ELSA's window kernel vs timm's own two paths, same process, interleaved.
+
+    python benchmarks/windows.py            # all shapes, fp32 + bf16, fwd and fwd+bwd, block sweep
+    python benchmarks/windows.py --quick    # four shapes, no sweep (about a minute on an H100)
+    → benchmarks/results/<device>/windows.csv and windows.png (windows_quick.* with --quick)
+
+Shapes: Swin-T at 224² and batch 64 — B·nW = 4096/1024/256/64 windows of N = 49 tokens, heads 3/6/12/24,
+d = 32 — and SwinV2-T window 8 (N = 64, 256²) and window 16 (N = 256, 256²) stages. Stages with more
+than one window use the shifted-window mask (timm's 0/−100), as the shifted blocks do.
+
+Variants (all take q, k, v [B·nW, H, N, d] as the strided views timm's qkv projection gives, the
+relative-position bias [H, N, N] as a leaf that requires grad, and the mask [nW, N, N]):
+  timm-sdpa   timm's fused path: attn_mask = bias + the mask expanded to [B·nW, H, N, N], then SDPA
+  timm-math   timm's unfused path: q·scale @ kᵀ + bias + mask (broadcast by window), softmax, @ v
+  elsa-generic  elsa_vision.attention with the same expanded [B·nW, H, N, N] bias (for reference)
+  elsa        elsa_vision.window_attention, block="auto"; elsa-b64/128/256 the block sweep
+fp32 runs under torch's default matmul precision ("highest": timm's matmuls are IEEE float32 and ELSA
+runs 3xTF32). fwd+bwd computes dq, dk, dv and dbias.
+
+Columns: ms (median), peak_mib (allocated above the inputs during one call), speedup =
+min(timm-sdpa, timm-math) ms / variant ms (> 1: faster than timm's better path), mem_ratio = variant peak /
+that path's peak.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import fmt_table, measure, results_dir, write_csv  # noqa: E402
+
+import elsa_vision  # noqa: E402
+
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# (name, batch·nW, nW, heads, N)
+SHAPES = [
+    ("swinT-s1", 4096, 64, 3, 49), ("swinT-s2", 1024, 16, 6, 49), ("swinT-s3", 256, 4, 12, 49),
+    ("swinT-s4", 64, 1, 24, 49),
+    ("v2w8-s1", 4096, 64, 3, 64), ("v2w8-s2", 1024, 16, 6, 64), ("v2w8-s3", 256, 4, 12, 64),
+    ("v2w8-s4", 64, 1, 24, 64),
+    ("v2w16-s1", 1024, 16, 3, 256), ("v2w16-s2", 256, 4, 6, 256), ("v2w16-s3", 64, 1, 12, 256),
+]
+QUICK = ("swinT-s1", "swinT-s3", "v2w8-s1", "v2w16-s1")
+HEAD_DIM = 32
+BASELINES = ("timm-sdpa", "timm-math")
+
+
+def shifted_mask(nW: int, N: int, device) -> torch.Tensor:
+    """timm's shifted-window mask for a side of √nW windows of √N×√N tokens, shift √N // 2."""
+    ws = int(math.isqrt(N))
+    side = int(math.isqrt(nW)) * ws
+    img = torch.zeros(1, side, side, 1)
+    cnt = 0
+    sl = (slice(0, -ws), slice(-ws, -ws // 2), slice(-ws // 2, None))
+    for h in sl:
+        for w in sl:
+            img[:, h, w, :] = cnt
+            cnt += 1
+    win = img.view(1, side // ws, ws, side // ws, ws, 1).permute(0, 1, 3, 2, 4, 5).reshape(-1, N)
+    m = win.unsqueeze(1) - win.unsqueeze(2)
+    return m.masked_fill(m != 0, -100.0).masked_fill(m == 0, 0.0).to(device)
+
+
+DEVICE = "cuda"
+
+
+def make_inputs(BW, nW, H, N, dtype, grad, seed=0):
+    """qkv [B·nW, N, 3, H, d] (as timm's qkv projection gives it), bias [H, N, N], mask [nW, N, N] or None."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    qkv = torch.randn(BW, N, 3, H, HEAD_DIM, device=DEVICE, dtype=dtype, generator=g).requires_grad_(grad)
+    bias = (torch.randn(H, N, N, device=DEVICE, generator=g) * 0.5).requires_grad_(grad)
+    mask = shifted_mask(nW, N, DEVICE) if nW > 1 else None
+    return qkv, bias, mask
+
+
+def timm_sdpa(q, k, v, bias, mask, dtype):
+    """timm WindowAttention, fused_attn=True: the mask is expanded to [B·nW, H, N, N] and added."""
+    BW, H, N, _ = q.shape
+    attn_mask = bias.unsqueeze(0).to(dtype)
+    if mask is not None:
+        nW = mask.shape[0]
+        m = mask.view(1, nW, 1, N, N).expand(BW // nW, -1, H, -1, -1)
+        attn_mask = attn_mask + m.reshape(-1, H, N, N).to(dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+
+def timm_math(q, k, v, bias, mask, dtype):
+    """timm WindowAttention, fused_attn=False."""
+    BW, H, N, D = q.shape
+    attn = (q * D ** -0.5) @ k.transpose(-2, -1)
+    attn = attn + bias.unsqueeze(0).to(dtype)
+    if mask is not None:
+        nW = mask.shape[0]
+        attn = attn.view(-1, nW, H, N, N) + mask.unsqueeze(1).unsqueeze(0).to(dtype)
+        attn = attn.view(-1, H, N, N)
+    return attn.softmax(-1) @ v
+
+
+def elsa_generic(q, k, v, bias, mask, dtype):
+    BW, H, N, _ = q.shape
+    b = bias.unsqueeze(0)
+    if mask is not None:
+        nW = mask.shape[0]
+        b = b + mask.view(1, nW, 1, N, N).expand(BW // nW, -1, H, -1, -1).reshape(-1, H, N, N)
+    return elsa_vision.attention(q, k, v, bias=b)
+
+
+def elsa_window(block):
+    def f(q, k, v, bias, mask, dtype):
+        return elsa_vision.window_attention(q, k, v, bias=bias, mask=mask, block=block, backend="triton")
+    return f
+
+
+def variants(sweep: bool, generic: bool):
+    vs = {"timm-sdpa": timm_sdpa, "timm-math": timm_math}
+    if generic:
+        vs["elsa-generic"] = elsa_generic
+    vs["elsa"] = elsa_window("auto")
+    if sweep:
+        for b in (64, 128, 256):
+            vs[f"elsa-b{b}"] = elsa_window(b)
+    return vs
+
+
+def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds):
+    dtype = DT[dtype_name]
+    qkv, bias, mask = make_inputs(BW, nW, H, N, dtype, bwd)
+    leaves = (qkv, bias)
+    grad_out = torch.randn(BW, H, N, HEAD_DIM, device=DEVICE, dtype=dtype)
+
+    def wrap(fn):
+        if not bwd:
+            def f():
+                with torch.no_grad():
+                    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # timm's strided q, k, v views
+                    return fn(q, k, v, bias, mask, dtype)
+        else:
+            def f():
+                q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+                out = fn(q, k, v, bias, mask, dtype)
+                return torch.autograd.grad(out, leaves, grad_out)
+        return f
+
+    res = measure({n: wrap(fn) for n, fn in vs.items()}, rounds=rounds)
+    base = [res[b] for b in BASELINES if res[b].ms is not None]
+    best = min(base, key=lambda r: r.ms) if base else None
+    rows = []
+    for n, r in res.items():
+        rows.append({
+            "shape": name, "BW": BW, "nW": nW, "H": H, "N": N, "d": HEAD_DIM, "dtype": dtype_name,
+            "mode": "fwd+bwd" if bwd else "fwd", "variant": n, "block": n.split("-b")[-1] if "-b" in n else "",
+            "ms": r.ms, "peak_mib": None if r.peak_bytes is None else r.peak_bytes / 2**20,
+            "best_timm": best.variant if best else "",
+            "speedup": (best.ms / r.ms) if (best and r.ms) else None,
+            "mem_ratio": (r.peak_bytes / best.peak_bytes) if (best and r.peak_bytes and best.peak_bytes) else None,
+            "error": r.error,
+        })
+    del qkv, bias, mask
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows, path):
+    """Per dtype × mode: speedup vs timm's better path (left) and peak-memory ratio (right), log scale."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [(dt, m) for dt in ("fp32", "bf16") for m in ("fwd", "fwd+bwd")]
+    panels = [p for p in panels if any(r["dtype"] == p[0] and r["mode"] == p[1] for r in rows)]
+    fig, axes = plt.subplots(len(panels), 2, figsize=(18, 3.4 * len(panels)), squeeze=False)
+    names = [v for v in dict.fromkeys(r["variant"] for r in rows) if v not in BASELINES]
+    for row_axes, (dt, mode) in zip(axes, panels):
+        sub = [r for r in rows if r["dtype"] == dt and r["mode"] == mode]
+        shapes = list(dict.fromkeys(r["shape"] for r in sub))
+        width = 0.8 / max(1, len(names))
+        for ax, key, label, lines in ((row_axes[0], "speedup", "speedup vs best timm", (1.0, 1.5, 3.0)),
+                                      (row_axes[1], "mem_ratio", "peak memory / best timm", (1.0,))):
+            for i, n in enumerate(names):
+                ys = [next((r[key] for r in sub if r["shape"] == s and r["variant"] == n), None) for s in shapes]
+                ax.bar([x + i * width for x in range(len(shapes))], [y or 0 for y in ys], width, label=n)
+            for y, style in zip(lines, ("-", "--", ":")):
+                ax.axhline(y, color="k" if y == 1 else "r", lw=0.8, ls=style)
+            ax.set_yscale("log")
+            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes, fontsize=8)
+            ax.set_ylabel(label)
+            ax.set_title(f"{dt} {mode}")
+        row_axes[0].legend(fontsize=7, ncol=len(names))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="four shapes, no block sweep, fewer rounds")
+    ap.add_argument("--shapes", help="comma-separated shape names (see SHAPES)")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--no-generic", action="store_true", help="skip elsa_vision.attention on the expanded mask")
+    ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="check this script on CPU (TRITON_INTERPRET=1): one window per image, one head, 1 round")
+    a = ap.parse_args(argv)
+    global DEVICE
+    if a.smoke:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        raise SystemExit("benchmarks/windows.py needs a CUDA GPU (or --smoke on CPU with TRITON_INTERPRET=1)")
+    torch.backends.cuda.matmul.allow_tf32 = False  # timm's fp32 matmuls in IEEE float32 (torch default)
+    names = a.shapes.split(",") if a.shapes else (QUICK if a.quick else [s[0] for s in SHAPES])
+    shapes = [s for s in SHAPES if s[0] in names]
+    if a.smoke:
+        shapes = [(n, nW, nW, 1, N) for n, _, nW, _, N in shapes]
+    vs = variants(sweep=not a.quick, generic=not (a.quick or a.no_generic))
+    rounds = 1 if a.smoke else 5 if a.quick else 15
+    rows = []
+    for dtype_name in a.dtypes.split(","):
+        for bwd in ([False] if a.no_bwd else [False, True]):
+            for name, BW, nW, H, N in shapes:
+                rows += run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds)
+                done = [r for r in rows if r["shape"] == name and r["dtype"] == dtype_name and r["mode"] == ("fwd+bwd" if bwd else "fwd")]
+                print(fmt_table(done, ["shape", "dtype", "mode", "variant", "ms", "peak_mib", "speedup", "mem_ratio", "error"]), flush=True)
+    outdir = Path(a.out) if a.out else results_dir()
+    if a.smoke and not a.out:
+        outdir = Path("/tmp/elsa_windows_smoke")
+    stem = "windows_quick" if a.quick else "windows"
+    csv = write_csv(rows, outdir / f"{stem}.csv")
+    plot(rows, outdir / f"{stem}.png")
+    print(f"\nwrote {csv} and {outdir / (stem + '.png')}")
+    elsa = [r for r in rows if r["variant"] == "elsa" and r["shape"].startswith("swinT")]
+    if elsa:
+        print("\nSwin-T stages, elsa (auto) vs best timm path (floor: fwd+bwd speedup ≥ 1.5, mem_ratio < 1):")
+        print(fmt_table(elsa, ["shape", "dtype", "mode", "ms", "best_timm", "speedup", "mem_ratio"]))
+
+
+if __name__ == "__main__":
+    main()
