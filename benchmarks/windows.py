@@ -2,6 +2,7 @@
 
     python benchmarks/windows.py            # all shapes, fp32 + bf16, fwd and fwd+bwd, block sweep
     python benchmarks/windows.py --quick    # four shapes, no sweep (about a minute on an H100)
+    python benchmarks/windows.py --tune --shapes swinT-s1,swinT-s4,v2w16-s1   # kernel tuning switches
     → benchmarks/results/<device>/windows.csv and windows.png (windows_quick.* with --quick)
 
 Shapes: Swin-T at 224² and batch 64 — B·nW = 4096/1024/256/64 windows of N = 49 tokens, heads 3/6/12/24,
@@ -117,6 +118,35 @@ def elsa_window(block):
     return f
 
 
+def elsa_tuned(**knobs):
+    """elsa (auto) with kernels/window.py's tuning switches set for the call (see --tune)."""
+    from elsa_vision.kernels import window as W
+
+    def f(q, k, v, bias, mask, dtype):
+        old = {n: getattr(W, n) for n in knobs}
+        for n, val in knobs.items():
+            setattr(W, n, val)
+        W.make_plan.cache_clear()
+        try:
+            return elsa_window("auto")(q, k, v, bias, mask, dtype)
+        finally:
+            for n, val in old.items():
+                setattr(W, n, val)
+            W.make_plan.cache_clear()
+    return f
+
+
+TUNE = {
+    "pps2": dict(FWD_PROGRAMS_PER_SM=2, BWD_PROGRAMS_PER_SM=2),
+    "pps4": dict(FWD_PROGRAMS_PER_SM=4, BWD_PROGRAMS_PER_SM=4),
+    "pps16": dict(FWD_PROGRAMS_PER_SM=16, BWD_PROGRAMS_PER_SM=8),
+    "pps64": dict(FWD_PROGRAMS_PER_SM=64, BWD_PROGRAMS_PER_SM=16),
+    "bias-regs": dict(BIAS_IN_REGISTERS=True),
+    "stages1": dict(STAGES=1),
+    "stages3": dict(STAGES=3),
+}
+
+
 def variants(sweep: bool, generic: bool):
     vs = {"timm-sdpa": timm_sdpa, "timm-math": timm_math}
     if generic:
@@ -205,6 +235,9 @@ def main(argv=None):
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--no-generic", action="store_true", help="skip elsa_vision.attention on the expanded mask")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
+    ap.add_argument("--tune", action="store_true",
+                    help="also run elsa with kernels/window.py's tuning switches varied (programs per SM, "
+                         "bias in registers, pipeline stages) → windows_tune.*")
     ap.add_argument("--smoke", action="store_true",
                     help="check this script on CPU (TRITON_INTERPRET=1): one window per image, one head, 1 round")
     a = ap.parse_args(argv)
@@ -218,7 +251,9 @@ def main(argv=None):
     shapes = [s for s in SHAPES if s[0] in names]
     if a.smoke:
         shapes = [(n, nW, nW, 1, N) for n, _, nW, _, N in shapes]
-    vs = variants(sweep=not a.quick, generic=not (a.quick or a.no_generic))
+    vs = variants(sweep=not (a.quick or a.tune), generic=not (a.quick or a.no_generic or a.tune))
+    if a.tune:
+        vs.update({f"elsa-{n}": elsa_tuned(**kn) for n, kn in TUNE.items()})
     rounds = 1 if a.smoke else 5 if a.quick else 15
     rows = []
     for dtype_name in a.dtypes.split(","):
@@ -230,7 +265,7 @@ def main(argv=None):
     outdir = Path(a.out) if a.out else results_dir()
     if a.smoke and not a.out:
         outdir = Path("/tmp/elsa_windows_smoke")
-    stem = "windows_quick" if a.quick else "windows"
+    stem = "windows_tune" if a.tune else "windows_quick" if a.quick else "windows"
     csv = write_csv(rows, outdir / f"{stem}.csv")
     plot(rows, outdir / f"{stem}.png")
     print(f"\nwrote {csv} and {outdir / (stem + '.png')}")

@@ -8,49 +8,52 @@ row r, head h are
     s = q kᵀ · scale + bias[h] + mask[r mod nW]          bias [H, N, N], mask [nW, N, N]
 
 The bias and the mask are read in place by head and by window id: the [BW, H, N, N] tensor that
-timm materialises is never built, in the forward or the backward.
+timm materialises is never built, in the forward or the backward. They are read as tables whose row
+stride is a multiple of 16 so that tile loads vectorise: zero-copy when N % 16 == 0, otherwise a
+zero-padded copy of the [H, N, N] / [nW, N, N] inputs (kilobytes).
 
-Tiling. Every window is padded to N_pad = next power of two ≥ N (≥ 16) inside the tile; padded keys
-score −inf and padded query rows are never stored. ``block`` B ∈ {64, 128, 256} is the key tile:
+Forward. Every window is padded to N_pad = next power of two ≥ N (≥ 16) inside the tile: padded keys
+score −inf, padded query rows are never stored. ``block`` B ∈ {64, 128, 256} is the key tile:
 
-  N ≤ B   the whole window is one key tile and the softmax is the trivial monoid fold of one tile:
-          m = rowmax, S = Σ 2^(s−m), W = Σ 2^(s−m) v, out = W / S. No running rescale.
-          For N_pad ≤ 64 the backward is one kernel per program that computes dq, dk, dv and the
-          bias gradient of a whole window at once (no loop over tiles).
-  N > B   the key tiles of a window are folded with the ELSA monoid operator
-          (m, S, W) ⊕ (m', S', W') in registers, ⌈N/B⌉ steps.
+  N ≤ B   the whole window is one key tile; the softmax is the trivial monoid fold of one tile:
+          m = rowmax, S = Σ 2^(s−m), W = Σ 2^(s−m) v, out = W / S — no running rescale.
+  N > B   the ⌈N/B⌉ key tiles of a window are folded with the ELSA monoid operator
+          (m, S, W) ⊕ (m', S', W') in registers.
 
-Programs. A program owns one head and a run of consecutive windows (and, for N_pad > 64, one query
-tile of them). It loads the head's bias tile once and loops over its windows, reading each window's
-mask slice by window id. Runs hold at least G = max(1, B // N_pad) windows and are lengthened by the
-planner until the grid is a few programs per SM, so a Swin stage is hundreds of programs, not
-tens of thousands of nearly empty ones, and the loop over windows is software-pipelined.
+Programs. A program owns one head and a run of consecutive windows (and one query tile of them). It
+loops over its windows (software-pipelined), reading each window's mask slice by window id; the
+head's bias tile stays in L1 across the run (or in registers, BIAS_IN_REGISTERS). Runs hold at least
+G = max(1, B // N_pad) windows and are lengthened by :func:`plan_runs` until the grid is a few
+programs per SM: a Swin stage is hundreds of programs, not tens of thousands of nearly empty ones.
 
 Backward. P is recomputed from q, k and the saved row log-sum-exp; dS = P ⊙ (dP − delta).
-  N ≤ B   delta = rowsum(P ⊙ dP) is exact inside the tile (the output is not read back).
-          N_pad ≤ 64: one fused kernel (dq, dk, dv, dbias). Larger windows: a row kernel (dq, delta,
-          dbias rows) then a key-strip kernel (dk, dv).
-  N > B   a dq kernel (which also writes delta = rowsum(dO ⊙ O)), a dk/dv kernel, and a dbias kernel
-          owning one [BM, B] tile of the bias.
-The bias gradient is summed over windows in registers; each program writes its partial sum to a
-[programs-per-head, H, N, N] float32 buffer, reduced in a fixed order by ``torch.sum``. No atomics:
-every gradient is bitwise reproducible. The mask takes no gradient.
+  fused   (half precision, N_pad ≤ 64, D ≤ 32 — Swin's 7×7 and 8×8 windows): one kernel; a program
+          takes whole windows as one [N_pad, N_pad] tile and writes dq, dk, dv; delta = rowsum(P ⊙ dP)
+          is exact inside the tile, so the forward output is not read back.
+  tiled   (otherwise): a dq kernel that also writes delta = rowsum(dO ⊙ O), a dk/dv kernel, and a dbias
+          kernel that owns one tile of the bias. Triton's 3xTF32 and IEEE-FMA dots keep several copies
+          of their operands in registers, so five of them in one kernel spill (ptxas, sm_90).
+The bias gradient is summed over the windows of a run in registers; each program writes its partial
+sum to a float32 [runs, H, NR, NR] buffer (runs ≈ a few programs per SM per head, independent of BW),
+reduced in a fixed order by ``torch.sum``. No atomics: every gradient is bitwise reproducible. The
+mask takes no gradient.
 
-Block trade-off (B is the ``block`` argument; "auto" = :func:`choose_block`):
+Block trade-off (``block``; "auto" = :func:`choose_block`). Tile shapes come from ptxas reports for
+sm_90 (registers, spills, shared memory; see :func:`make_plan`):
 
-  B = 64   N ≤ 64 (Swin 7×7, SwinV2 8×8): one 64×64 tile per window, a run of ≥ 1 window per program.
-           N = 144: three 64-wide key tiles folded (192² work instead of 256²: least padding, but the
-           backward needs four passes over the window instead of two).
-  B = 128  N ≤ 64: same tiles as 64 with runs of ≥ 2 windows. N ≤ 128 in one tile. N = 144: 2 tiles of
-           128 (256² work, multi-pass backward: never better than 64 or 256 for N = 144).
-  B = 256  every N ≤ 256 in one tile: single-pass forward, two-kernel backward, no output read back;
-           for N_pad = 256 the query side is split into 16–64-row strips to keep the 256-wide score
-           strips in registers.
-  Memory: outputs plus the lse [BW, H, N] float32 for every block; the backward adds dbias partials
-  (float32 [P, H, N, N], P ≈ a few programs per SM per head, independent of BW) and, for N > B only,
-  delta [BW, H, N] and the forward output kept for backward. Speed is measured by
-  benchmarks/windows.py (block sweep); the paper's A100 sweep (supplementary §F.1) found B = 64 ~15%
-  slower and ~20% lighter than 128, and 256 no faster.
+  B = 64   one 64×64 tile per window for N ≤ 64; larger windows fold 64-wide key tiles (N = 144: 192²
+           work instead of 256²). Spill-free in every precision but 3xTF32 (which spills ~100 bytes
+           per thread when folding). The default for every N in float32.
+  B = 128  N ≤ 64: as 64, with runs of ≥ 2 windows. 64 < N ≤ 128 in one tile; N > 128 folds two
+           128-wide tiles (16-row query strips: a 64×128 float32 score tile spills).
+  B = 256  every N ≤ 256 in one tile of 16-row query strips: single pass, no rescale; k and v are
+           re-read (from L2) by each strip. Spill-free in half precision (the default there for
+           N > 64); 3xTF32 spills ~1 KB per thread.
+  The block does not change the backward's tiles (only "fused or tiled") nor memory: every block
+  allocates the outputs, the lse [BW, H, N] float32 and, in the backward, the dbias partials and (tiled)
+  delta [BW, H, N]; the tiled backward keeps the forward output for delta. The paper's A100 sweep
+  (supplementary §F.1) found B = 64 ~15% slower and ~20% lighter than 128, and 256 no faster;
+  benchmarks/windows.py sweeps the blocks on the GPU at hand.
 
 Outputs are allocated in the [BW, N, H, D] memory layout (returned as the [BW, H, N, D] view), which is
 what Swin consumes next (``out.transpose(1, 2).reshape(BW, N, H·D)`` is then free); dq, dk, dv likewise.
@@ -283,8 +286,8 @@ def _win_bwd_dq_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
 ):
-    """N > BLOCK_N: one query tile of one head for a run of windows, looping over the key tiles.
-    Also writes delta = rowsum(dO ⊙ O) [BW, H, N] for the dk/dv and dbias kernels."""
+    """Tiled backward: one query tile of one head for a run of windows, looping over the key tiles.
+    Also writes delta = rowsum(dO ⊙ O) [BW, H, N] for the dk/dv and dbias kernels (launched after)."""
     h = tl.program_id(1).to(tl.int64)
     pid_m, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M), WPP, BW)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -377,8 +380,8 @@ def _win_bwd_dbias_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, PREC: tl.constexpr,
 ):
-    """N > BLOCK_N: a program owns one [BLOCK_M, BLOCK_N] tile of head h's bias and sums dS over a run
-    of windows into dBiasPart[run, h] (float32 [NR, NR])."""
+    """Tiled backward: a program owns one [BLOCK_M, BLOCK_N] tile of head h's bias and sums dS over a
+    run of windows into dBiasPart[run, h] (float32 [NR, NR])."""
     h = tl.program_id(1).to(tl.int64)
     n_nt = tl.cdiv(N, BLOCK_N)
     tile, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M) * n_nt, WPP, BW)
