@@ -1,0 +1,128 @@
+"""Compile the window kernels for a GPU target on any machine (no GPU needed) and report, per kernel,
+registers, spill bytes per thread, shared memory, and warps laid out beyond the tile (replicated work).
+
+    python benchmarks/window_compile.py                       # Swin sizes, all precisions and blocks, sm_90
+    python benchmarks/window_compile.py --n 49,144 --d 32,64 --arch 90 --blocks 64,256
+
+It runs the real launchers (kernels/window.py forward + backward on small CPU tensors) with Triton's
+driver replaced by a stand-in that reports the target, and every launch replaced by a warm-up
+compile, so the kernels see exactly the specialisations of a real call. ptxas (shipped with Triton)
+gives the register and spill counts. This is how the tile table of kernels/window.py was chosen.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+COMPILED: list = []
+
+
+class _TargetOnly:
+    """Stands in for the CUDA driver: says which GPU to compile for, launches nothing."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def is_active(self):
+        return True
+
+
+def _compile_only(self, grid):
+    def launch(*args, **kwargs):
+        kern = self.run(*args, grid=grid, warmup=True, **kwargs)
+        COMPILED.append((self.fn.__name__, kern))
+        return kern
+    return launch
+
+
+def ptxas_report(kern) -> tuple[int, int]:
+    """(registers, spill bytes per thread) from ptxas -v on the kernel's PTX."""
+    ptx = kern.asm["ptx"]
+    arch = "sm_90a" if "sm_90a" in ptx else f"sm_{kern.metadata.target.arch}"
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        open(src, "w").write(ptx)
+        r = subprocess.run([PTXAS, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    txt = r.stdout + r.stderr
+    regs = int(re.search(r"Used (\d+) registers", txt).group(1))
+    spill = max([int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", txt)] or [0])
+    return regs, spill
+
+
+def replication(kern) -> float:
+    """How many times over the warps of the worst dot cover its tile (1 = no replicated work)."""
+    ttgir = kern.asm["ttgir"]
+    layouts = {m.group(1): tuple(int(x) for x in m.groups()[1:]) for m in re.finditer(
+        r"^#(mma\d*) = #ttg.nvidia_mma<\{versionMajor = (\d), versionMinor = \d+, warpsPerCTA = \[(\d+), (\d+)\], "
+        r"instrShape = \[(\d+), (\d+)(?:, \d+)?\]\}>", ttgir, re.M)}
+    worst = 1.0
+    for m in re.finditer(r"= (?:tt\.dot|ttng\.warp_group_dot) .*?-> tensor<(\d+)x(\d+)xf32, #(mma\d*)>", ttgir):
+        rows, cols, lay = int(m.group(1)), int(m.group(2)), m.group(3)
+        _, wm, wn, _, inst_n = layouts[lay]
+        worst = max(worst, max(1.0, wm * 16 / rows) * max(1.0, wn * inst_n / cols))
+    return worst
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", default="49,64,144,256", help="window tokens")
+    ap.add_argument("--d", default="32", help="head dims")
+    ap.add_argument("--blocks", default="64,128,256")
+    ap.add_argument("--precisions", default="fp32:tf32x3,fp32:tf32,fp32:ieee,bf16:native")
+    ap.add_argument("--arch", type=int, default=90)
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
+    driver.set_active(_TargetOnly(a.arch))
+    JITFunction.__getitem__ = _compile_only
+    from elsa_vision.kernels import window as W
+    dts = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    for N in map(int, a.n.split(",")):
+        for D in map(int, a.d.split(",")):
+            for spec in a.precisions.split(","):
+                dname, prec = spec.split(":")
+                for block in map(int, a.blocks.split(",")):
+                    H, BW, nW = 3, 8, 4
+                    qkv = torch.randn(BW, N, 3, H, D, dtype=dts[dname]).permute(2, 0, 3, 1, 4)
+                    q, k, v = qkv.unbind(0)
+                    bias, mask = torch.randn(H, N, N), torch.zeros(nW, N, N)
+                    COMPILED.clear()
+                    out, lse = W.forward(q, k, v, bias, mask, D ** -0.5, prec, block)
+                    W.backward(out, q, k, v, bias, mask, out, lse, D ** -0.5, prec, block, True)
+                    cells = []
+                    for name, kern in COMPILED:
+                        regs, spill = ptxas_report(kern)
+                        smem, rep = kern.metadata.shared, replication(kern)
+                        flags = ("  SPILL" if spill else "") + ("  SMEM>227K" if smem > 232448 else "") + \
+                                (f"  REPLICATED×{rep:g}" if rep > 1 else "")
+                        cells.append(f"{name.replace('_win_', '').replace('_kernel', '')}: {kern.metadata.num_warps}w "
+                                     f"{regs}r {spill}B-spill {smem // 1024}K-smem{flags}")
+                    print(f"N={N} D={D} {spec} block={block} | " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
