@@ -6,6 +6,15 @@ for timm ViT / Swin and VGGT.
     out = elsa_vision.window_attention(q, k, v, bias=rel_bias, mask=shift_mask)  # Swin windows
     report = elsa_vision.patch(model)           # timm / VGGT models
 """
+import os as _os
+
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_root = _os.path.dirname(_here)
+if not _os.path.isdir(_os.path.join(_here, "kernels")) and _os.path.isfile(_os.path.join(_root, "kernels", "__init__.py")):
+    # Source checkout: kernels/ and adapters/ sit beside this folder (an install maps them to
+    # elsa_vision.kernels / elsa_vision.adapters); let the import system find them there too.
+    __path__.append(_root)
+
 from .api import attention, patch, patched, resolve_precision, unpatch, window_attention
 from .dispatch import BACKENDS, NotSupportedError
 from . import verify

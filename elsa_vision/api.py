@@ -167,9 +167,9 @@ def attention(
         lse = torch.full((B, H, Nq), float("inf"), device=q.device)
         return (out, lse) if return_lse else out
     p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=bool(causal),
-                has_bias=bias is not None, precision=prec)
-    out, lse = select(p, backend).run["attention"](q, k, v, bias, scale, bool(causal), prec, partitions)
-    return (out, lse.detach()) if return_lse else out
+                has_bias=bias is not None, precision=prec, positive_scale=scale > 0)
+    out, lse2 = select(p, backend).run["attention"](q, k, v, bias, scale, bool(causal), prec, partitions)
+    return (out, lse2.detach() * 0.6931471805599453) if return_lse else out
 
 
 WINDOW_BLOCKS = ("auto", 64, 128, 256)

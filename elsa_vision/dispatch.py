@@ -31,6 +31,7 @@ class Problem:
     has_mask: bool = False
     window_tokens: int = 0       # N per window (window_attention only)
     precision: str = "auto"
+    positive_scale: bool = True
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Backend:
     supports_causal: bool
     supports_bias: bool
     max_window_tokens: int = 0
+    needs_positive_scale: bool = False
     op_head_dims: dict = field(default_factory=dict)  # op name → (lo, hi) where it differs from head_dims
     available: Callable[[], Optional[str]] = lambda: None  # None when usable, else why not
     devices_note: str = ""
@@ -66,6 +68,8 @@ class Backend:
             reasons.append(f"head dim {p.head_dim} outside [{lo}, {hi}]")
         if p.causal and not self.supports_causal:
             reasons.append("causal masking not supported")
+        if self.needs_positive_scale and not p.positive_scale:
+            reasons.append("scale must be > 0 (the scan folds the scale into its running max)")
         if p.has_bias and not self.supports_bias:
             reasons.append("additive bias not supported")
         if p.op == "window_attention" and p.window_tokens > self.max_window_tokens:
@@ -91,16 +95,17 @@ def _triton_devices() -> tuple[str, ...]:
 
 
 # Entry points take (q, k, v, bias4, scale, causal, precision, partitions) and return (out, lse):
-# out [B,H,Nq,D]; lse [B,H,Nq] float32 natural-log log-sum-exp (+inf for rows that see no key).
+# out [B,H,Nq,D]; lse₂ [B,H,Nq] float32 log-sum-exp in log2 units (+inf for rows that see no key).
 
 def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions):
-    from .kernels import attention as K  # noqa: F401  (registers the custom ops)
-    return torch.ops.elsa_vision.attention_fwd(q, k, v, bias, scale, causal, precision, partitions or 0)
+    from .kernels import attention as K
+    return K.attention(q, k, v, bias, scale, causal, precision, partitions)
 
 
 def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions):
     from .kernels import reference
-    return reference.attention(q, k, v, bias, scale, causal, return_lse=True)
+    out, lse = reference.attention(q, k, v, bias, scale, causal, return_lse=True)
+    return out, lse * 1.4426950408889634
 
 
 # Window entry points take (q, k, v, bias3, mask3, scale, precision, block) and return out [BW,H,N,D]:
@@ -124,6 +129,7 @@ TRITON = Backend(
     head_dims=(16, 256),
     supports_causal=True,
     supports_bias=True,
+    needs_positive_scale=True,
     available=_triton_available,
     devices_note="; CPU tensors only under TRITON_INTERPRET=1",
     run={"attention": _run_triton_attention},
