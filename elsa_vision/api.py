@@ -168,8 +168,9 @@ def attention(
         return (out, lse) if return_lse else out
     p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=bool(causal),
                 has_bias=bias is not None, precision=prec, positive_scale=scale > 0)
-    out, lse2 = select(p, backend).run["attention"](q, k, v, bias, scale, bool(causal), prec, partitions)
-    return (out, lse2.detach() * 0.6931471805599453) if return_lse else out
+    out, lse = select(p, backend).run["attention"](q, k, v, bias, scale, bool(causal), prec, partitions,
+                                                   return_lse)
+    return (out, lse.detach()) if return_lse else out
 
 
 WINDOW_BLOCKS = ("auto", 64, 128, 256)

@@ -95,17 +95,20 @@ def _triton_devices() -> tuple[str, ...]:
 
 
 # Entry points take (q, k, v, bias4, scale, causal, precision, partitions) and return (out, lse):
-# out [B,H,Nq,D]; lse₂ [B,H,Nq] float32 log-sum-exp in log2 units (+inf for rows that see no key).
+# out [B,H,Nq,D]; lse [B,H,Nq] float32 natural-log log-sum-exp (+inf for rows that see no key), or
+# None unless the last argument (want_lse) is true.
 
-def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions):
+def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False):
     from .kernels import attention as K
-    return K.attention(q, k, v, bias, scale, causal, precision, partitions)
+    out, lse = K.attention(q, k, v, bias, scale, causal, precision, partitions)
+    return out, (K.natural_lse(lse, bias is not None) if want_lse else None)
 
 
-def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions):
+def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False):
     from .kernels import reference
-    out, lse = reference.attention(q, k, v, bias, scale, causal, return_lse=True)
-    return out, lse * 1.4426950408889634
+    if not want_lse:
+        return reference.attention(q, k, v, bias, scale, causal), None
+    return reference.attention(q, k, v, bias, scale, causal, return_lse=True)
 
 
 # Window entry points take (q, k, v, bias3, mask3, scale, precision, block) and return out [BW,H,N,D]:

@@ -135,17 +135,18 @@ def structure(q, k, v, *, bias=None, scale=None, causal=False, precision="auto",
     ms, ss, ws = info["m"], info["S"], info["W"]
     rep["summary_shapes"] = {"m": list(ms.shape), "S": list(ss.shape), "W": list(ws.shape)}
     rep["summary_bytes"] = ms.numel() * 4 + ss.numel() * 4 + ws.numel() * 4
-    # torch merge of the summaries (log2 domain → natural: scale m by ln 2)
-    state = (ms[:, 0] * K.LN2, ss[:, 0], ws[:, 0])
+    # torch merge of the summaries (m in natural units on the bias path, else log2 units)
+    to_nat = 1.0 if b4 is not None else K.LN2
+    state = (ms[:, 0] * to_nat, ss[:, 0], ws[:, 0])
     for p in range(1, ms.shape[1]):
-        state = merge(state, (ms[:, p] * K.LN2, ss[:, p], ws[:, p]))
+        state = merge(state, (ms[:, p] * to_nat, ss[:, p], ws[:, p]))
     m, s, w = state
     merged = torch.where((s > 0)[..., None], w / torch.where(s > 0, s, 1)[..., None], 0.0)[..., :D]
     rep["summary_merge_max_diff"] = max_err(merged.view(B, H, Nq, D), out.float())
     ms2, ss2, ws2 = ms.clone(), ss.clone(), ws.clone()
     ms2[:, 0], ss2[:, 0], ws2[:, 0] = float("-inf"), 0.0, 0.0
     out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
-    K.phase2(ms2, ss2, ws2, out2, lse2)
+    K.phase2(ms2, ss2, ws2, out2, lse2, b4 is not None)
     rep["phase2_reads_summaries"] = bool(max_err(out2, out) > 0)
     rep["two_pass"] = rep["phase2_reads_summaries"] and rep["summary_merge_max_diff"] < 1e-2
     return rep

@@ -18,8 +18,10 @@ scheduling choice: when (query blocks × batch·heads) cannot fill the GPU, the 
 balanced partitions so that every SM gets equal work (LeanAttention's stream-K idea).
 
 Backward. delta = rowsum(dO·O) (preprocess kernel); a dK/dV kernel loops over query tiles and a dQ
-kernel loops over key tiles, both recomputing P = 2^(s − lse) from the saved per-row log-sum-exp
-(kept in log2 units, lse₂ = m + log2 S, so no conversion rounds it).
+kernel loops over key tiles, both recomputing P from the saved per-row log-sum-exp. Its units
+follow the path, so that nothing is rounded at the logits' magnitude before the large terms
+cancel: without a bias, log2 units (P = 2^(q·k·scale·log2 e − lse₂), one FMA); with a bias,
+natural units (P = 2^((q·k·scale + b − lse)·log2 e)). ``natural_lse`` converts.
 dBias has a kernel of its own whose programs own a tile of the bias and loop over the batch/head
 dimensions the bias is broadcast along. No atomics: gradients are bitwise reproducible.
 
@@ -98,13 +100,16 @@ def _dot3(a_hi, a_lo, b_hi, b_lo):
 
 
 @triton.jit
-def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
+def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, scale,
             D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
             PREC: tl.constexpr):
     """Scores [BM, BN] of a query tile against the key tile at offs_n, −inf where invisible.
 
-    With a bias they are final log2-domain logits (q·k·scale + bias)·log2 e; without one they are
-    the raw q·k, and the caller applies the (positive) scale inside the exponent's FMA."""
+    With a bias they are the logits q·k·scale + bias in natural units (one rounding, as in plain
+    PyTorch), and the caller forms s − m before multiplying by log2 e; without one they are the raw
+    q·k, and the caller applies scale·log2 e inside the exponent's FMA. Either way the large terms
+    cancel before anything is rounded at their magnitude: with logits of ±100 (Swin v2 at its
+    clamp) a rounded log2-domain logit would carry twice PyTorch's error."""
     if MASK:
         k = tl.load(k_ptrs + offs_n[None, :] * sk_n,
                     mask=(offs_n[None, :] < k_end) & (offs_d[:, None] < D), other=0.0)
@@ -117,7 +122,7 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
         s = _dot(q, k, PREC)
     if HAS_BIAS:
         bmask = (offs_m[:, None] < Nq) & (offs_n[None, :] < k_end)
-        s = s * qk_scale2 + tl.load(bias_ptrs + offs_n[None, :] * sb_n, mask=bmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        s = s * scale + tl.load(bias_ptrs + offs_n[None, :] * sb_n, mask=bmask, other=0.0).to(tl.float32)
     if MASK:
         visible = offs_n[None, :] < k_end
         if CAUSAL:
@@ -156,25 +161,26 @@ def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr, KAHAN: tl.const
 
 @triton.jit
 def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
-               qk_scale2, m_i, s_i, c_s, acc, c_acc, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+               scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D: tl.constexpr, HAS_BIAS: tl.constexpr,
                CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, KAHAN: tl.constexpr):
     """Merge the key tile at offs_n into the running monoid state (m_i, s_i, acc) of a query tile
     (c_s, c_acc: compensation terms, used in strict float32 only)."""
-    s = _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, qk_scale2,
+    s = _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, scale,
                 D, HAS_BIAS, CAUSAL, MASK, PREC)
     if HAS_BIAS:
+        # natural units: s − m is formed before the log2 e factor, so it is exact where it matters
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
+        p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale2)
-    if MASK or HAS_BIAS:
-        # a row with nothing visible yet has m = −inf: the tile must merge as the identity, not NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_safe = m_new
-    alpha = tl.math.exp2(m_i - m_safe)
-    if HAS_BIAS:
-        p = tl.math.exp2(s - m_safe[:, None])
-    else:
+        if MASK:
+            # a row with nothing visible yet has m = −inf: the tile must merge as the identity, not NaN
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
+        alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s * qk_scale2 - m_safe[:, None])  # one FMA per score
     if MASK:
         v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=(offs_n[:, None] < k_end) & (offs_d[None, :] < D), other=0.0)
@@ -189,7 +195,7 @@ def _fwd_kernel(
     Q, K, V, Bias, Out, Lse, Ms, Ss, Ws,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     so_b, so_h, so_m, so_d, sb_b, sb_h, sb_m, sb_n,
-    H, Nq, Nk, part_len, n_part, qk_scale2,
+    H, Nq, Nk, part_len, n_part, scale, qk_scale2,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
     KAHAN: tl.constexpr,
@@ -231,11 +237,11 @@ def _fwd_kernel(
     for start in range(k_lo, full_end, BLOCK_N):
         m_i, s_i, c_s, acc, c_acc = _scan_tile(
             q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
-            qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
+            scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
     for start in range(full_end, k_hi, BLOCK_N):
         m_i, s_i, c_s, acc, c_acc = _scan_tile(
             q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
-            qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
+            scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
     if PREC == 0 and KAHAN:
         acc -= c_acc
         s_i -= c_s
@@ -252,17 +258,27 @@ def _fwd_kernel(
         out = acc / tl.where(nonempty, s_i, 1.0)[:, None]
         tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-        lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, s_i, 1.0)),
+        lse = tl.where(nonempty, _lse(m_i, s_i, nonempty, HAS_BIAS),
                        float("inf"))
         tl.store(Lse + bh.to(tl.int64) * Nq + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
+def _lse(m, s, nonempty, NATURAL: tl.constexpr):
+    """Row log-sum-exp from (m, S): natural units on the bias path, log2 units otherwise."""
+    if NATURAL:
+        return m + tl.math.log2(tl.where(nonempty, s, 1.0)) * 0.6931471805599453
+    else:
+        return m + tl.math.log2(tl.where(nonempty, s, 1.0))
+
+
+@triton.jit
 def _merge_kernel(
     Ms, Ss, Ws, Out, Lse, so_b, so_h, so_m, so_d, H, Nq, n_part,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, NATURAL: tl.constexpr,
 ):
-    """Phase 2: fold the n_part partition summaries of each row with the monoid operator."""
+    """Phase 2: fold the n_part partition summaries of each row with the monoid operator
+    (m in natural units when NATURAL — the bias path — else in log2 units)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -278,8 +294,12 @@ def _merge_kernel(
         wp = tl.load(Ws + srow[:, None] * D_PAD + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         m_new = tl.maximum(m, mp)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.math.exp2(m - m_safe)
-        c = tl.math.exp2(mp - m_safe)
+        if NATURAL:
+            a = tl.math.exp2((m - m_safe) * 1.4426950408889634)
+            c = tl.math.exp2((mp - m_safe) * 1.4426950408889634)
+        else:
+            a = tl.math.exp2(m - m_safe)
+            c = tl.math.exp2(mp - m_safe)
         s = s * a + sp * c
         w = w * a[:, None] + wp * c[:, None]
         m = m_new
@@ -289,8 +309,18 @@ def _merge_kernel(
     h = (bh % H).to(tl.int64)
     tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-    lse = tl.where(nonempty, m + tl.math.log2(tl.where(nonempty, s, 1.0)), float("inf"))
+    lse = tl.where(nonempty, _lse(m, s, nonempty, NATURAL), float("inf"))
     tl.store(Lse + bh.to(tl.int64) * Nq + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _probs(qk, bias, scale, qk_scale2, lse2, HAS_BIAS: tl.constexpr):
+    """P from the raw q·k tile, the bias tile and the row lse (log2 units without a bias, natural
+    units with one), with the same rounding structure as the forward (see _scores)."""
+    if HAS_BIAS:  # lse in natural units on this path: s − lse is formed before the log2 e factor
+        return tl.math.exp2(((qk * scale + bias) - lse2[:, None]) * 1.4426950408889634)
+    else:
+        return tl.math.exp2(qk * qk_scale2 - lse2[:, None])
 
 
 @triton.jit
@@ -349,14 +379,15 @@ def _bwd_dkdv_kernel(
         do = tl.load(do_base + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
         lse2 = tl.load(Lse + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
-        s = _dot(q, kT, PREC) * qk_scale2
+        qk = _dot(q, kT, PREC)
+        bt = 0.0
         if HAS_BIAS:
-            s += tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
-                         mask=row_ok[:, None] & (offs_n[None, :] < Nk), other=0.0).to(tl.float32) * 1.4426950408889634
+            bt = tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
+                         mask=row_ok[:, None] & (offs_n[None, :] < Nk), other=0.0).to(tl.float32)
         visible = offs_n[None, :] < Nk
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
-        p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
+        p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, lse2, HAS_BIAS), 0.0)
         dv += _dot(tl.trans(p.to(do.dtype)), do, PREC)
         dp = _dot(do, vT, PREC)
         ds = p * (dp - delta[:, None])
@@ -401,14 +432,15 @@ def _bwd_dq_kernel(
         kvm = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
         k = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kvm, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kvm, other=0.0)
-        s = _dot(q, tl.trans(k), PREC) * qk_scale2
+        qk = _dot(q, tl.trans(k), PREC)
+        bt = 0.0
         if HAS_BIAS:
-            s += tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
-                         mask=row_ok[:, None] & (offs_n[None, :] < Nk), other=0.0).to(tl.float32) * 1.4426950408889634
+            bt = tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
+                         mask=row_ok[:, None] & (offs_n[None, :] < Nk), other=0.0).to(tl.float32)
         visible = offs_n[None, :] < Nk
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
-        p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
+        p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, lse2, HAS_BIAS), 0.0)
         dp = _dot(do, tl.trans(v), PREC)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, PREC)
@@ -421,7 +453,7 @@ def _bwd_dbias_kernel(
     Q, K, V, Bias, dOut, Lse, Delta, dBias,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
-    B, H, Hb, Nq, Nk, qk_scale2,
+    B, H, Hb, Nq, Nk, scale, qk_scale2,
     BIAS_B1: tl.constexpr, BIAS_H1: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PREC: tl.constexpr,
@@ -458,10 +490,9 @@ def _bwd_dbias_kernel(
             v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kvm, other=0.0)
             lse2 = tl.load(Lse + bh * Nq + offs_m, mask=row_ok, other=float("inf"))
             delta = tl.load(Delta + bh * Nq + offs_m, mask=row_ok, other=0.0)
-            s = _dot(q, tl.trans(k), PREC) * qk_scale2
-            s += tl.load(Bias + b * sb_b + h * sb_h + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
-                         mask=visible, other=0.0).to(tl.float32) * 1.4426950408889634
-            p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
+            bt = tl.load(Bias + b * sb_b + h * sb_h + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
+                         mask=visible, other=0.0).to(tl.float32)
+            p = tl.where(visible, _probs(_dot(q, tl.trans(k), PREC), bt, scale, qk_scale2, lse2, True), 0.0)
             dp = _dot(do, tl.trans(v), PREC)
             acc += p * (dp - delta[:, None])
     tl.store(dBias + bhb.to(tl.int64) * Nq * Nk + offs_m[:, None] * Nk + offs_n[None, :], acc,
@@ -493,7 +524,7 @@ def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0) -> C
     Kahan-compensated 32×32 tiles (12 TF/s) beyond, where the uncompensated error passes 2e-6
     relative L2; at d = 128 the compensated 32×32 tiles are also the fastest measured."""
     if INTERPRET:
-        return Config(16, 16, 1, 1)
+        return Config(32, 32, 1, 1)
     if dtype != torch.float32:
         if d_pad <= 64:
             return Config(128, 64, 4, 3)
@@ -516,7 +547,7 @@ def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0) -> C
 def bwd_config(dtype: torch.dtype, d_pad: int, precision: str) -> Config:
     """Backward tile shape (same sweep): block_n small enough that the dK/dV accumulators stay in registers."""
     if INTERPRET:
-        return Config(16, 16, 1, 1)
+        return Config(32, 32, 1, 1)
     if dtype != torch.float32:
         if d_pad <= 64:
             return Config(64, 64, 4, 3)
@@ -564,6 +595,11 @@ def _strides4(t: Optional[torch.Tensor]) -> tuple[int, int, int, int]:
     return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(4))
 
 
+def natural_lse(lse: torch.Tensor, has_bias: bool) -> torch.Tensor:
+    """The kernels' saved lse in natural-log units."""
+    return lse if has_bias else lse * LN2
+
+
 def _out_like(q: torch.Tensor) -> torch.Tensor:
     """[B,H,Nq,D] view of a token-major [B,Nq,H,D] buffer (as SDPA returns): merging the heads back
     into [B,Nq,H·D], what every attention module does next, is then free of copies."""
@@ -573,8 +609,9 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
 
 def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
             summaries: Optional[dict] = None, config: Optional[Config] = None):
-    """Launch phase 1 (and phase 2 when split). Returns (out [B,H,Nq,D], lse₂ [B,H,Nq] float32 in log2
-    units: lse₂ = log2 Σ_j 2^(s_j·log2 e), +inf for rows that see no key).
+    """Launch phase 1 (and phase 2 when split). Returns (out [B,H,Nq,D], lse [B,H,Nq] float32): the row
+    log-sum-exp in log2 units without a bias, natural units with one (see natural_lse); +inf for
+    rows that see no key.
 
     ``summaries``, when a dict, receives the phase-1 summary tensors and the partition plan (used by
     verify.structure to show what phase 2 reads)."""
@@ -599,13 +636,13 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     _fwd_kernel[grid](
         q, k, v, bias_arg, out, lse, ms, ss, ws,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_strides4(bias),
-        H, Nq, Nk, part_len, n_part, scale * LOG2E,
+        H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split, PREC=_PREC[precision], KAHAN=cfg.kahan,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
-        phase2(ms, ss, ws, out, lse)
+        phase2(ms, ss, ws, out, lse, bias is not None)
     if summaries is not None:
         summaries.update(n_part=n_part, part_len=part_len, block_m=cfg.block_m, block_n=cfg.block_n,
                          phase1_grid=grid, m=ms if split else None, S=ss if split else None,
@@ -613,14 +650,15 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     return out, lse
 
 
-def phase2(ms, ss, ws, out, lse):
-    """Merge phase-1 summaries m/S [BH, P, Nq], W [BH, P, Nq, D_PAD] into out [B,H,Nq,D] and lse [B,H,Nq]."""
+def phase2(ms, ss, ws, out, lse, natural: bool):
+    """Merge phase-1 summaries m/S [BH, P, Nq], W [BH, P, Nq, D_PAD] into out [B,H,Nq,D] and lse [B,H,Nq]
+    (``natural``: m and lse in natural units, the bias path)."""
     B, H, Nq, D = out.shape
     d_pad = ws.shape[-1]
     bm2 = 16 if INTERPRET else (64 if d_pad <= 128 else 32)
     _merge_kernel[(triton.cdiv(Nq, bm2), B * H)](
         ms, ss, ws, out, lse, *out.stride(), H, Nq, ms.shape[1],
-        D=D, D_PAD=d_pad, BLOCK_M=bm2, num_warps=4,
+        D=D, D_PAD=d_pad, BLOCK_M=bm2, NATURAL=natural, num_warps=4,
     )
 
 
@@ -655,7 +693,7 @@ def backward(do, q, k, v, bias, out, lse, scale: float, causal: bool, precision:
         Bb, Hb = (1 if b1 else B), (1 if h1 else H)
         dfull = torch.empty((Bb, Hb, Nq, Nk), device=q.device, dtype=torch.float32)
         _bwd_dbias_kernel[(triton.cdiv(Nq, cfg.block_m), triton.cdiv(Nk, cfg.block_n), Bb * Hb)](
-            q, k, v, bias, do, lse, delta, dfull, *strides, B, H, Hb, Nq, Nk, scale * LOG2E,
+            q, k, v, bias, do, lse, delta, dfull, *strides, B, H, Hb, Nq, Nk, scale, scale * LOG2E,
             BIAS_B1=b1, BIAS_H1=h1, **common)
         # bias broadcast along queries or keys (e.g. a key-padding bias [B,1,1,Nk]): reduce here
         red = tuple(i for i in (2, 3) if bias.shape[i] == 1)
@@ -672,8 +710,8 @@ def backward(do, q, k, v, bias, out, lse, scale: float, causal: bool, precision:
 @torch.library.custom_op("elsa_vision::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                   scale: float, causal: bool, precision: str, partitions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B,H,Nq,D], k/v [B,H,Nk,D], bias 4-D broadcastable (size-1 dims) → out [B,H,Nq,D], lse₂ [B,H,Nq]
-    (log2 units).
+    """q [B,H,Nq,D], k/v [B,H,Nk,D], bias 4-D broadcastable (size-1 dims) → out [B,H,Nq,D], lse [B,H,Nq]
+    (units as in ``forward``).
     ``partitions`` ≤ 0 lets the planner choose."""
     return forward(q, k, v, bias, scale, causal, precision, partitions if partitions > 0 else None)
 
@@ -756,7 +794,8 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int]):
-    """(out, lse₂) with autograd: the custom op under torch.compile, the autograd.Function otherwise."""
+    """(out, lse) with autograd: the custom op under torch.compile, the autograd.Function otherwise.
+    lse in the kernel's units (see ``forward`` / ``natural_lse``)."""
     if torch.compiler.is_compiling():
         return torch.ops.elsa_vision.attention_fwd(q, k, v, bias, scale, causal, precision, partitions or 0)
     return _Attention.apply(q, k, v, bias, scale, causal, precision, partitions)

@@ -272,3 +272,16 @@ def test_structure_proof():
     assert rep["summary_shapes"]["W"] == [2, 4, 16, 64]
     rep1 = verify.structure(q, k, v, partitions=1)
     assert rep1["partitions"] == 1 and not rep1["two_pass"]
+
+
+def test_large_logits_cosine_attention():
+    """Swin v2 at its clamp: unit q/k times τ = 100 plus a bias gives logits of ±100. (The Triton
+    path runs this in tests/test_attention_gpu.py: under the interpreter's 32-key tiles its dq
+    error is 3.5× PyTorch's single-matmul error — see docs/ARCHITECTURE.md, known limits.)"""
+    backend = "reference"
+    B, H, n, d = 2, 2, 49, 32
+    q, k, v = qkv(B, H, n, n, d, seed=21)
+    q = torch.nn.functional.normalize(q, dim=-1)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    bias = 16 * torch.sigmoid(rand(H, n, n, seed=22))
+    check_case(q, k, v, bias=bias, scale=100.0, backend=backend, precision="ieee")

@@ -102,3 +102,14 @@ def test_peak_memory_linear():
     extra = torch.cuda.max_memory_allocated() - base
     io = q.numel() * q.element_size()
     assert extra < 8 * io, f"extra {extra / 2**20:.0f} MiB vs one input {io / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("n", [49, 64, 144])
+def test_large_logits_cosine_attention_gpu(n):
+    """Swin v2 at its clamp: unit q/k times τ = 100 plus a bias, logits of ±100."""
+    q, k, v = qkv(8, 4, n, n, 32, torch.float32, seed=n)
+    q = torch.nn.functional.normalize(q, dim=-1)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    bias = 16 * torch.sigmoid(torch.randn(4, n, n, device="cuda"))
+    check_case(q, k, v, bias=bias, scale=100.0, backend="triton", precision="ieee")
+    check_case(q, k, v, bias=bias, scale=100.0, backend="triton", precision="tf32x3")
