@@ -228,7 +228,7 @@ def window_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     both = (mask[:, None] + bias[None]).reshape(1, nW * H, N, N)
     out = ev.attention(q.reshape(B, nW * H, N, D), k.reshape(B, nW * H, N, D), v.reshape(B, nW * H, N, D),
                        bias=both, scale=scale, precision=precision, backend=backend)
-    return out.view(Bw, H, N, D)
+    return out.reshape(Bw, H, N, D)  # the kernels return token-major outputs
 
 
 def _mask_ok(mask: Optional[torch.Tensor], Bw: int, N: int) -> bool:

@@ -554,8 +554,10 @@ def bwd_config(dtype: torch.dtype, d_pad: int, precision: str) -> Config:
         if d_pad <= 128:
             return Config(128, 64, 8, 2)
         return Config(32, 32, 4, 1)
+    # strict float32 (FMA products) stages its operands through shared memory: no multi-buffering
+    stages = 1 if precision == "ieee" else 2
     if d_pad <= 64:
-        return Config(64, 32, 4, 2)
+        return Config(64, 32, 4, stages)
     if d_pad <= 128:
         return Config(32, 32, 4, 1)
     return Config(16, 16, 4, 1)
@@ -694,7 +696,7 @@ def backward(do, q, k, v, bias, out, lse, scale: float, causal: bool, precision:
         dfull = torch.empty((Bb, Hb, Nq, Nk), device=q.device, dtype=torch.float32)
         _bwd_dbias_kernel[(triton.cdiv(Nq, cfg.block_m), triton.cdiv(Nk, cfg.block_n), Bb * Hb)](
             q, k, v, bias, do, lse, delta, dfull, *strides, B, H, Hb, Nq, Nk, scale, scale * LOG2E,
-            BIAS_B1=b1, BIAS_H1=h1, **common)
+            BIAS_B1=b1, BIAS_H1=h1, **{**common, "num_stages": 1})  # its batch/head loop needs no prefetch
         # bias broadcast along queries or keys (e.g. a key-padding bias [B,1,1,Nk]): reduce here
         red = tuple(i for i in (2, 3) if bias.shape[i] == 1)
         if red:

@@ -38,8 +38,9 @@ def test_fuzz_against_oracle(prob):
     # from the half-precision output (as FlashAttention does), whose rounding weighs most with a
     # handful of keys — measured up to 6× the plain-torch error at Nk = 2, within 2× from Nk ≈ 16.
     grads = not (causal and nq > nk) and (dtype == torch.float32 or nk >= 16)
-    if nk == 1 and bias is not None:
-        # one key: softmax is constant, the true dbias is exactly 0 and both sides are rounding noise
-        bias = None
+    # With one key the softmax is constant: the true dq, dk and dbias are exactly 0, PyTorch's
+    # softmax backward returns exact zeros, and the kernels' values are rounding noise of
+    # dP − delta (|dP| ~ 10) that the rule's 1e-6 absolute slack cannot resolve.
+    grads = grads and nk > 1
     check_case(q, k, v, bias=bias, causal=causal, precision=precision, backend="triton", partitions=partitions,
                grads=grads, seed=seed)

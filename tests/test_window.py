@@ -87,7 +87,7 @@ def _check(q, k, v, bias, mask, *, scale=None, grads=True, seed=1, **kw):
     assert e <= tolerance(r, q.dtype), f"output: err {e:.3g} vs torch {r:.3g}"
     if not grads:
         return out
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(q.dtype)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(q.device, q.dtype)
     gx = torch.autograd.grad(out, leaves, g)
     gr = torch.autograd.grad(ref, leaves, g)
     go = torch.autograd.grad(orc, leaves, g.double())
@@ -365,12 +365,12 @@ def test_gpu_tf32_against_tf32_torch():
     q, k, v, b, m = _inputs(8, 64, 3, 49, 32, torch.float32)
     q, k, v = (t.detach().cuda().requires_grad_(True) for t in (q, k, v))
     b = b.detach().cuda().requires_grad_(True)
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # torch's TF32 switch (allow_tf32 alone is not honoured)
     try:
         _check(q, k, v, b, m.cuda(), precision="tf32", backend="triton")
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
+        torch.set_float32_matmul_precision(old)
 
 
 @gpu
@@ -396,6 +396,8 @@ def test_gpu_deterministic_and_memory(dtype):
     base = torch.cuda.memory_allocated()
     run()
     torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    # what any implementation must allocate: the four gradients and the output (and its grad)
+    needed = sum(t.numel() * t.element_size() for t in (q, k, v, b)) + 2 * q.numel() * q.element_size()
+    extra = torch.cuda.max_memory_allocated() - base - needed
     expanded = BW * H * N * N * 4
-    assert extra < expanded / 2, f"peak {extra / 2**20:.1f} MiB vs expanded mask {expanded / 2**20:.1f} MiB"
+    assert extra < expanded / 2, f"working memory {extra / 2**20:.1f} MiB vs expanded mask {expanded / 2**20:.1f} MiB"
