@@ -83,14 +83,28 @@ def _check_scale(scale, d: int, fn: str) -> float:
     return float(scale)
 
 
+def _check_tensor_arg(t, name: str, q, fn: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.device != q.device:
+        raise ValueError(f"{fn}: {name} is on {t.device} but q is on {q.device}; move it with {name}.to(q.device)")
+
+
+def _additive(t, name: str, q, fn: str, what: str = "additive"):
+    """A float tensor as is; a bool keep-mask (SDPA's convention: True = attend) as 0 / −inf."""
+    if t.dtype == torch.bool:
+        fdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return torch.zeros(t.shape, dtype=fdt, device=q.device).masked_fill_(~t, float("-inf"))
+    if not t.is_floating_point():
+        raise TypeError(f"{fn}: {name} dtype {t.dtype} must be floating point ({what}) or bool (keep-mask, True = attend)")
+    return t
+
+
 def _bias4(bias, B, H, Nq, Nk, q, fn: str):
     """Validate an additive bias (or boolean keep-mask) and view it as 4-D with size-1 broadcast dims."""
     if bias is None:
         return None
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"{fn}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if bias.device != q.device:
-        raise ValueError(f"{fn}: bias is on {bias.device} but q is on {q.device}; move it with bias.to(q.device)")
+    _check_tensor_arg(bias, "bias", q, fn)
     if bias.dim() > 4:
         raise ValueError(f"{fn}: bias has {bias.dim()} dims; it must broadcast to [B, H, Nq, Nk] = {[B, H, Nq, Nk]}")
     full = (B, H, Nq, Nk)
@@ -99,12 +113,7 @@ def _bias4(bias, B, H, Nq, Nk, q, fn: str):
         if s not in (1, f):
             raise ValueError(f"{fn}: bias shape {tuple(bias.shape)} does not broadcast to [B, H, Nq, Nk] = {list(full)} "
                              f"(dim {i - 4} is {s}, expected 1 or {f})")
-    if bias.dtype == torch.bool:
-        # SDPA's convention: True = the key takes part
-        fdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        bias = torch.zeros(bias.shape, dtype=fdt, device=q.device).masked_fill_(~bias, float("-inf"))
-    elif not bias.is_floating_point():
-        raise TypeError(f"{fn}: bias dtype {bias.dtype} must be floating point (additive) or bool (keep-mask)")
+    bias = _additive(bias, "bias", q, fn)
     return bias.reshape(shape) if bias.dim() < 4 else bias
 
 
@@ -180,10 +189,7 @@ def _window_bias(bias, H: int, N: int, q, fn: str):
     """Validate a window bias shared by all windows; returns an [H, N, N] view (or None)."""
     if bias is None:
         return None
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"{fn}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if bias.device != q.device:
-        raise ValueError(f"{fn}: bias is on {bias.device} but q is on {q.device}; move it with bias.to(q.device)")
+    _check_tensor_arg(bias, "bias", q, fn)
     shape = tuple(bias.shape)
     lead = shape[:-2] if len(shape) >= 2 else ()
     ok = (2 <= len(shape) <= 4 and shape[-2:] == (N, N) and all(s == 1 for s in lead[:-1])
@@ -191,11 +197,7 @@ def _window_bias(bias, H: int, N: int, q, fn: str):
     if not ok:
         raise ValueError(f"{fn}: bias must be [H, N, N] = [{H}, {N}, {N}] (or [1, H, N, N], [N, N]) and is "
                          f"shared by every window, got {shape}; a per-window term belongs in mask [nW, N, N]")
-    if bias.dtype == torch.bool:
-        fdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        bias = torch.zeros(bias.shape, dtype=fdt, device=q.device).masked_fill_(~bias, float("-inf"))
-    elif not bias.is_floating_point():
-        raise TypeError(f"{fn}: bias dtype {bias.dtype} must be floating point (additive) or bool (keep-mask)")
+    bias = _additive(bias, "bias", q, fn)
     # a head-broadcast bias is read with stride 0 (autograd sums its gradient over heads)
     return bias.reshape(shape[-3:] if len(shape) >= 3 else (1, N, N)).expand(H, N, N)
 
@@ -204,10 +206,7 @@ def _window_mask(mask, BW: int, N: int, q, fn: str):
     """Validate a per-window mask [nW, N, N]; returns it as an additive float tensor (or None)."""
     if mask is None:
         return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{fn}: mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.device != q.device:
-        raise ValueError(f"{fn}: mask is on {mask.device} but q is on {q.device}; move it with mask.to(q.device)")
+    _check_tensor_arg(mask, "mask", q, fn)
     if mask.dim() != 3 or tuple(mask.shape[1:]) != (N, N) or mask.shape[0] < 1:
         raise ValueError(f"{fn}: mask must be [nW, N, N] with N = {N} (one [N, N] slice per window position), "
                          f"got {tuple(mask.shape)}; for a single mask shared by all windows use mask[None]")
@@ -215,15 +214,9 @@ def _window_mask(mask, BW: int, N: int, q, fn: str):
     if BW % nW:
         raise ValueError(f"{fn}: q has {BW} windows (dim 0 = batch · nW), which is not a multiple of the mask's "
                          f"nW = {nW}; windows must be ordered batch-major (row r uses mask[r % nW])")
-    if mask.dtype == torch.bool:
-        # keep-mask, as in SDPA: True = the key takes part
-        return torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, float("-inf"))
-    if not mask.is_floating_point():
-        raise TypeError(f"{fn}: mask dtype {mask.dtype} must be floating point (additive, e.g. 0 / -100 / -inf) "
-                        "or bool (True = attend)")
     if mask.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{fn}: the mask takes no gradient; pass mask.detach(), or put a learned term in bias")
-    return mask
+    return _additive(mask, "mask", q, fn, "additive, e.g. 0 / -100 / -inf")
 
 
 def window_attention(
