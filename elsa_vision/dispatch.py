@@ -138,50 +138,34 @@ def _triton_limits(p: Problem) -> Optional[str]:
 
 TRITON = Backend(
     name="triton",
-    ops=("attention",),
+    ops=("attention", "window_attention"),
     devices=_triton_devices,
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     head_dims=(16, 256),
+    op_head_dims={"window_attention": (16, 128)},  # kernels/window.py
+    max_window_tokens=256,
     supports_causal=True,
     supports_bias=True,
     needs_positive_scale=True,
     available=_triton_available,
     limits=_triton_limits,
     devices_note="; CPU tensors only under TRITON_INTERPRET=1",
-    run={"attention": _run_triton_attention},
+    run={"attention": _run_triton_attention, "window_attention": _run_triton_window},
 )
-# windowed kernel (kernels/window.py): windows up to 256 tokens, head dims up to 128
-TRITON.ops += ("window_attention",)
-TRITON.max_window_tokens = 256
-TRITON.op_head_dims["window_attention"] = (16, 128)
-TRITON.run["window_attention"] = _run_triton_window
 
 REFERENCE = Backend(
     name="reference",
-    ops=("attention",),
+    ops=("attention", "window_attention"),
     devices=("cuda", "cpu", "mps", "xpu"),
     dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloat16),
     head_dims=(1, 1 << 16),
+    max_window_tokens=1 << 16,
     supports_causal=True,
     supports_bias=True,
-    run={"attention": _run_reference_attention},
+    run={"attention": _run_reference_attention, "window_attention": _run_reference_window},
 )
-REFERENCE.ops += ("window_attention",)
-REFERENCE.max_window_tokens = 1 << 16
-REFERENCE.run["window_attention"] = _run_reference_window
 
 BACKENDS: list[Backend] = [TRITON, REFERENCE]
-
-
-def register(backend: Backend, first: bool = False) -> None:
-    """Add a backend (e.g. a kernel family that lives in its own file) to the dispatch table."""
-    if any(b.name == backend.name for b in BACKENDS):
-        for b in BACKENDS:
-            if b.name == backend.name:
-                b.run.update(backend.run)
-                b.ops = tuple(dict.fromkeys(b.ops + backend.ops))
-        return
-    BACKENDS.insert(0 if first else len(BACKENDS), backend)
 
 
 def select(p: Problem, backend: str = "auto") -> Backend:
