@@ -61,6 +61,10 @@ _PREC = {"ieee": 0, "tf32x3n": 1, "tf32": 2, "native": 2, "tf32x3": 3}
 # Triton's CPU interpreter multiplies bfloat16 operands as raw bits; there, half operands are widened
 # to float32 first, which computes the same exact products with float32 accumulation.
 _WIDEN_HALF = tl.constexpr(INTERPRET)
+# The pre-split 3xTF32 path only means something on tensor cores (exact products of tf32 parts).
+# The interpreter's dots are plain float32 already; emulating the split there adds two extra float32
+# roundings the GPU does not have, so it runs the plain float32 dot instead.
+_SPLIT3 = tl.constexpr(not INTERPRET)
 
 
 @triton.jit
@@ -115,7 +119,7 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
                     mask=(offs_n[None, :] < k_end) & (offs_d[:, None] < D), other=0.0)
     else:
         k = tl.load(k_ptrs + offs_n[None, :] * sk_n, mask=offs_d[:, None] < D, other=0.0)
-    if PREC == 3:
+    if PREC == 3 and _SPLIT3:
         k_hi, k_lo = _split_tf32(k)
         s = _dot3(q, q_lo, k_hi, k_lo)
     else:
@@ -140,7 +144,7 @@ def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr, KAHAN: tl.const
     In strict float32 ("ieee") the running sums are Kahan-compensated (c_acc, c_s): the FMA dot
     already adds BN terms in sequence, and without compensation the error of the tile-to-tile sum
     grows with the number of key tiles."""
-    if PREC == 3:
+    if PREC == 3 and _SPLIT3:
         p_hi, p_lo = _split_tf32(p)
         v_hi, v_lo = _split_tf32(v)
         return acc * alpha[:, None] + _dot3(p_hi, p_lo, v_hi, v_lo), c_acc, s_i * alpha + tl.sum(p, 1), c_s
@@ -210,7 +214,7 @@ def _fwd_kernel(
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
                 mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
     q_lo = q
-    if PREC == 3:
+    if PREC == 3 and _SPLIT3:
         q, q_lo = _split_tf32(q)  # once per program: q is reused by every key tile
     k_ptrs = K + b * sk_b + h * sk_h + offs_d[:, None] * sk_d
     v_ptrs = V + b * sv_b + h * sv_h + offs_d[None, :] * sv_d
