@@ -576,9 +576,11 @@ def plan_partitions(batch_heads: int, nq: int, nk: int, block_m: int, block_n: i
                     requested: Optional[int] = None) -> tuple[int, int]:
     """(n_part, part_len): how phase 1 splits the keys. part_len is a multiple of block_n.
 
-    One partition when (query blocks × batch·heads) already fills the GPU twice over; otherwise keys
-    are split so the phase-1 grid reaches about two programs per SM, each partition with the same
-    number of key tiles (±1 over all partitions).
+    One partition when (query blocks × batch·heads) gives every SM a program; otherwise keys are
+    split so the phase-1 grid reaches about two programs per SM, each partition with the same number
+    of key tiles (±1 over all partitions). The summaries cost P float32 copies of the output, so a
+    grid that already fills the SMs once is not split (at N = 1041, B·H = 16 a split doubled the
+    peak memory for no gain).
     """
     n_tiles = max(1, triton.cdiv(nk, block_n))
     if requested is not None:
@@ -586,8 +588,7 @@ def plan_partitions(batch_heads: int, nq: int, nk: int, block_m: int, block_n: i
     else:
         base = triton.cdiv(nq, block_m) * batch_heads
         sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
-        target = 2 * sms
-        want = 1 if base >= target else min(n_tiles, triton.cdiv(target, base))
+        want = 1 if base >= sms else min(n_tiles, triton.cdiv(2 * sms, base))
         # a partition shorter than four tiles pays more in summary traffic than it gains in parallelism
         want = max(1, min(want, n_tiles // 4 or 1))
     tiles_per = triton.cdiv(n_tiles, want)
