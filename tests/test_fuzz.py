@@ -21,7 +21,9 @@ def problems(draw):
         # backward's delta also comes from the rounded output (as FlashAttention's does).
         nk = max(nk, 16)
     d = draw(st.sampled_from([16, 24, 32, 40, 64, 80]))
-    causal = draw(st.booleans())
+    # (causal rows see as few as one key: the same coin toss for half precision, which is covered
+    # causally at real sizes by the GPU tests)
+    causal = draw(st.booleans()) and dtype == torch.float32
     form = draw(st.sampled_from([None, "nk", "nq_nk", "h_nq_nk", "b_1_nq_nk", "b_h_1_nk"]))
     shape = {None: None, "nk": (nk,), "nq_nk": (nq, nk), "h_nq_nk": (H, nq, nk), "b_1_nq_nk": (B, 1, nq, nk),
              "b_h_1_nk": (B, H, 1, nk)}[form]
