@@ -5,8 +5,9 @@ normaliser and weighted value sum, merged by
 
     m = max(ma, mb);  S = Sa·2^(ma−m) + Sb·2^(mb−m);  W = Wa·2^(ma−m) + Wb·2^(mb−m)
 
-with identity (−inf, 0, 0). Logits live in the log2 domain (log2 e is folded into the scale), so
-every exponential is an exp2.
+with identity (−inf, 0, 0), written here in log2 units. Every exponential is an exp2: without a
+bias the state is in log2 units (scale·log2 e applied inside the exponent's FMA); with a bias it is
+in natural units and the log2 e factor is applied after s − m is formed (see _scores).
 
   phase 1  grid (query block, batch·head, key partition): each program folds the key tiles of its
            partition in registers and writes the partition summary (m, S, W), all in float32.
