@@ -1,8 +1,10 @@
-"""Compile the window kernels for a GPU target on any machine (no GPU needed) and report, per kernel,
-registers, spill bytes per thread, shared memory, and warps laid out beyond the tile (replicated work).
+"""Compile the window kernels (or, with --attention, the attention kernels) for a GPU target on any
+machine (no GPU needed) and report, per kernel, registers, spill bytes per thread, shared memory, and
+warps laid out beyond the tile (replicated work).
 
     python benchmarks/window_compile.py                       # Swin sizes, all precisions and blocks, sm_90
     python benchmarks/window_compile.py --n 49,144 --d 32,64 --arch 90 --blocks 64,256
+    python benchmarks/window_compile.py --attention --d 16,32,64,128,256   # kernels/attention.py tile table
 
 It runs the real launchers (kernels/window.py forward + backward on small CPU tensors) with Triton's
 driver replaced by a stand-in that reports the target, and every launch replaced by a warm-up
@@ -94,13 +96,16 @@ def main(argv=None):
     ap.add_argument("--blocks", default="64,128,256")
     ap.add_argument("--precisions", default="fp32:tf32x3,fp32:tf32,fp32:ieee,bf16:native")
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--attention", action="store_true", help="the attention kernels' tile table instead")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
     driver.set_active(_TargetOnly(a.arch))
     JITFunction.__getitem__ = _compile_only
-    from elsa_vision.kernels import window as W
     dts = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if a.attention:
+        return attention_report(a, dts)
+    from elsa_vision.kernels import window as W
     for N in map(int, a.n.split(",")):
         for D in map(int, a.d.split(",")):
             for spec in a.precisions.split(","):
@@ -113,15 +118,35 @@ def main(argv=None):
                     COMPILED.clear()
                     out, lse = W.forward(q, k, v, bias, mask, D ** -0.5, prec, block)
                     W.backward(out, q, k, v, bias, mask, out, lse, D ** -0.5, prec, block, True)
-                    cells = []
-                    for name, kern in COMPILED:
-                        regs, spill = ptxas_report(kern)
-                        smem, rep = kern.metadata.shared, replication(kern)
-                        flags = ("  SPILL" if spill else "") + ("  SMEM>227K" if smem > 232448 else "") + \
-                                (f"  REPLICATED×{rep:g}" if rep > 1 else "")
-                        cells.append(f"{name.replace('_win_', '').replace('_kernel', '')}: {kern.metadata.num_warps}w "
-                                     f"{regs}r {spill}B-spill {smem // 1024}K-smem{flags}")
-                    print(f"N={N} D={D} {spec} block={block} | " + " | ".join(cells), flush=True)
+                    print(f"N={N} D={D} {spec} block={block} | " + _cells(), flush=True)
+
+
+def _cells() -> str:
+    """One report cell per kernel compiled since COMPILED was cleared."""
+    cells = []
+    for name, kern in COMPILED:
+        regs, spill = ptxas_report(kern)
+        smem, rep = kern.metadata.shared, replication(kern)
+        flags = ("  SPILL" if spill else "") + ("  SMEM>227K" if smem > 232448 else "") + \
+                (f"  REPLICATED×{rep:g}" if rep > 1 else "")
+        cells.append(f"{name.replace('_win_', '').replace('_kernel', '')}: {kern.metadata.num_warps}w "
+                     f"{regs}r {spill}B-spill {smem // 1024}K-smem{flags}")
+    return " | ".join(cells)
+
+
+def attention_report(a, dts):
+    """Forward and backward of kernels/attention.py (with and without a bias) per precision and head dim."""
+    from elsa_vision.kernels import attention as K
+    for spec in a.precisions.split(","):
+        dname, prec = spec.split(":")
+        for D in map(int, a.d.split(",")):
+            for has_bias in (False, True):
+                q, k, v = (torch.randn(1, 2, 40, D, dtype=dts[dname]) for _ in range(3))
+                bias = torch.randn(1, 2, 40, 40) if has_bias else None
+                COMPILED.clear()
+                out, lse = K.forward(q, k, v, bias, D ** -0.5, False, prec)
+                K.backward(out, q, k, v, bias, out, lse, D ** -0.5, False, prec, has_bias)
+                print(f"D={D} {spec} bias={has_bias} | " + _cells(), flush=True)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ class Backend:
     needs_positive_scale: bool = False
     op_head_dims: dict = field(default_factory=dict)  # op name → (lo, hi) where it differs from head_dims
     available: Callable[[], Optional[str]] = lambda: None  # None when usable, else why not
-    limits: Callable[[Problem], Optional[str]] = lambda p: None  # a combination it cannot run, else None
     devices_note: str = ""
     run: dict = field(default_factory=dict)  # op name → callable
 
@@ -69,9 +68,6 @@ class Backend:
             reasons.append(f"head dim {p.head_dim} outside [{lo}, {hi}]")
         if p.causal and not self.supports_causal:
             reasons.append("causal masking not supported")
-        why = self.limits(p)
-        if why:
-            reasons.append(why)
         if self.needs_positive_scale and not p.positive_scale:
             reasons.append("scale must be > 0 (the scan folds the scale into its running max)")
         if p.has_bias and not self.supports_bias:
@@ -128,14 +124,6 @@ def _run_reference_window(q, k, v, bias, mask, scale, precision, block):
     return reference.window_attention(q, k, v, bias, mask, scale)
 
 
-def _triton_limits(p: Problem) -> Optional[str]:
-    # Measured on an H200 (triton 3.6): the strict-fp32 FMA kernels with a bias ask for 256 KiB of
-    # shared memory (limit 227 KiB). The interpreter has no such limit.
-    if p.op == "attention" and p.device == "cuda" and p.precision == "ieee" and p.has_bias:
-        return "precision='ieee' with a bias exceeds the GPU's shared memory; use precision='tf32x3'"
-    return None
-
-
 TRITON = Backend(
     name="triton",
     ops=("attention", "window_attention"),
@@ -148,7 +136,6 @@ TRITON = Backend(
     supports_bias=True,
     needs_positive_scale=True,
     available=_triton_available,
-    limits=_triton_limits,
     devices_note="; CPU tensors only under TRITON_INTERPRET=1",
     run={"attention": _run_triton_attention, "window_attention": _run_triton_window},
 )

@@ -521,7 +521,7 @@ def _pow2(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0) -> Config:
+def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_bias: bool = False) -> Config:
     """Forward tile shape by dtype / padded head dim / float32 mode: the fastest of the candidates in
     benchmarks/attention.py --tune, measured on an H200 (N = 16K, B = 1, H = 16).
 
@@ -540,7 +540,8 @@ def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0) -> C
         if d_pad <= 64 and nk <= 8192:
             return Config(64, 64, 4, 2, kahan=False)
         return Config(32, 32, 4, 2) if d_pad <= 128 else Config(32, 32, 4, 1)
-    if d_pad <= 32:
+    if d_pad <= 32 and not (precision == "tf32x3" and has_bias):
+        # (with a bias the 128×128 tf32x3 tile needs 256 KiB of shared memory, over sm_90's 227)
         return Config(128, 128, 8, 3) if precision == "tf32x3" else Config(128, 64, 4, 3)
     if d_pad <= 64:
         return Config(128, 64, 8, 3) if precision == "tf32x3" else Config(128, 64, 4, 3)
@@ -628,7 +629,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = _pow2(D)
-    cfg = config or fwd_config(q.dtype, d_pad, precision, Nk)
+    cfg = config or fwd_config(q.dtype, d_pad, precision, Nk, bias is not None)
     n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
     out = _out_like(q)
     lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)

@@ -111,11 +111,5 @@ def test_large_logits_cosine_attention_gpu(n):
     q = torch.nn.functional.normalize(q, dim=-1)
     k = torch.nn.functional.normalize(k, dim=-1)
     bias = 16 * torch.sigmoid(torch.randn(4, n, n, device="cuda"))
+    check_case(q, k, v, bias=bias, scale=100.0, backend="triton", precision="ieee")
     check_case(q, k, v, bias=bias, scale=100.0, backend="triton", precision="tf32x3")
-    check_case(q, k, v, bias=bias, scale=100.0, precision="ieee")  # served by the reference backend
-
-
-def test_ieee_with_bias_is_refused_with_a_reason():
-    q, k, v = qkv(1, 2, 64, 64, 32, torch.float32)
-    with pytest.raises(elsa_vision.NotSupportedError, match="precision='ieee' with a bias"):
-        elsa_vision.attention(q, k, v, bias=torch.zeros(64, 64, device="cuda"), precision="ieee", backend="triton")
