@@ -735,8 +735,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                   bias: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, scale: float,
                   causal: bool, precision: str, bias_grad: bool) -> list[torch.Tensor]:
     """→ [dq, dk, dv, dbias]; dbias is an empty tensor unless ``bias_grad``."""
-    dq, dk, dv, dbias = backward(do.contiguous() if do.stride(-1) != 1 else do, q, k, v, bias, out, lse,
-                                 scale, causal, precision, bias_grad)
+    dq, dk, dv, dbias = backward(do, q, k, v, bias, out, lse, scale, causal, precision, bias_grad)
     return [dq, dk, dv, dbias if dbias is not None else q.new_empty(0)]
 
 
@@ -797,8 +796,7 @@ class _Attention(torch.autograd.Function):
             raise RuntimeError(_DOUBLE_BACKWARD)
         q, k, v, bias, out, lse = ctx.saved_tensors
         bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
-        dq, dk, dv, dbias = backward(dout.contiguous() if dout.stride(-1) != 1 else dout, q, k, v, bias, out, lse,
-                                     *ctx.args, bias_grad)
+        dq, dk, dv, dbias = backward(dout, q, k, v, bias, out, lse, *ctx.args, bias_grad)  # any strides
         return dq, dk, dv, dbias, None, None, None, None
 
 

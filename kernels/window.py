@@ -68,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import INTERPRET, LOG2E, _PREC, _dot, _pow2, _sm_count
+from .attention import INTERPRET, LOG2E, _PREC, _dot, _pow2, _setup_bwd, _sm_count
 
 BLOCKS = (64, 128, 256)
 MAX_TOKENS = 256
@@ -712,10 +712,6 @@ def _backward_fwd(ctx, dout, dlse):
 
 def _no_double_backward(ctx, *grads):
     raise RuntimeError(_DOUBLE_BACKWARD)
-
-
-def _setup_bwd(ctx, inputs, output):
-    pass
 
 
 window_fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
