@@ -179,10 +179,10 @@ def tune(kinds=("fwd", "bwd"), N=16384, only=None):
             if kind == "fwd":
                 fns[name] = lambda cfg=cfg: K.forward(q, k, v, None, d ** -0.5, False, prec, 1, config=cfg)
             else:
-                o, lse = K.forward(q, k, v, None, d ** -0.5, False, prec, 1)
+                o, stats = K.forward(q, k, v, None, d ** -0.5, False, prec, 1)
                 do = torch.randn_like(o)
-                fns[name] = lambda cfg=cfg, o=o, lse=lse, do=do: K.backward(
-                    do, q, k, v, None, o, lse, d ** -0.5, False, prec, False, config=cfg)
+                fns[name] = lambda cfg=cfg, o=o, stats=stats, do=do: K.backward(
+                    do, q, k, v, None, o, stats, d ** -0.5, False, prec, False, config=cfg)
         res = measure(fns, warmup=1, rounds=5, memory=False)
         flops = 4.0 * 16 * N * N * d * (2.5 if kind == "bwd" else 1.0)
         ranked = sorted((r.ms, n) for n, r in res.items() if r.ms)

@@ -116,8 +116,8 @@ def main(argv=None):
                     q, k, v = qkv.unbind(0)
                     bias, mask = torch.randn(H, N, N), torch.zeros(nW, N, N)
                     COMPILED.clear()
-                    out, lse = W.forward(q, k, v, bias, mask, D ** -0.5, prec, block)
-                    W.backward(out, q, k, v, bias, mask, out, lse, D ** -0.5, prec, block, True)
+                    out, stats = W.forward(q, k, v, bias, mask, D ** -0.5, prec, block)
+                    W.backward(out, q, k, v, bias, mask, out, stats, D ** -0.5, prec, block, True)
                     print(f"N={N} D={D} {spec} block={block} | " + _cells(), flush=True)
 
 
@@ -144,8 +144,8 @@ def attention_report(a, dts):
                 q, k, v = (torch.randn(1, 2, 40, D, dtype=dts[dname]) for _ in range(3))
                 bias = torch.randn(1, 2, 40, 40) if has_bias else None
                 COMPILED.clear()
-                out, lse = K.forward(q, k, v, bias, D ** -0.5, False, prec)
-                K.backward(out, q, k, v, bias, out, lse, D ** -0.5, False, prec, has_bias)
+                out, stats = K.forward(q, k, v, bias, D ** -0.5, False, prec)
+                K.backward(out, q, k, v, bias, out, stats, D ** -0.5, False, prec, has_bias)
                 print(f"D={D} {spec} bias={has_bias} | " + _cells(), flush=True)
 
 

@@ -121,7 +121,7 @@ def structure(q, k, v, *, bias=None, scale=None, causal=False, precision="auto",
     b4 = _bias4(bias, *q.shape[:3], k.shape[2], q, "structure")
     prec = resolve_precision(precision, q.dtype)
     info: dict = {}
-    out, lse = K.forward(q, k, v, b4, sc, bool(causal), prec, partitions, summaries=info)
+    out, stats = K.forward(q, k, v, b4, sc, bool(causal), prec, partitions, summaries=info)
     B, H, Nq, D = q.shape
     rep = {
         "shape": {"B": B, "H": H, "Nq": Nq, "Nk": k.shape[2], "D": D, "dtype": str(q.dtype).replace("torch.", ""),
@@ -145,8 +145,8 @@ def structure(q, k, v, *, bias=None, scale=None, causal=False, precision="auto",
     rep["summary_merge_max_diff"] = max_err(merged.view(B, H, Nq, D), out.float())
     ms2, ss2, ws2 = ms.clone(), ss.clone(), ws.clone()
     ms2[:, 0], ss2[:, 0], ws2[:, 0] = float("-inf"), 0.0, 0.0
-    out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
-    K.phase2(ms2, ss2, ws2, out2, lse2, b4 is not None)
+    out2, stats2 = torch.empty_like(out), torch.empty_like(stats)
+    K.phase2(ms2, ss2, ws2, out2, stats2, b4 is not None)
     rep["phase2_reads_summaries"] = bool(max_err(out2, out) > 0)
     rep["two_pass"] = rep["phase2_reads_summaries"] and rep["summary_merge_max_diff"] < 1e-2
     return rep

@@ -12,22 +12,27 @@ in natural units and the log2 e factor is applied after s − m is formed (see _
   phase 1  grid (query block, batch·head, key partition): each program folds the key tiles of its
            partition in registers and writes the partition summary (m, S, W), all in float32.
   phase 2  grid (query block, batch·head): merges the partition summaries of each row and writes
-           out = W / S and the row's log-sum-exp.
+           out = W / S and the row's statistics (m, S).
 
 With one partition, phase 2 is phase 1's epilogue (no summaries touch memory). Partitions are a
 scheduling choice: when (query blocks × batch·heads) cannot fill the GPU, the keys are split into
 balanced partitions so that every SM gets equal work (LeanAttention's stream-K idea).
 
 Backward. delta = rowsum(dO·O) (preprocess kernel); a dK/dV kernel loops over query tiles and a dQ
-kernel loops over key tiles, both recomputing P from the saved per-row log-sum-exp. Its units
-follow the path, so that nothing is rounded at the logits' magnitude before the large terms
-cancel: without a bias, log2 units (P = 2^(q·k·scale·log2 e − lse₂), one FMA); with a bias,
-natural units (P = 2^((q·k·scale + b − lse)·log2 e)). ``natural_lse`` converts.
+kernel loops over key tiles, both recomputing P from the saved per-row statistics (m, S) — stored
+as a [B, H, 2, Nq] float32 tensor, m in the path's units: without a bias log2 units, with one
+natural units, so that nothing is rounded at the logits' magnitude before the large terms cancel.
+In float32, P = 2^(q·k·scale·log2 e − m₂) / S (with a bias 2^((q·k·scale + b − m)·log2 e) / S):
+folding log S into a single log-sum-exp would round log S at its own magnitude, a relative error
+of up to ulp(log S) on every P of the row — several times PyTorch's softmax error once a row has
+hundreds of keys or logits of ±100. In half precision P is rounded to 8–11 bits for the dots
+anyway, so the cheaper lse form (one FMA) is used. ``natural_lse`` gives the natural-log lse.
 dBias has a kernel of its own whose programs own a tile of the bias and loop over the batch/head
 dimensions the bias is broadcast along. No atomics: gradients are bitwise reproducible.
 
 Masking. Keys past Nk or past the causal diagonal score −inf; a tile with no visible key merges as
-the identity; a row with no visible key (S = 0) returns 0 and lse = +inf (so P = 0 in backward).
+the identity; a row with no visible key (S = 0) returns 0 and saves (m, S) = (+inf, 1), so that
+P = 0 in backward and its lse is +inf.
 Causal is aligned bottom-right: query i sees key j iff j ≤ i + Nk − Nq.
 
     Nq = 3, Nk = 5            keys →
@@ -197,7 +202,7 @@ def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, N
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Bias, Out, Lse, Ms, Ss, Ws,
+    Q, K, V, Bias, Out, Stats, Ms, Ss, Ws,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     so_b, so_h, so_m, so_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, part_len, n_part, scale, qk_scale2,
@@ -263,23 +268,35 @@ def _fwd_kernel(
         out = acc / tl.where(nonempty, s_i, 1.0)[:, None]
         tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-        lse = tl.where(nonempty, _lse(m_i, s_i, nonempty, HAS_BIAS),
-                       float("inf"))
-        tl.store(Lse + bh.to(tl.int64) * Nq + offs_m, lse, mask=row_ok)
+        _store_stats(Stats, bh, offs_m, row_ok, Nq, m_i, s_i, nonempty)
 
 
 @triton.jit
-def _lse(m, s, nonempty, NATURAL: tl.constexpr):
-    """Row log-sum-exp from (m, S): natural units on the bias path, log2 units otherwise."""
-    if NATURAL:
-        return m + tl.math.log2(tl.where(nonempty, s, 1.0)) * 0.6931471805599453
+def _store_stats(Stats, bh, offs_m, row_ok, Nq, m, s, nonempty):
+    """Row statistics (m, S) into Stats [BH, 2, Nq]; (+inf, 1) for a row that sees no key."""
+    st = Stats + bh.to(tl.int64) * 2 * Nq + offs_m
+    tl.store(st, tl.where(nonempty, m, float("inf")), mask=row_ok)
+    tl.store(st + Nq, tl.where(nonempty, s, 1.0), mask=row_ok)
+
+
+@triton.jit
+def _load_stats(Stats, bh, offs_m, row_ok, Nq, NATURAL: tl.constexpr, EXACT: tl.constexpr):
+    """Per-row (m, 1/S) when EXACT (float32), else (lse, unused) with lse = m + log S in m's units.
+    Rows past Nq read (+inf, 1): P = 0 there."""
+    st = Stats + bh.to(tl.int64) * 2 * Nq + offs_m
+    m = tl.load(st, mask=row_ok, other=float("inf"))
+    s = tl.load(st + Nq, mask=row_ok, other=1.0)
+    if EXACT:
+        return m, 1.0 / s
+    elif NATURAL:
+        return m + tl.math.log2(s) * 0.6931471805599453, s
     else:
-        return m + tl.math.log2(tl.where(nonempty, s, 1.0))
+        return m + tl.math.log2(s), s
 
 
 @triton.jit
 def _merge_kernel(
-    Ms, Ss, Ws, Out, Lse, so_b, so_h, so_m, so_d, H, Nq, n_part,
+    Ms, Ss, Ws, Out, Stats, so_b, so_h, so_m, so_d, H, Nq, n_part,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, NATURAL: tl.constexpr,
 ):
     """Phase 2: fold the n_part partition summaries of each row with the monoid operator
@@ -314,18 +331,21 @@ def _merge_kernel(
     h = (bh % H).to(tl.int64)
     tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-    lse = tl.where(nonempty, _lse(m, s, nonempty, NATURAL), float("inf"))
-    tl.store(Lse + bh.to(tl.int64) * Nq + offs_m, lse, mask=row_ok)
+    _store_stats(Stats, bh, offs_m, row_ok, Nq, m, s, nonempty)
 
 
 @triton.jit
-def _probs(qk, bias, scale, qk_scale2, lse2, HAS_BIAS: tl.constexpr):
-    """P from the raw q·k tile, the bias tile and the row lse (log2 units without a bias, natural
-    units with one), with the same rounding structure as the forward (see _scores)."""
-    if HAS_BIAS:  # lse in natural units on this path: s − lse is formed before the log2 e factor
-        return tl.math.exp2(((qk * scale + bias) - lse2[:, None]) * 1.4426950408889634)
+def _probs(qk, bias, scale, qk_scale2, m, r, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr):
+    """P from the raw q·k tile, the bias tile and the row statistics of _load_stats (log2 units
+    without a bias, natural units with one), with the same rounding structure as the forward (see
+    _scores)."""
+    if HAS_BIAS:  # natural units on this path: s − m is formed before the log2 e factor
+        p = tl.math.exp2(((qk * scale + bias) - m[:, None]) * 1.4426950408889634)
     else:
-        return tl.math.exp2(qk * qk_scale2 - lse2[:, None])
+        p = tl.math.exp2(qk * qk_scale2 - m[:, None])
+    if EXACT:
+        p = p * r[:, None]
+    return p
 
 
 @triton.jit
@@ -347,12 +367,12 @@ def _bwd_preprocess(Out, dOut, Delta, so_b, so_h, so_m, so_d, sd_b, sd_h, sd_m, 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Bias, dOut, Lse, Delta, dK, dV,
+    Q, K, V, Bias, dOut, Stats, Delta, dK, dV,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """One key tile per program; loops over the query tiles that can see it."""
     pid_n = tl.program_id(0)
@@ -382,7 +402,7 @@ def _bwd_dkdv_kernel(
         qm = row_ok[:, None] & (offs_d[None, :] < D)
         q = tl.load(q_base + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
         do = tl.load(do_base + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
-        lse2 = tl.load(Lse + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf"))
+        m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
         delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
         qk = _dot(q, kT, PREC)
         bt = 0.0
@@ -392,7 +412,7 @@ def _bwd_dkdv_kernel(
         visible = offs_n[None, :] < Nk
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
-        p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, lse2, HAS_BIAS), 0.0)
+        p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, m_r, r_r, HAS_BIAS, EXACT), 0.0)
         dv += _dot(tl.trans(p.to(do.dtype)), do, PREC)
         dp = _dot(do, vT, PREC)
         ds = p * (dp - delta[:, None])
@@ -404,12 +424,12 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Bias, dOut, Lse, Delta, dQ,
+    Q, K, V, Bias, dOut, Stats, Delta, dQ,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """One query tile per program; loops over the key tiles it can see."""
     pid_m = tl.program_id(0)
@@ -422,7 +442,7 @@ def _bwd_dq_kernel(
     qm = row_ok[:, None] & (offs_d[None, :] < D)
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
     do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
-    lse2 = tl.load(Lse + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf"))
+    m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
     delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     k_hi = Nk
@@ -445,7 +465,7 @@ def _bwd_dq_kernel(
         visible = offs_n[None, :] < Nk
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
-        p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, lse2, HAS_BIAS), 0.0)
+        p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, m_r, r_r, HAS_BIAS, EXACT), 0.0)
         dp = _dot(do, tl.trans(v), PREC)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, PREC)
@@ -455,13 +475,13 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dbias_kernel(
-    Q, K, V, Bias, dOut, Lse, Delta, dBias,
+    Q, K, V, Bias, dOut, Stats, Delta, dBias,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     B, H, Hb, Nq, Nk, scale, qk_scale2,
     BIAS_B1: tl.constexpr, BIAS_H1: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """dS = P ⊙ (dP − delta) for one [BM, BN] tile of the bias, summed over the batch/head dims the
     bias is broadcast along (BIAS_B1 / BIAS_H1), in a fixed order: deterministic, no atomics.
@@ -493,11 +513,11 @@ def _bwd_dbias_kernel(
             do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
             k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kvm, other=0.0)
             v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kvm, other=0.0)
-            lse2 = tl.load(Lse + bh * Nq + offs_m, mask=row_ok, other=float("inf"))
+            m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, True, EXACT)
             delta = tl.load(Delta + bh * Nq + offs_m, mask=row_ok, other=0.0)
             bt = tl.load(Bias + b * sb_b + h * sb_h + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
                          mask=visible, other=0.0).to(tl.float32)
-            p = tl.where(visible, _probs(_dot(q, tl.trans(k), PREC), bt, scale, qk_scale2, lse2, True), 0.0)
+            p = tl.where(visible, _probs(_dot(q, tl.trans(k), PREC), bt, scale, qk_scale2, m_r, r_r, True, EXACT), 0.0)
             dp = _dot(do, tl.trans(v), PREC)
             acc += p * (dp - delta[:, None])
     tl.store(dBias + bhb.to(tl.int64) * Nq * Nk + offs_m[:, None] * Nk + offs_n[None, :], acc,
@@ -604,9 +624,11 @@ def _strides4(t: Optional[torch.Tensor]) -> tuple[int, int, int, int]:
     return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(4))
 
 
-def natural_lse(lse: torch.Tensor, has_bias: bool) -> torch.Tensor:
-    """The kernels' saved lse in natural-log units."""
-    return lse if has_bias else lse * LN2
+def natural_lse(stats: torch.Tensor, has_bias: bool) -> torch.Tensor:
+    """Row log-sum-exp [B, H, Nq] in natural-log units from the kernels' statistics [B, H, 2, Nq]
+    (m in log2 units without a bias); +inf for a row that sees no key."""
+    m, s = stats.unbind(2)
+    return (m if has_bias else m * LN2) + torch.log(s)
 
 
 def _out_like(q: torch.Tensor) -> torch.Tensor:
@@ -618,9 +640,9 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
 
 def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
             summaries: Optional[dict] = None, config: Optional[Config] = None):
-    """Launch phase 1 (and phase 2 when split). Returns (out [B,H,Nq,D], lse [B,H,Nq] float32): the row
-    log-sum-exp in log2 units without a bias, natural units with one (see natural_lse); +inf for
-    rows that see no key.
+    """Launch phase 1 (and phase 2 when split). Returns (out [B,H,Nq,D], stats [B,H,2,Nq] float32): the
+    row statistics (m, S), m in log2 units without a bias, natural units with one (see natural_lse);
+    (+inf, 1) for rows that see no key.
 
     ``summaries``, when a dict, receives the phase-1 summary tensors and the partition plan (used by
     verify.structure to show what phase 2 reads)."""
@@ -632,18 +654,18 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     cfg = config or fwd_config(q.dtype, d_pad, precision, Nk, bias is not None)
     n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
     out = _out_like(q)
-    lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
+    stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
     split = n_part > 1
     if split:
         ms = torch.empty((B * H, n_part, Nq), device=q.device, dtype=torch.float32)
         ss = torch.empty_like(ms)
         ws = torch.empty((B * H, n_part, Nq, d_pad), device=q.device, dtype=torch.float32)
     else:
-        ms = ss = ws = lse  # unused placeholders
+        ms = ss = ws = stats  # unused placeholders
     bias_arg = bias if bias is not None else q
     grid = (triton.cdiv(Nq, cfg.block_m), B * H, n_part)
     _fwd_kernel[grid](
-        q, k, v, bias_arg, out, lse, ms, ss, ws,
+        q, k, v, bias_arg, out, stats, ms, ss, ws,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_strides4(bias),
         H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -651,29 +673,30 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
-        phase2(ms, ss, ws, out, lse, bias is not None)
+        phase2(ms, ss, ws, out, stats, bias is not None)
     if summaries is not None:
         summaries.update(n_part=n_part, part_len=part_len, block_m=cfg.block_m, block_n=cfg.block_n,
                          phase1_grid=grid, m=ms if split else None, S=ss if split else None,
                          W=ws if split else None)
-    return out, lse
+    return out, stats
 
 
-def phase2(ms, ss, ws, out, lse, natural: bool):
-    """Merge phase-1 summaries m/S [BH, P, Nq], W [BH, P, Nq, D_PAD] into out [B,H,Nq,D] and lse [B,H,Nq]
-    (``natural``: m and lse in natural units, the bias path)."""
+def phase2(ms, ss, ws, out, stats, natural: bool):
+    """Merge phase-1 summaries m/S [BH, P, Nq], W [BH, P, Nq, D_PAD] into out [B,H,Nq,D] and the row
+    statistics [B,H,2,Nq] (``natural``: m in natural units, the bias path)."""
     B, H, Nq, D = out.shape
     d_pad = ws.shape[-1]
     bm2 = 16 if INTERPRET else (64 if d_pad <= 128 else 32)
     _merge_kernel[(triton.cdiv(Nq, bm2), B * H)](
-        ms, ss, ws, out, lse, *out.stride(), H, Nq, ms.shape[1],
+        ms, ss, ws, out, stats, *out.stride(), H, Nq, ms.shape[1],
         D=D, D_PAD=d_pad, BLOCK_M=bm2, NATURAL=natural, num_warps=4,
     )
 
 
-def backward(do, q, k, v, bias, out, lse, scale: float, causal: bool, precision: str, bias_grad: bool,
+def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precision: str, bias_grad: bool,
              config: Optional[Config] = None):
-    """Returns (dq, dk, dv, dbias); dbias is None unless ``bias_grad``. Shapes as the inputs'."""
+    """Returns (dq, dk, dv, dbias); dbias is None unless ``bias_grad``. Shapes as the inputs'.
+    ``stats`` [B,H,2,Nq]: the forward's row statistics."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = _pow2(D)
@@ -688,13 +711,13 @@ def backward(do, q, k, v, bias, out, lse, scale: float, causal: bool, precision:
     dv = torch.empty((B, H, Nk, D), device=q.device, dtype=v.dtype)
     bias_arg = bias if bias is not None else q
     common = dict(D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, PREC=prec,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  EXACT=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *_strides4(bias))
     _bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.block_n), B * H)](
-        q, k, v, bias_arg, do, lse, delta, dk, dv, *strides, H, Nq, Nk, scale * LOG2E, scale,
+        q, k, v, bias_arg, do, stats, delta, dk, dv, *strides, H, Nq, Nk, scale * LOG2E, scale,
         HAS_BIAS=bias is not None, **common)
     _bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m), B * H)](
-        q, k, v, bias_arg, do, lse, delta, dq, *strides, H, Nq, Nk, scale * LOG2E, scale,
+        q, k, v, bias_arg, do, stats, delta, dq, *strides, H, Nq, Nk, scale * LOG2E, scale,
         HAS_BIAS=bias is not None, **common)
     dbias = None
     if bias_grad:
@@ -702,7 +725,7 @@ def backward(do, q, k, v, bias, out, lse, scale: float, causal: bool, precision:
         Bb, Hb = (1 if b1 else B), (1 if h1 else H)
         dfull = torch.empty((Bb, Hb, Nq, Nk), device=q.device, dtype=torch.float32)
         _bwd_dbias_kernel[(triton.cdiv(Nq, cfg.block_m), triton.cdiv(Nk, cfg.block_n), Bb * Hb)](
-            q, k, v, bias, do, lse, delta, dfull, *strides, B, H, Hb, Nq, Nk, scale, scale * LOG2E,
+            q, k, v, bias, do, stats, delta, dfull, *strides, B, H, Hb, Nq, Nk, scale, scale * LOG2E,
             BIAS_B1=b1, BIAS_H1=h1, **{**common, "num_stages": 1})  # its batch/head loop needs no prefetch
         # bias broadcast along queries or keys (e.g. a key-padding bias [B,1,1,Nk]): reduce here
         red = tuple(i for i in (2, 3) if bias.shape[i] == 1)
@@ -719,43 +742,43 @@ def backward(do, q, k, v, bias, out, lse, scale: float, causal: bool, precision:
 @torch.library.custom_op("elsa_vision::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                   scale: float, causal: bool, precision: str, partitions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B,H,Nq,D], k/v [B,H,Nk,D], bias 4-D broadcastable (size-1 dims) → out [B,H,Nq,D], lse [B,H,Nq]
-    (units as in ``forward``).
+    """q [B,H,Nq,D], k/v [B,H,Nk,D], bias 4-D broadcastable (size-1 dims) → out [B,H,Nq,D], row
+    statistics [B,H,2,Nq] (as in ``forward``).
     ``partitions`` ≤ 0 lets the planner choose."""
     return forward(q, k, v, bias, scale, causal, precision, partitions if partitions > 0 else None)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, bias, scale, causal, precision, partitions):
-    return _out_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _out_like(q), q.new_empty((*q.shape[:2], 2, q.shape[2]), dtype=torch.float32)
 
 
 @torch.library.custom_op("elsa_vision::attention_bwd", mutates_args=())
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  bias: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, scale: float,
+                  bias: Optional[torch.Tensor], out: torch.Tensor, stats: torch.Tensor, scale: float,
                   causal: bool, precision: str, bias_grad: bool) -> list[torch.Tensor]:
     """→ [dq, dk, dv, dbias]; dbias is an empty tensor unless ``bias_grad``."""
-    dq, dk, dv, dbias = backward(do, q, k, v, bias, out, lse, scale, causal, precision, bias_grad)
+    dq, dk, dv, dbias = backward(do, q, k, v, bias, out, stats, scale, causal, precision, bias_grad)
     return [dq, dk, dv, dbias if dbias is not None else q.new_empty(0)]
 
 
 @attention_bwd.register_fake
-def _(do, q, k, v, bias, out, lse, scale, causal, precision, bias_grad):
+def _(do, q, k, v, bias, out, stats, scale, causal, precision, bias_grad):
     db = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), db]
 
 
 def _setup_fwd(ctx, inputs, output):
     q, k, v, bias, scale, causal, precision, _ = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, bias, out, lse)
+    out, stats = output
+    ctx.save_for_backward(q, k, v, bias, out, stats)
     ctx.args = (scale, causal, precision)
 
 
-def _backward_fwd(ctx, dout, dlse):
-    q, k, v, bias, out, lse = ctx.saved_tensors
+def _backward_fwd(ctx, dout, dstats):
+    q, k, v, bias, out, stats = ctx.saved_tensors
     bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
-    dq, dk, dv, dbias = torch.ops.elsa_vision.attention_bwd(dout, q, k, v, bias, out, lse, *ctx.args, bias_grad)
+    dq, dk, dv, dbias = torch.ops.elsa_vision.attention_bwd(dout, q, k, v, bias, out, stats, *ctx.args, bias_grad)
     return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None
 
 
@@ -784,25 +807,25 @@ attention_bwd.register_autograd(_no_double_backward, setup_context=_setup_bwd)
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, scale, causal, precision, partitions):
-        out, lse = forward(q, k, v, bias, scale, causal, precision, partitions or None)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+        out, stats = forward(q, k, v, bias, scale, causal, precision, partitions or None)
+        ctx.save_for_backward(q, k, v, bias, out, stats)
         ctx.args = (scale, causal, precision)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.mark_non_differentiable(stats)
+        return out, stats
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dstats):
         if torch.is_grad_enabled():
             raise RuntimeError(_DOUBLE_BACKWARD)
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, out, stats = ctx.saved_tensors
         bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
-        dq, dk, dv, dbias = backward(dout, q, k, v, bias, out, lse, *ctx.args, bias_grad)  # any strides
+        dq, dk, dv, dbias = backward(dout, q, k, v, bias, out, stats, *ctx.args, bias_grad)  # any strides
         return dq, dk, dv, dbias, None, None, None, None
 
 
 def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int]):
-    """(out, lse) with autograd: the custom op under torch.compile, the autograd.Function otherwise.
-    lse in the kernel's units (see ``forward`` / ``natural_lse``)."""
+    """(out, stats) with autograd: the custom op under torch.compile, the autograd.Function otherwise.
+    stats [B,H,2,Nq]: the row statistics (m, S) of ``forward`` (``natural_lse`` gives the lse)."""
     if torch.compiler.is_compiling():
         return torch.ops.elsa_vision.attention_fwd(q, k, v, bias, scale, causal, precision, partitions or 0)
     return _Attention.apply(q, k, v, bias, scale, causal, precision, partitions)

@@ -16,7 +16,7 @@ Forward. Every window is padded to N_pad = next power of two ≥ N (≥ 16) insi
 score −inf, padded query rows are never stored. ``block`` B ∈ {64, 128, 256} is the key tile:
 
   N ≤ B   the whole window is one key tile; the softmax is the trivial monoid fold of one tile:
-          m = rowmax, S = Σ 2^(s−m), W = Σ 2^(s−m) v, out = W / S — no running rescale.
+          m = rowmax, S = Σ e^(s−m), W = Σ e^(s−m) v, out = W / S — no running rescale.
   N > B   the ⌈N/B⌉ key tiles of a window are folded with the ELSA monoid operator
           (m, S, W) ⊕ (m', S', W') in registers.
 
@@ -26,12 +26,17 @@ head's bias tile stays in L1 across the run (or in registers, BIAS_IN_REGISTERS)
 G = max(1, B // N_pad) windows and are lengthened by :func:`plan_runs` until the grid is a few
 programs per SM: a Swin stage is hundreds of programs, not tens of thousands of nearly empty ones.
 
-Backward. P is recomputed from q, k and the saved row log-sum-exp; dS = P ⊙ (dP − delta).
+The logits are formed in natural units, as PyTorch forms them, and every exponential is
+exp2((s − m)·log2 e) (see _exp_rel); the forward saves the row statistics (m, S) [BW, H, 2, N].
+
+Backward. P is recomputed from q, k and the saved (m, S) — in float32 P = e^(s−m) / S, in half
+precision through the folded lse (see kernels/attention.py) — and dS = P ⊙ (dP − delta).
   fused   (half precision, N_pad ≤ 64, D ≤ 32 — Swin's 7×7 and 8×8 windows): one kernel; a program
           takes whole windows as one [N_pad, N_pad] tile and writes dq, dk, dv; delta = rowsum(P ⊙ dP)
           is exact inside the tile, so the forward output is not read back.
-  tiled   (otherwise): a dq kernel that also writes delta = rowsum(dO ⊙ O), a dk/dv kernel, and a dbias
-          kernel that owns one tile of the bias. Triton's 3xTF32 and IEEE-FMA dots keep several copies
+  tiled   (otherwise): a dq kernel that also writes delta (float32: rowsum(P ⊙ dP) in a first pass
+          over the key tiles; half: rowsum(dO ⊙ O)), a dk/dv kernel, and a dbias kernel that owns
+          one tile of the bias. Triton's 3xTF32 and IEEE-FMA dots keep several copies
           of their operands in registers, so five of them in one kernel spill (ptxas, sm_90).
 The bias gradient is summed over the windows of a run in registers; each program writes its partial
 sum to a float32 [runs, H, NR, NR] buffer (runs ≈ a few programs per SM per head, independent of BW),
@@ -50,8 +55,9 @@ sm_90 (registers, spills, shared memory; see :func:`make_plan`):
            re-read (from L2) by each strip. Spill-free in half precision (the default there for
            N > 64); 3xTF32 spills ~1 KB per thread.
   The block does not change the backward's tiles (only "fused or tiled") nor memory: every block
-  allocates the outputs, the lse [BW, H, N] float32 and, in the backward, the dbias partials and (tiled)
-  delta [BW, H, N]; the tiled backward keeps the forward output for delta. The paper's A100 sweep
+  allocates the outputs, the row statistics (m, S) [BW, H, 2, N] float32 and, in the backward, the
+  dbias partials and (tiled) delta [BW, H, N]; the tiled half-precision backward keeps the forward
+  output for delta (float32 recomputes it from P and dP instead). The paper's A100 sweep
   (supplementary §F.1) found B = 64 ~15% slower and ~20% lighter than 128, and 256 no faster;
   benchmarks/windows.py sweeps the blocks on the GPU at hand.
 
@@ -68,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import INTERPRET, LOG2E, _PREC, _dot, _pow2, _setup_bwd, _sm_count
+from .attention import INTERPRET, _PREC, _dot, _load_stats, _pow2, _setup_bwd, _sm_count, _store_stats
 
 BLOCKS = (64, 128, 256)
 MAX_TOKENS = 256
@@ -111,29 +117,49 @@ def _load_rows(base, offs_r, offs_d, s_r, s_d, N, D: tl.constexpr):
 
 
 @triton.jit
-def _load_pairs2(base, offs_m, offs_n, NR):
-    """[BM, BN] tile of an [NR, NR] bias/mask table (row stride NR, a multiple of 16, so the loads
-    vectorise), float32, times log2 e. Table entries past N are 0; past NR the tile reads 0."""
+def _load_table(base, offs_m, offs_n, NR):
+    """[BM, BN] float32 tile of an [NR, NR] bias/mask table (row stride NR, a multiple of 16, so the
+    loads vectorise). Table entries past N are 0; past NR the tile reads 0."""
     x = tl.load(base + offs_m[:, None] * NR + offs_n[None, :],
                 mask=(offs_m[:, None] < NR) & (offs_n[None, :] < NR), other=0.0)
-    return x.to(tl.float32) * _L2E
+    return x.to(tl.float32)
 
 
 @triton.jit
-def _logits(q, k, bias2, bias_base, mask_base, offs_m, offs_n, N, NR, qk_scale2,
+def _logits(q, k, bias2, bias_base, mask_base, offs_m, offs_n, N, NR, scale,
             HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
-    """Log2-domain logits [BM, BN] = (q kᵀ·scale + bias + mask)·log2 e; −inf on keys past N.
-    q [BM, D_PAD], k [BN, D_PAD]. With BIAS_REGS the bias tile is ``bias2`` (held in registers by the
-    caller), else it is read from ``bias_base`` (an L1 hit after the first window)."""
-    s = _dot(q, tl.trans(k), PREC) * qk_scale2
+    """Logits [BM, BN] = q kᵀ·scale + bias + mask in natural units, as PyTorch forms them (the
+    log2 e factor comes after s − m, see _exp_rel); −inf on keys past N. q [BM, D_PAD], k [BN, D_PAD].
+    With BIAS_REGS the bias tile is ``bias2`` (held in registers by the caller), else it is read
+    from ``bias_base`` (an L1 hit after the first window)."""
+    s = _dot(q, tl.trans(k), PREC) * scale
     if HAS_BIAS:
         if BIAS_REGS:
             s += bias2
         else:
-            s += _load_pairs2(bias_base, offs_m, offs_n, NR)
+            s += _load_table(bias_base, offs_m, offs_n, NR)
     if HAS_MASK:
-        s += _load_pairs2(mask_base, offs_m, offs_n, NR)
+        s += _load_table(mask_base, offs_m, offs_n, NR)
     return tl.where(offs_n[None, :] < N, s, float("-inf"))
+
+
+@triton.jit
+def _exp_rel(s, m):
+    """exp(s − m) for logits s [BM, BN] and row maxima m [BM], natural units. s − m is formed first
+    (exact for the dominant terms), then scaled by log2 e: in the log2 domain the logit would be
+    rounded, three times, at 1.44× its magnitude — with a [H, N, N] bias of a few units that made
+    float32 bias gradients 3–4× less accurate than PyTorch's."""
+    return tl.math.exp2((s - m[:, None]) * _L2E)
+
+
+@triton.jit
+def _probs2(s, m, r, EXACT: tl.constexpr):
+    """P from logits s [BM, BN] and the row statistics of _load_stats (natural units; see
+    kernels/attention.py: in float32 the normaliser divides, it is not folded into the exponent)."""
+    p = _exp_rel(s, m)
+    if EXACT:
+        p = p * r[:, None]
+    return p
 
 
 @triton.jit
@@ -153,15 +179,16 @@ def _run(pid, n_tiles, WPP, BW):
 
 @triton.jit
 def _win_fwd_kernel(
-    Q, K, V, Bias, Mask, Out, Lse,
+    Q, K, V, Bias, Mask, Out, Stats,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     so_b, so_h, so_n, so_d, sb_h,
-    BW, H, N, NR, nW, WPP, qk_scale2,
+    BW, H, N, NR, nW, WPP, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """grid (runs × query tiles, H). Writes out [BW, H, N, D] and lse [BW, H, N] (natural log)."""
+    """grid (runs × query tiles, H). Writes out [BW, H, N, D] and the row statistics (m, S)
+    [BW, H, 2, N] (m in natural units)."""
     h = tl.program_id(1).to(tl.int64)
     pid_m, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M), WPP, BW)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -172,7 +199,7 @@ def _win_fwd_kernel(
     mask_stride = NR.to(tl.int64) * NR
     bias2 = 0.0
     if SINGLE and HAS_BIAS and BIAS_REGS:
-        bias2 = _load_pairs2(bias_h, offs_m, offs_n0, NR)  # once for the whole run
+        bias2 = _load_table(bias_h, offs_m, offs_n0, NR)  # once for the whole run
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
@@ -183,11 +210,11 @@ def _win_fwd_kernel(
             # the whole window is one key tile: the fold of one tile is a plain softmax
             k = _load_rows(k_base, offs_n0, offs_d, sk_n, sk_d, N, D)
             v = _load_rows(v_base, offs_n0, offs_d, sv_n, sv_d, N, D)
-            s = _logits(q, k, bias2, bias_h, mask_base, offs_m, offs_n0, N, NR, qk_scale2,
+            s = _logits(q, k, bias2, bias_h, mask_base, offs_m, offs_n0, N, NR, scale,
                         HAS_BIAS, BIAS_REGS, HAS_MASK, PREC)
             m_i = tl.max(s, 1)
             m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row with no visible key
-            p = tl.math.exp2(s - m_safe[:, None])
+            p = _exp_rel(s, m_safe)
             s_i = tl.sum(p, 1)
             acc = _dot(_to(p, v.dtype), v, PREC)
         else:
@@ -198,13 +225,13 @@ def _win_fwd_kernel(
                 offs_n = start + offs_n0
                 k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
                 v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
-                s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, qk_scale2,
+                s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale,
                             HAS_BIAS, False, HAS_MASK, PREC)
                 # monoid merge of the running state with this tile's (m, S, W)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # identity tile: nothing visible
-                alpha = tl.math.exp2(m_i - m_safe)
-                p = tl.math.exp2(s - m_safe[:, None])
+                alpha = tl.math.exp2((m_i - m_safe) * _L2E)
+                p = _exp_rel(s, m_safe)
                 s_i = s_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + _dot(_to(p, v.dtype), v, PREC)
                 m_i = m_new
@@ -213,8 +240,7 @@ def _win_fwd_kernel(
         out = acc / den[:, None]
         tl.store(Out + rr * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d,
                  _to(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-        lse = tl.where(nonempty, (m_i + tl.math.log2(den)) * _LN2, float("inf"))
-        tl.store(Lse + (rr * H + h) * N + offs_m, lse, mask=row_ok)
+        _store_stats(Stats, rr * H + h, offs_m, row_ok, N, m_i, s_i, nonempty)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,13 +249,13 @@ def _win_fwd_kernel(
 
 @triton.jit
 def _win_bwd_fused_kernel(
-    Q, K, V, Bias, Mask, dOut, Lse, dQ, dK, dV, dBiasPart,
+    Q, K, V, Bias, Mask, dOut, Stats, dQ, dK, dV, dBiasPart,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, sb_h,
-    BW, H, N, NR, nW, WPP, qk_scale2, scale,
+    BW, H, N, NR, nW, WPP, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """N ≤ BLOCK: a program owns whole windows (all queries, all keys: one [BLOCK, BLOCK] tile) of one
     head for a run of windows. Writes dq, dk, dv and its partial bias gradient dBiasPart[run, h]
@@ -246,7 +272,7 @@ def _win_bwd_fused_kernel(
     mask_stride = NR.to(tl.int64) * NR
     bias2 = 0.0
     if HAS_BIAS and BIAS_REGS:
-        bias2 = _load_pairs2(bias_h, offs, offs, NR)
+        bias2 = _load_table(bias_h, offs, offs, NR)
     if BIAS_GRAD:
         dbias = tl.zeros([BLOCK, BLOCK], tl.float32)
     for r in range(r0, r1):
@@ -255,10 +281,10 @@ def _win_bwd_fused_kernel(
         k = _load_rows(K + rr * sk_b + h * sk_h, offs, offs_d, sk_n, sk_d, N, D)
         v = _load_rows(V + rr * sv_b + h * sv_h, offs, offs_d, sv_n, sv_d, N, D)
         do = _load_rows(dOut + rr * sdo_b + h * sdo_h, offs, offs_d, sdo_n, sdo_d, N, D)
-        lse2 = tl.load(Lse + (rr * H + h) * N + offs, mask=tok_ok, other=float("inf")) * _L2E
-        s = _logits(q, k, bias2, bias_h, Mask + (rr % nW) * mask_stride, offs, offs, N, NR, qk_scale2,
+        m_r, r_r = _load_stats(Stats, rr * H + h, offs, tok_ok, N, True, EXACT)
+        s = _logits(q, k, bias2, bias_h, Mask + (rr % nW) * mask_stride, offs, offs, N, NR, scale,
                     HAS_BIAS, BIAS_REGS, HAS_MASK, PREC)
-        p = tl.math.exp2(s - lse2[:, None])  # 0 on padded keys, padded rows, fully masked rows
+        p = _probs2(s, m_r, r_r, EXACT)  # 0 on padded keys, padded rows, fully masked rows
         dv = _dot(tl.trans(_to(p, do.dtype)), do, PREC)
         dp = _dot(do, tl.trans(v), PREC)
         delta = tl.sum(p * dp, 1)  # = rowsum(dO ⊙ O), exact: the tile holds every key of the row
@@ -279,15 +305,20 @@ def _win_bwd_fused_kernel(
 
 @triton.jit
 def _win_bwd_dq_kernel(
-    Q, K, V, Bias, Mask, dOut, Out, Lse, Delta, dQ,
+    Q, K, V, Bias, Mask, dOut, Out, Stats, Delta, dQ,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, so_b, so_h, so_n, so_d, sg_b, sg_h, sg_n, sb_h,
-    BW, H, N, NR, nW, WPP, qk_scale2, scale,
+    BW, H, N, NR, nW, WPP, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """Tiled backward: one query tile of one head for a run of windows, looping over the key tiles.
-    Also writes delta = rowsum(dO ⊙ O) [BW, H, N] for the dk/dv and dbias kernels (launched after)."""
+    Also writes delta [BW, H, N] for the dk/dv and dbias kernels (launched after): in float32
+    (EXACT) delta = Σ_j P_ij·dP_ij from the very P and dP that form dS, in a first pass over the
+    key tiles — as PyTorch's softmax backward does. rowsum(dO ⊙ O) is the same number in exact
+    arithmetic, but O carries the forward's rounding, not this P's, and dS = P ⊙ (dP − delta)
+    cancels: with it float32 gradients (dbias most) come out 2–4× less accurate than PyTorch's.
+    In half precision, where P is rounded to 8–11 bits for the dots, rowsum(dO ⊙ O) it is."""
     h = tl.program_id(1).to(tl.int64)
     pid_m, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M), WPP, BW)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -301,20 +332,30 @@ def _win_bwd_dq_kernel(
         mask_base = Mask + (rr % nW) * mask_stride
         q = _load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D)
         do = _load_rows(dOut + rr * sdo_b + h * sdo_h, offs_m, offs_d, sdo_n, sdo_d, N, D)
-        o = _load_rows(Out + rr * so_b + h * so_h, offs_m, offs_d, so_n, so_d, N, D)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        tl.store(Delta + (rr * H + h) * N + offs_m, delta, mask=row_ok)
-        lse2 = tl.load(Lse + (rr * H + h) * N + offs_m, mask=row_ok, other=float("inf")) * _L2E
+        m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
         k_base = K + rr * sk_b + h * sk_h
         v_base = V + rr * sv_b + h * sv_h
+        if EXACT:
+            delta = tl.zeros([BLOCK_M], tl.float32)
+            for start in range(0, N, BLOCK_N):
+                offs_n = start + offs_n0
+                k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
+                v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
+                s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale,
+                            HAS_BIAS, False, HAS_MASK, PREC)
+                delta += tl.sum(_probs2(s, m_r, r_r, EXACT) * _dot(do, tl.trans(v), PREC), 1)
+        else:
+            o = _load_rows(Out + rr * so_b + h * so_h, offs_m, offs_d, so_n, so_d, N, D)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(Delta + (rr * H + h) * N + offs_m, delta, mask=row_ok)
         dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         for start in range(0, N, BLOCK_N):
             offs_n = start + offs_n0
             k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
             v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
-            s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, qk_scale2,
+            s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale,
                         HAS_BIAS, False, HAS_MASK, PREC)
-            p = tl.math.exp2(s - lse2[:, None])
+            p = _probs2(s, m_r, r_r, EXACT)
             dp = _dot(do, tl.trans(v), PREC)
             ds = p * (dp - delta[:, None])
             dq += _dot(_to(ds, k.dtype), k, PREC)
@@ -325,12 +366,12 @@ def _win_bwd_dq_kernel(
 
 @triton.jit
 def _win_bwd_dkdv_kernel(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, dK, dV,
+    Q, K, V, Bias, Mask, dOut, Stats, Delta, dK, dV,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, sb_h,
-    BW, H, N, NR, nW, WPP, qk_scale2, scale,
+    BW, H, N, NR, nW, WPP, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """One key tile [BLOCK_N] of one head for a run of windows, looping over the query tiles."""
     h = tl.program_id(1).to(tl.int64)
@@ -355,11 +396,11 @@ def _win_bwd_dkdv_kernel(
             row_ok = offs_m < N
             q = _load_rows(q_base, offs_m, offs_d, sq_n, sq_d, N, D)
             do = _load_rows(do_base, offs_m, offs_d, sdo_n, sdo_d, N, D)
-            lse2 = tl.load(Lse + row_stats + offs_m, mask=row_ok, other=float("inf")) * _L2E
+            m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
             delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
-            s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, qk_scale2,
+            s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale,
                         HAS_BIAS, False, HAS_MASK, PREC)
-            p = tl.math.exp2(s - lse2[:, None])
+            p = _probs2(s, m_r, r_r, EXACT)
             dv += _dot(tl.trans(_to(p, do.dtype)), do, PREC)
             dp = _dot(do, tl.trans(v), PREC)
             ds = p * (dp - delta[:, None])
@@ -373,12 +414,12 @@ def _win_bwd_dkdv_kernel(
 
 @triton.jit
 def _win_bwd_dbias_kernel(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, dBiasPart,
+    Q, K, V, Bias, Mask, dOut, Stats, Delta, dBiasPart,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, sb_h,
-    BW, H, N, NR, nW, WPP, qk_scale2,
+    BW, H, N, NR, nW, WPP, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+    HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """Tiled backward: a program owns one [BLOCK_M, BLOCK_N] tile of head h's bias and sums dS over a
     run of windows into dBiasPart[run, h] (float32 [NR, NR])."""
@@ -390,7 +431,7 @@ def _win_bwd_dbias_kernel(
     offs_d = tl.arange(0, D_PAD)
     row_ok = offs_m < N
     mask_stride = NR.to(tl.int64) * NR
-    bias2 = _load_pairs2(Bias + h * sb_h, offs_m, offs_n, NR)
+    bias2 = _load_table(Bias + h * sb_h, offs_m, offs_n, NR)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
@@ -399,11 +440,11 @@ def _win_bwd_dbias_kernel(
         k = _load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D)
         v = _load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D)
         row_stats = (rr * H + h) * N
-        lse2 = tl.load(Lse + row_stats + offs_m, mask=row_ok, other=float("inf")) * _L2E
+        m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
         delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
-        s = _logits(q, k, bias2, Bias, Mask + (rr % nW) * mask_stride, offs_m, offs_n, N, NR, qk_scale2,
+        s = _logits(q, k, bias2, Bias, Mask + (rr % nW) * mask_stride, offs_m, offs_n, N, NR, scale,
                     True, True, HAS_MASK, PREC)
-        p = tl.math.exp2(s - lse2[:, None])
+        p = _probs2(s, m_r, r_r, EXACT)
         dp = _dot(do, tl.trans(v), PREC)
         acc += p * (dp - delta[:, None])
     run = tl.program_id(0) // (tl.cdiv(N, BLOCK_M) * n_nt)
@@ -438,6 +479,7 @@ class Plan:
     fwd_n: int            # forward key tile
     fwd_warps: int
     fused_bwd: bool       # backward: one kernel, one [N_pad, N_pad] tile per window
+    reads_out: bool       # tiled half-precision backward: delta = rowsum(dO ⊙ O) (see _win_bwd_dq_kernel)
     fused_warps: int
     dq_m: int             # tiled backward, dq kernel: query tile it owns, key tile of its loop
     dq_n: int
@@ -514,7 +556,7 @@ def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "
         dq_n = kv_n = db_n = 64
         db_m = 64
     return Plan(block=block, n_pad=n_pad, single=single, fwd_m=fwd_m, fwd_n=fwd_n, fwd_warps=4,
-                fused_bwd=fused, fused_warps=4,
+                fused_bwd=fused, reads_out=not fused and cls == "half", fused_warps=4,
                 dq_m=dq_m, dq_n=dq_n, dq_warps=w1, kv_m=kv_m, kv_n=kv_n, kv_warps=w2,
                 db_m=db_m, db_n=db_n, db_warps=w3, min_windows=max(1, block // n_pad),
                 bias_regs=BIAS_IN_REGISTERS, stages=stages, fwd_stages=fwd_stages)
@@ -572,34 +614,35 @@ def _resolve_block(block: int, n: int, dtype, d: int = 32) -> int:
 def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
             windows_per_program: Optional[int] = None, tables=None):
     """q/k/v [BW,H,N,D]; bias [H,N,N] or None; mask [nW,N,N] float or None; ``block`` 0 = auto.
-    Returns (out [BW,H,N,D] in the [BW,N,H,D] layout, lse [BW,H,N] float32 natural log).
+    Returns (out [BW,H,N,D] in the [BW,N,H,D] layout, the row statistics (m, S) [BW,H,2,N] float32, m
+    in natural units: ``attention.natural_lse(stats, True)`` is the lse).
     ``tables``: :func:`_tables` of (bias, mask), when the caller already has them."""
     BW, H, N, D = q.shape
     nW = mask.shape[0] if mask is not None else 1
     pl = make_plan(N, D, q.dtype, _resolve_block(block, N, q.dtype, D), precision)
     out = _bnhd_empty(BW, H, N, D, q)
-    lse = torch.empty((BW, H, N), device=q.device, dtype=torch.float32)
+    stats = torch.empty((BW, H, 2, N), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
-        lse.fill_(float("inf"))
-        return out.zero_(), lse
+        stats[:, :, 0], stats[:, :, 1] = float("inf"), 1.0
+        return out.zero_(), stats
     bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q)
     n_mt = triton.cdiv(N, pl.fwd_m)
     wpp, runs = plan_runs(BW, n_mt * H, pl.min_windows, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
     _win_fwd_kernel[(runs * n_mt, H)](
-        q, k, v, bt, mt, out, lse,
+        q, k, v, bt, mt, out, stats,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), sb_h,
-        BW, H, N, nr, nW, wpp, scale * LOG2E,
+        BW, H, N, nr, nW, wpp, scale,
         D=D, D_PAD=_pow2(D), BLOCK_M=pl.fwd_m, BLOCK_N=pl.fwd_n, SINGLE=pl.single,
         HAS_BIAS=bias is not None, BIAS_REGS=pl.bias_regs, HAS_MASK=mask is not None, PREC=_PREC[precision],
         num_warps=pl.fwd_warps, num_stages=pl.fwd_stages,
     )
-    return out, lse
+    return out, stats
 
 
-def backward(do, q, k, v, bias, mask, out, lse, scale: float, precision: str, block: int = 0,
+def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, block: int = 0,
              bias_grad: bool = False, windows_per_program: Optional[int] = None, tables=None):
     """Returns (dq, dk, dv, dbias); dbias [H,N,N] in bias.dtype, or None unless ``bias_grad``.
-    ``out`` is read only by the tiled backward (``not make_plan(...).fused_bwd``)."""
+    ``out`` is read only when ``make_plan(...).reads_out`` (may be None otherwise)."""
     BW, H, N, D = q.shape
     nW = mask.shape[0] if mask is not None else 1
     pl = make_plan(N, D, q.dtype, _resolve_block(block, N, q.dtype, D), precision)
@@ -615,38 +658,40 @@ def backward(do, q, k, v, bias, mask, out, lse, scale: float, precision: str, bl
     qkv_do = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     g3 = dq.stride()[:3]  # dq, dk, dv share one layout
     rest = (BW, H, N, nr, nW)
-    common = dict(D=D, D_PAD=_pow2(D), HAS_MASK=has_mask, PREC=prec, num_stages=pl.stages)
+    common = dict(D=D, D_PAD=_pow2(D), HAS_MASK=has_mask, PREC=prec, EXACT=q.dtype == torch.float32,
+                  num_stages=pl.stages)
     dparts = None
     if pl.fused_bwd:
         wpp, runs = plan_runs(BW, H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
         if bias_grad:
             dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
         _win_bwd_fused_kernel[(runs, H)](
-            q, k, v, bt, mt, do, lse, dq, dk, dv, dparts if bias_grad else lse,
-            *qkv_do, *g3, sb_h, *rest, wpp, scale * LOG2E, scale,
+            q, k, v, bt, mt, do, stats, dq, dk, dv, dparts if bias_grad else stats,
+            *qkv_do, *g3, sb_h, *rest, wpp, scale,
             BLOCK=pl.n_pad, HAS_BIAS=has_bias, BIAS_REGS=pl.bias_regs, BIAS_GRAD=bias_grad,
             num_warps=pl.fused_warps, **common)
     else:
         delta = torch.empty((BW, H, N), device=q.device, dtype=torch.float32)
+        o_arg = out if pl.reads_out else q  # float32 forms delta from P and dP
         n_mt = triton.cdiv(N, pl.dq_m)
         wpp, runs = plan_runs(BW, n_mt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
         _win_bwd_dq_kernel[(runs * n_mt, H)](
-            q, k, v, bt, mt, do, out, lse, delta, dq,
-            *qkv_do, *out.stride(), *g3, sb_h, *rest, wpp, scale * LOG2E, scale,
+            q, k, v, bt, mt, do, o_arg, stats, delta, dq,
+            *qkv_do, *o_arg.stride(), *g3, sb_h, *rest, wpp, scale,
             BLOCK_M=pl.dq_m, BLOCK_N=pl.dq_n, HAS_BIAS=has_bias, num_warps=pl.dq_warps, **common)
         n_nt = triton.cdiv(N, pl.kv_n)
         wpp, runs = plan_runs(BW, n_nt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
         _win_bwd_dkdv_kernel[(runs * n_nt, H)](
-            q, k, v, bt, mt, do, lse, delta, dk, dv,
-            *qkv_do, *g3, sb_h, *rest, wpp, scale * LOG2E, scale,
+            q, k, v, bt, mt, do, stats, delta, dk, dv,
+            *qkv_do, *g3, sb_h, *rest, wpp, scale,
             BLOCK_M=pl.kv_m, BLOCK_N=pl.kv_n, HAS_BIAS=has_bias, num_warps=pl.kv_warps, **common)
         if bias_grad:
             n_tiles = triton.cdiv(N, pl.db_m) * triton.cdiv(N, pl.db_n)
             wpp, runs = plan_runs(BW, n_tiles * H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
             dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
             _win_bwd_dbias_kernel[(runs * n_tiles, H)](
-                q, k, v, bt, mt, do, lse, delta, dparts,
-                *qkv_do, sb_h, *rest, wpp, scale * LOG2E,
+                q, k, v, bt, mt, do, stats, delta, dparts,
+                *qkv_do, sb_h, *rest, wpp, scale,
                 BLOCK_M=pl.db_m, BLOCK_N=pl.db_n, num_warps=pl.db_warps, **common)
     dbias = None
     if bias_grad:
@@ -665,29 +710,29 @@ def window_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional
                mask: Optional[torch.Tensor], scale: float, precision: str, block: int,
                windows_per_program: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q/k/v [BW,H,N,D], bias [H,N,N], mask [nW,N,N] (float) → out [BW,H,N,D] ([BW,N,H,D] layout),
-    lse [BW,H,N]. ``block`` 0 = auto; ``windows_per_program`` ≤ 0 lets the planner choose."""
+    row statistics [BW,H,2,N]. ``block`` 0 = auto; ``windows_per_program`` ≤ 0 lets the planner choose."""
     return forward(q, k, v, bias, mask, scale, precision, block, windows_per_program)
 
 
 @window_fwd.register_fake
 def _(q, k, v, bias, mask, scale, precision, block, windows_per_program):
     BW, H, N, D = q.shape
-    return _bnhd_empty(BW, H, N, D, q), q.new_empty((BW, H, N), dtype=torch.float32)
+    return _bnhd_empty(BW, H, N, D, q), q.new_empty((BW, H, 2, N), dtype=torch.float32)
 
 
 @torch.library.custom_op("elsa_vision::window_bwd", mutates_args=())
 def window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], out: Optional[torch.Tensor],
-               lse: torch.Tensor, scale: float, precision: str, block: int, windows_per_program: int,
+               stats: torch.Tensor, scale: float, precision: str, block: int, windows_per_program: int,
                bias_grad: bool) -> list[torch.Tensor]:
     """→ [dq, dk, dv, dbias]; dbias [H,N,N] is an empty tensor unless ``bias_grad``."""
-    dq, dk, dv, dbias = backward(do, q, k, v, bias, mask, out, lse, scale, precision, block, bias_grad,
+    dq, dk, dv, dbias = backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, bias_grad,
                                  windows_per_program)
     return [dq, dk, dv, dbias if dbias is not None else q.new_empty(0)]
 
 
 @window_bwd.register_fake
-def _(do, q, k, v, bias, mask, out, lse, scale, precision, block, windows_per_program, bias_grad):
+def _(do, q, k, v, bias, mask, out, stats, scale, precision, block, windows_per_program, bias_grad):
     BW, H, N, D = q.shape
     db = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     return [_bnhd_empty(BW, H, N, D, q), _bnhd_empty(BW, H, N, D, k), _bnhd_empty(BW, H, N, D, v), db]
@@ -695,18 +740,17 @@ def _(do, q, k, v, bias, mask, out, lse, scale, precision, block, windows_per_pr
 
 def _setup_fwd(ctx, inputs, output):
     q, k, v, bias, mask, scale, precision, block, wpp = inputs
-    out, lse = output
+    out, stats = output
     N = q.shape[2]
-    # only the tiled backward reads the forward output (delta = rowsum(dO ⊙ O))
-    keep_out = not make_plan(N, q.shape[3], q.dtype, _resolve_block(block, N, q.dtype, q.shape[3]), precision).fused_bwd
-    ctx.save_for_backward(q, k, v, bias, mask, out if keep_out else None, lse)
+    keep_out = make_plan(N, q.shape[3], q.dtype, _resolve_block(block, N, q.dtype, q.shape[3]), precision).reads_out
+    ctx.save_for_backward(q, k, v, bias, mask, out if keep_out else None, stats)
     ctx.args = (scale, precision, block, wpp)
 
 
-def _backward_fwd(ctx, dout, dlse):
-    q, k, v, bias, mask, out, lse = ctx.saved_tensors
+def _backward_fwd(ctx, dout, dstats):
+    q, k, v, bias, mask, out, stats = ctx.saved_tensors
     bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
-    dq, dk, dv, dbias = torch.ops.elsa_vision.window_bwd(dout, q, k, v, bias, mask, out, lse, *ctx.args, bias_grad)
+    dq, dk, dv, dbias = torch.ops.elsa_vision.window_bwd(dout, q, k, v, bias, mask, out, stats, *ctx.args, bias_grad)
     return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None, None
 
 
@@ -732,10 +776,10 @@ class _WindowAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, mask, scale, precision, block, wpp):
         N = q.shape[2]
         tables = _tables(bias, mask, N, q) if q.numel() else None
-        out, lse = forward(q, k, v, bias, mask, scale, precision, block, wpp, tables)
-        keep_out = not make_plan(N, q.shape[3], q.dtype, _resolve_block(block, N, q.dtype, q.shape[3]),
-                                 precision).fused_bwd
-        ctx.save_for_backward(q, k, v, bias, mask, out if keep_out else None, lse)
+        out, stats = forward(q, k, v, bias, mask, scale, precision, block, wpp, tables)
+        keep_out = make_plan(N, q.shape[3], q.dtype, _resolve_block(block, N, q.dtype, q.shape[3]),
+                             precision).reads_out
+        ctx.save_for_backward(q, k, v, bias, mask, out if keep_out else None, stats)
         ctx.args = (scale, precision, block)
         ctx.wpp = wpp
         ctx.tables = tables  # the padded bias / mask copies (small), reused by the backward
@@ -745,9 +789,9 @@ class _WindowAttention(torch.autograd.Function):
     def backward(ctx, dout):
         if torch.is_grad_enabled():
             raise RuntimeError(_DOUBLE_BACKWARD)
-        q, k, v, bias, mask, out, lse = ctx.saved_tensors
+        q, k, v, bias, mask, out, stats = ctx.saved_tensors
         bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
-        dq, dk, dv, dbias = backward(dout, q, k, v, bias, mask, out, lse, *ctx.args, bias_grad, ctx.wpp, ctx.tables)
+        dq, dk, dv, dbias = backward(dout, q, k, v, bias, mask, out, stats, *ctx.args, bias_grad, ctx.wpp, ctx.tables)
         return dq, dk, dv, dbias, None, None, None, None, None
 
 

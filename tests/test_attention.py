@@ -274,11 +274,19 @@ def test_structure_proof():
     assert rep1["partitions"] == 1 and not rep1["two_pass"]
 
 
-def test_large_logits_cosine_attention():
-    """Swin v2 at its clamp: unit q/k times τ = 100 plus a bias gives logits of ±100. (The Triton
-    path runs this in tests/test_attention_gpu.py: under the interpreter's 32-key tiles its dq
-    error is 3.5× PyTorch's single-matmul error — see docs/ARCHITECTURE.md, known limits.)"""
-    backend = "reference"
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_bias_gradients(backend):
+    """A bias of ±60 (logits far from 0): the backward recomputes P = 2^((s − m)·log2 e) / S from the
+    saved (m, S); from a rounded lse it would carry ulp(lse) on every P, 3–4× PyTorch's error."""
+    q, k, v = qkv(1, 2, 64, 64, 32, seed=31)
+    check_case(q, k, v, bias=30 * rand(2, 64, 64, seed=32), backend=backend, precision="ieee")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_logits_cosine_attention(backend):
+    """Swin v2 at its clamp: unit q/k times τ = 100 plus a bias gives logits of ±100, where a
+    backward that recomputed P from a rounded log-sum-exp (ulp(100) ≈ 8e-6) would be 3–4× less
+    accurate than PyTorch."""
     B, H, n, d = 2, 2, 49, 32
     q, k, v = qkv(B, H, n, n, d, seed=21)
     q = torch.nn.functional.normalize(q, dim=-1)
