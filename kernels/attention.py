@@ -67,10 +67,23 @@ _PREC = {"ieee": 0, "tf32x3n": 1, "tf32": 2, "native": 2, "tf32x3": 3}
 # Triton's CPU interpreter multiplies bfloat16 operands as raw bits; there, half operands are widened
 # to float32 first, which computes the same exact products with float32 accumulation.
 _WIDEN_HALF = tl.constexpr(INTERPRET)
+# Triton's CPU interpreter truncates float32 → bfloat16; the GPU rounds to nearest even. _to rounds
+# explicitly there, so that CPU tests see the GPU's arithmetic.
+_RNE_BF16 = tl.constexpr(INTERPRET)
 # The pre-split 3xTF32 path only means something on tensor cores (exact products of tf32 parts).
 # The interpreter's dots are plain float32 already; emulating the split there adds two extra float32
 # roundings the GPU does not have, so it runs the plain float32 dot instead.
 _SPLIT3 = tl.constexpr(not INTERPRET)
+
+
+@triton.jit
+def _to(x, dt: tl.constexpr):
+    """x.to(dt), rounding to nearest even (see _RNE_BF16)."""
+    if _RNE_BF16 and dt == tl.bfloat16:
+        b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        x = b.to(tl.float32, bitcast=True)
+    return x.to(dt)
 
 
 @triton.jit
@@ -145,9 +158,12 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
 def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr, KAHAN: tl.constexpr):
     """Fold one tile into the running state: (acc·α + p·v, S·α + Σp). p [BM, BN] float32, v [BN, D_PAD].
 
-    With half-precision v the probabilities are rounded to v's dtype for the dot; S sums the rounded
-    values so that the output is a convex combination of v with exactly the weights the dot used.
-    In strict float32 ("ieee") the running sums are Kahan-compensated (c_acc, c_s): the FMA dot
+    With half-precision v the probabilities are rounded to v's dtype for the dot and S sums them
+    unrounded, as FlashAttention and PyTorch's bf16 softmax do (round-to-nearest is unbiased, so the
+    output error is that of PyTorch's rounded P). Summing the rounded values instead would make
+    the output an exact convex combination, at two more conversions per score (a bf16 → float32
+    one and a scalar instead of a packed float32 → bf16 one): a quarter more ALU work in a
+    softmax that bounds the half-precision forward. In strict float32 ("ieee") the running sums are Kahan-compensated (c_acc, c_s): the FMA dot
     already adds BN terms in sequence, and without compensation the error of the tile-to-tile sum
     grows with the number of key tiles."""
     if PREC == 3 and _SPLIT3:
@@ -165,8 +181,7 @@ def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr, KAHAN: tl.const
     elif v.dtype == tl.float32:
         return acc * alpha[:, None] + _dot(p, v, PREC), c_acc, s_i * alpha + tl.sum(p, 1), c_s
     else:
-        ph = p.to(v.dtype)
-        return acc * alpha[:, None] + _dot(ph, v, PREC), c_acc, s_i * alpha + tl.sum(ph.to(tl.float32), 1), c_s
+        return acc * alpha[:, None] + _dot(_to(p, v.dtype), v, PREC), c_acc, s_i * alpha + tl.sum(p, 1), c_s
 
 
 @triton.jit
@@ -267,7 +282,7 @@ def _fwd_kernel(
         nonempty = s_i > 0
         out = acc / tl.where(nonempty, s_i, 1.0)[:, None]
         tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+                 _to(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
         _store_stats(Stats, bh, offs_m, row_ok, Nq, m_i, s_i, nonempty)
 
 
@@ -330,7 +345,7 @@ def _merge_kernel(
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+             _to(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
     _store_stats(Stats, bh, offs_m, row_ok, Nq, m, s, nonempty)
 
 
@@ -413,10 +428,10 @@ def _bwd_dkdv_kernel(
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
         p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, m_r, r_r, HAS_BIAS, EXACT), 0.0)
-        dv += _dot(tl.trans(p.to(do.dtype)), do, PREC)
+        dv += _dot(tl.trans(_to(p, do.dtype)), do, PREC)
         dp = _dot(do, vT, PREC)
         ds = p * (dp - delta[:, None])
-        dk += _dot(tl.trans(ds.to(q.dtype)), q, PREC)
+        dk += _dot(tl.trans(_to(ds, q.dtype)), q, PREC)
     dk = dk * scale
     tl.store(dK + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=kv_mask)
     tl.store(dV + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=kv_mask)
@@ -468,7 +483,7 @@ def _bwd_dq_kernel(
         p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, m_r, r_r, HAS_BIAS, EXACT), 0.0)
         dp = _dot(do, tl.trans(v), PREC)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, PREC)
+        dq += _dot(_to(ds, k.dtype), k, PREC)
     dq = dq * scale
     tl.store(dQ + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :], dq.to(dQ.dtype.element_ty), mask=qm)
 

@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import INTERPRET, _PREC, _dot, _load_stats, _pow2, _setup_bwd, _sm_count, _store_stats
+from .attention import INTERPRET, _PREC, _dot, _load_stats, _pow2, _setup_bwd, _sm_count, _store_stats, _to
 
 BLOCKS = (64, 128, 256)
 MAX_TOKENS = 256
@@ -90,23 +90,8 @@ STAGES = 2
 
 _L2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
-# Triton's CPU interpreter truncates float32 → bfloat16; the GPU rounds to nearest even. _to rounds
-# explicitly there, so that CPU tests see the GPU's arithmetic.
-_RNE_BF16 = tl.constexpr(INTERPRET)
-
-
 # ---------------------------------------------------------------------------------------------
 # jit helpers
-
-
-@triton.jit
-def _to(x, dt: tl.constexpr):
-    """x.to(dt), rounding to nearest even (see _RNE_BF16)."""
-    if _RNE_BF16 and dt == tl.bfloat16:
-        b = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        x = b.to(tl.float32, bitcast=True)
-    return x.to(dt)
 
 
 @triton.jit
