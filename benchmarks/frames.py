@@ -5,6 +5,7 @@ memory; the FastVGGT fork side by side when its source is available.
     python benchmarks/frames.py --dtype fp32 --frames 50,100 --parts aggregator --variants native,elsa
     python benchmarks/frames.py --dtype bf16 --frames 400 --variants native,elsa,elsa-merge,elsa-lean
     python benchmarks/frames.py --dtype bf16 --frames 1000,2000 --parts full --variants elsa-lean-merge
+    python benchmarks/frames.py --dtype bf16 --frames 400 --parts aggregator --variants elsa,elsa-merge --profile
 
 Writes benchmarks/results/<device>/frames.csv and frames.png (time and peak memory vs frames), and
 prints a table and, per variant with two or more frame counts, the largest frame count its memory
@@ -50,7 +51,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import fmt_table, metadata, results_dir, write_csv  # noqa: E402
+from benchmarks.harness import cuda_breakdown, fmt_table, metadata, results_dir, write_csv  # noqa: E402
 
 VARIANTS = {  # name → patch options (None = unpatched); order = run order (references first)
     "native": None,
@@ -213,6 +214,42 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
                 free_memory()
         finally:
             torch.set_float32_matmul_precision(prev)
+    return rows
+
+
+def profile_variants(model, variants: dict, parts, dtypes, frames_by_dtype, hw, log=print) -> list[dict]:
+    """One profiled call per (dtype, part, variant) at the dtype's largest frame count: where the CUDA
+    time goes (attention kernels, GEMMs, the merging's index/scatter/sort work, ...)."""
+    rows = []
+    for dname in dtypes:
+        dtype, S = DTYPES[dname], max(frames_by_dtype[dname])
+        x = synthetic_frames(S, hw)
+        prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            for part in parts:
+                for v in variants:
+                    undo = upstream_apply(model, v, dtype)
+                    try:
+                        by_cat, by_kernel = cuda_breakdown(lambda: forward(model, part, x, dtype))
+                    except torch.OutOfMemoryError:
+                        log(f"profile {dname} {part} {S} frames {v}: OOM")
+                        free_memory()
+                        continue
+                    finally:
+                        undo()
+                    if not by_cat:
+                        log(f"profile {dname} {part} {S} frames {v}: the profiler saw no CUDA kernel (no CUPTI?)")
+                        continue
+                    head = {"part": part, "dtype": dname, "frames": S, "variant": v}
+                    rows += [{**head, "kind": "category", **r} for r in by_cat]
+                    rows += [{**head, "kind": "kernel", **r} for r in by_kernel]
+                    log(f"profile {dname} {part} {S} frames {v}: " + ", ".join(
+                        f"{r['category']} {r['cuda_ms'] / 1e3:.2f}s ({100 * r['share']:.0f}%)" for r in by_cat))
+                    free_memory()
+        finally:
+            torch.set_float32_matmul_precision(prev)
+        del x
     return rows
 
 
@@ -405,6 +442,9 @@ def main():
     p.add_argument("--height", type=int, default=392)
     p.add_argument("--width", type=int, default=518)
     p.add_argument("--name", default="frames", help="output file stem (CSV + PNG)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one call per variant at the largest frame count: CUDA time per kernel "
+                        "category and the top kernels → <name>_profile.csv")
     # internal: the FastVGGT worker process
     p.add_argument("--fork-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fork-src", type=Path, help=argparse.SUPPRESS)
@@ -439,6 +479,7 @@ def main():
           f"{hw[0]}x{hw[1]}, {5 + (hw[0] // 14) * (hw[1] // 14)} tokens per frame")
     rows = sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
                  not args.no_warmup, hw)
+    prof_rows = profile_variants(model, variants, args.parts, args.dtype, frames_by_dtype, hw) if args.profile else []
     del model
     free_memory()
 
@@ -467,6 +508,9 @@ def main():
         print("\nlargest frame count predicted by the peak-memory trend on this GPU:")
         print(fmt_table(cap, ["part", "dtype", "variant", "gib_per_frame", "estimated_max_frames"]))
         write_csv(cap, out / f"{args.name}_capacity.csv")
+    if prof_rows:
+        write_csv(prof_rows, out / f"{args.name}_profile.csv")
+        print(f"wrote {out / (args.name + '_profile.csv')}")
     print(f"\nwrote {csv_path}" + (f" and {png}" if png else ""))
 
 

@@ -151,3 +151,52 @@ def fmt_table(rows: list[dict], cols: list[str]) -> str:
     widths = [max(len(c), *(len(d[i]) for d in data)) if data else len(c) for i, c in enumerate(cols)]
     line = lambda xs: "  ".join(x.rjust(w) for x, w in zip(xs, widths))  # noqa: E731
     return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(d) for d in data])
+
+
+# Kernel-name patterns → category of a CUDA time breakdown (first match wins: SDPA's kernels are
+# CUTLASS kernels too, so they are tested before the GEMMs).
+KERNEL_CATEGORIES = (
+    ("elsa attention", r"^_(fwd|merge|bwd_\w+|win_\w+)_kernel|^_bwd_preprocess"),
+    ("sdpa", r"flash|fmha|cudnn|sdpa|attention|efficient_attention"),
+    ("gemm", r"gemm|xmma|cutlass|nvjet|wgmma|sm\d\d_|ampere_|cublas"),
+    ("index / scatter / sort", r"index|scatter|gather|sort|radix|segment|unique|cub::"),
+    ("normalization", r"layer_?norm|rms_?norm|group_?norm|batch_?norm"),
+    ("reduction", r"reduce|argmax|max_|sum_"),
+    ("elementwise / copy", r"elementwise|vectorized|copy|cat|fill|unrolled"),
+)
+
+
+def kernel_category(name: str) -> str:
+    import re
+    for cat, pat in KERNEL_CATEGORIES:
+        if re.search(pat, name, re.IGNORECASE):
+            return cat
+    return "other"
+
+
+def cuda_breakdown(fn: Callable[[], object], top: int = 12, device: str = "cuda") -> tuple[list[dict], list[dict]]:
+    """Run ``fn`` once under torch.profiler and return (time per kernel category, the ``top`` kernels),
+    each row with its milliseconds (column ``cuda_ms``) and share of the total kernel time.
+    ``device="cpu"`` breaks down CPU operator time instead (self time, no GPU needed)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device == "cuda"
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        _sync()
+    kernels: dict[str, float] = {}
+    for ev in prof.events():
+        us = ev.device_time_total if cuda else ev.self_cpu_time_total
+        if ev.device_type == (torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU) and us > 0:
+            kernels[ev.name] = kernels.get(ev.name, 0.0) + us / 1e3
+    if not kernels:  # e.g. no CUPTI in a sandboxed driver: say so rather than report zeros
+        return [], []
+    total = sum(kernels.values())
+    cats: dict[str, float] = {}
+    for name, ms in kernels.items():
+        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + ms
+    by_cat = [{"category": c, "cuda_ms": ms, "share": ms / total}
+              for c, ms in sorted(cats.items(), key=lambda t: -t[1])]
+    by_kernel = [{"category": kernel_category(n), "kernel": n[:120], "cuda_ms": ms, "share": ms / total}
+                 for n, ms in sorted(kernels.items(), key=lambda t: -t[1])[:top]]
+    return by_cat, by_kernel

@@ -43,7 +43,6 @@ Causal is aligned bottom-right: query i sees key j iff j ≤ i + Nk − Nq.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Optional
 
