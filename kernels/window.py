@@ -87,6 +87,8 @@ BWD_PROGRAMS_PER_SM = 4
 # instead of re-reading it (an L1 hit) per window; pipelining depth of the window loop.
 BIAS_IN_REGISTERS = False
 STAGES = 2
+# float32 dq kernel: widest window (N_pad) whose whole row is one key tile (see _win_bwd_dq_kernel)
+ONE_TILE_DQ_MAX = 64
 
 _L2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -296,6 +298,7 @@ def _win_bwd_dq_kernel(
     BW, H, N, NR, nW, WPP, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
+    ONE_TILE: tl.constexpr,
 ):
     """Tiled backward: one query tile of one head for a run of windows, looping over the key tiles.
     Also writes delta [BW, H, N] for the dk/dv and dbias kernels (launched after): in float32
@@ -303,7 +306,8 @@ def _win_bwd_dq_kernel(
     key tiles — as PyTorch's softmax backward does. rowsum(dO ⊙ O) is the same number in exact
     arithmetic, but O carries the forward's rounding, not this P's, and dS = P ⊙ (dP − delta)
     cancels: with it float32 gradients (dbias most) come out 2–4× less accurate than PyTorch's.
-    In half precision, where P is rounded to 8–11 bits for the dots, rowsum(dO ⊙ O) it is."""
+    In half precision, where P is rounded to 8–11 bits for the dots, rowsum(dO ⊙ O) it is.
+    ONE_TILE (float32, N ≤ BLOCK_N): the row is one key tile, so delta comes free in a single pass."""
     h = tl.program_id(1).to(tl.int64)
     pid_m, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M), WPP, BW)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -320,30 +324,41 @@ def _win_bwd_dq_kernel(
         m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
         k_base = K + rr * sk_b + h * sk_h
         v_base = V + rr * sv_b + h * sv_h
-        if EXACT:
-            delta = tl.zeros([BLOCK_M], tl.float32)
+        if EXACT and ONE_TILE:
+            k = _load_rows(k_base, offs_n0, offs_d, sk_n, sk_d, N, D)
+            v = _load_rows(v_base, offs_n0, offs_d, sv_n, sv_d, N, D)
+            s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n0, N, NR, scale,
+                        HAS_BIAS, False, HAS_MASK, PREC)
+            p = _probs2(s, m_r, r_r, EXACT)
+            dp = _dot(do, tl.trans(v), PREC)
+            delta = tl.sum(p * dp, 1)
+            tl.store(Delta + (rr * H + h) * N + offs_m, delta, mask=row_ok)
+            dq = _dot(_to(p * (dp - delta[:, None]), k.dtype), k, PREC)
+        else:
+            if EXACT:
+                delta = tl.zeros([BLOCK_M], tl.float32)
+                for start in range(0, N, BLOCK_N):
+                    offs_n = start + offs_n0
+                    k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
+                    v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
+                    s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale,
+                                HAS_BIAS, False, HAS_MASK, PREC)
+                    delta += tl.sum(_probs2(s, m_r, r_r, EXACT) * _dot(do, tl.trans(v), PREC), 1)
+            else:
+                o = _load_rows(Out + rr * so_b + h * so_h, offs_m, offs_d, so_n, so_d, N, D)
+                delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            tl.store(Delta + (rr * H + h) * N + offs_m, delta, mask=row_ok)
+            dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
             for start in range(0, N, BLOCK_N):
                 offs_n = start + offs_n0
                 k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
                 v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
                 s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale,
                             HAS_BIAS, False, HAS_MASK, PREC)
-                delta += tl.sum(_probs2(s, m_r, r_r, EXACT) * _dot(do, tl.trans(v), PREC), 1)
-        else:
-            o = _load_rows(Out + rr * so_b + h * so_h, offs_m, offs_d, so_n, so_d, N, D)
-            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        tl.store(Delta + (rr * H + h) * N + offs_m, delta, mask=row_ok)
-        dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        for start in range(0, N, BLOCK_N):
-            offs_n = start + offs_n0
-            k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
-            v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
-            s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale,
-                        HAS_BIAS, False, HAS_MASK, PREC)
-            p = _probs2(s, m_r, r_r, EXACT)
-            dp = _dot(do, tl.trans(v), PREC)
-            ds = p * (dp - delta[:, None])
-            dq += _dot(_to(ds, k.dtype), k, PREC)
+                p = _probs2(s, m_r, r_r, EXACT)
+                dp = _dot(do, tl.trans(v), PREC)
+                ds = p * (dp - delta[:, None])
+                dq += _dot(_to(ds, k.dtype), k, PREC)
         dq = dq * scale
         tl.store(dQ + rr * sg_b + h * sg_h + offs_m[:, None] * sg_n + offs_d[None, :], _to(dq, dQ.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_d[None, :] < D))
@@ -521,6 +536,11 @@ def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "
     fwd_m = min(n_pad, 64) if fwd_n <= 64 else 16
     fused = n_pad <= 64 and cls == "half" and d_pad <= 32
     (dq_m, dq_n, w1), (kv_m, kv_n, w2), (db_m, db_n, w3) = _BWD_TILES[cls]
+    if cls != "half" and n_pad <= ONE_TILE_DQ_MAX:
+        # float32 forms delta from P and dP: with the whole row in one key tile that is free (three
+        # dots a window instead of five on 32-wide tiles; ptxas sm_90: no spill in tf32 and ieee,
+        # ~90 bytes in 3xTF32, which spills ~40 with the 32-wide tiles too)
+        dq_n = n_pad
     stages = fwd_stages = STAGES
     # shared memory: the k and v tiles of every pipeline stage must fit (H100: 227 KiB per block)
     esize = 2 if cls == "half" else 4
@@ -663,7 +683,8 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
         _win_bwd_dq_kernel[(runs * n_mt, H)](
             q, k, v, bt, mt, do, o_arg, stats, delta, dq,
             *qkv_do, *o_arg.stride(), *g3, sb_h, *rest, wpp, scale,
-            BLOCK_M=pl.dq_m, BLOCK_N=pl.dq_n, HAS_BIAS=has_bias, num_warps=pl.dq_warps, **common)
+            BLOCK_M=pl.dq_m, BLOCK_N=pl.dq_n, HAS_BIAS=has_bias, ONE_TILE=pl.n_pad <= pl.dq_n,
+            num_warps=pl.dq_warps, **common)
         n_nt = triton.cdiv(N, pl.kv_n)
         wpp, runs = plan_runs(BW, n_nt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
         _win_bwd_dkdv_kernel[(runs * n_nt, H)](
