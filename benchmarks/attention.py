@@ -147,8 +147,14 @@ def few_queries(d=64, nq=16, nk=131072, H=16):
 # Tile shapes tried by --tune: (block_m, block_n, num_warps, num_stages) per (pass, dtype, precision, d).
 # Kept short: each candidate is a separate compile.
 CANDIDATES = {
-    ("fwd", "bf16", "native", 64): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3), (128, 32, 4, 4)],
-    ("fwd", "bf16", "native", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2)],
+    # entries 6 and 7 (after kahan): k/v by TMA, and a warp-specialised loop (Config.tma / .ws)
+    ("fwd", "bf16", "native", 64): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3), (128, 32, 4, 4),
+                                    (128, 64, 4, 3, True, True, False), (128, 64, 4, 3, True, True, True),
+                                    (128, 64, 4, 2, True, True, True), (128, 128, 4, 2, True, True, True),
+                                    (64, 64, 4, 3, True, True, True)],
+    ("fwd", "bf16", "native", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2),
+                                     (128, 64, 4, 3, True, True, True), (128, 64, 4, 2, True, True, True),
+                                     (128, 128, 4, 2, True, True, True), (64, 64, 4, 3, True, True, True)],
     ("fwd", "bf16", "native", 32): [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)],
     ("fwd", "fp32", "tf32x3", 64): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4)],
     ("fwd", "fp32", "tf32x3", 128): [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
@@ -175,7 +181,8 @@ def tune(kinds=("fwd", "bwd"), N=16384, only=None):
         fns = {}
         for cand in cands:
             cfg = K.Config(*cand)
-            name = "{}x{}w{}s{}".format(*cand) + ("" if cfg.kahan else "-nokahan")
+            name = "{}x{}w{}s{}".format(*cand) + ("" if cfg.kahan else "-nokahan") + \
+                ("-ws" if cfg.ws else "-tma" if cfg.tma else "")
             if kind == "fwd":
                 fns[name] = lambda cfg=cfg: K.forward(q, k, v, None, d ** -0.5, False, prec, 1, config=cfg)
             else:

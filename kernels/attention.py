@@ -184,13 +184,8 @@ def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr, KAHAN: tl.const
 
 
 @triton.jit
-def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
-               scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D: tl.constexpr, HAS_BIAS: tl.constexpr,
-               CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, KAHAN: tl.constexpr):
-    """Merge the key tile at offs_n into the running monoid state (m_i, s_i, acc) of a query tile
-    (c_s, c_acc: compensation terms, used in strict float32 only)."""
-    s = _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, scale,
-                D, HAS_BIAS, CAUSAL, MASK, PREC)
+def _softmax_step(s, m_i, qk_scale2, HAS_BIAS: tl.constexpr, MASK: tl.constexpr):
+    """(m_new, α, p) of a score tile s [BM, BN] against the running max m_i [BM]."""
     if HAS_BIAS:
         # natural units: s − m is formed before the log2 e factor, so it is exact where it matters
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -206,6 +201,18 @@ def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, N
             m_safe = m_new
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s * qk_scale2 - m_safe[:, None])  # one FMA per score
+    return m_new, alpha, p
+
+
+@triton.jit
+def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
+               scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+               CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, KAHAN: tl.constexpr):
+    """Merge the key tile at offs_n into the running monoid state (m_i, s_i, acc) of a query tile
+    (c_s, c_acc: compensation terms, used in strict float32 only)."""
+    s = _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, scale,
+                D, HAS_BIAS, CAUSAL, MASK, PREC)
+    m_new, alpha, p = _softmax_step(s, m_i, qk_scale2, HAS_BIAS, MASK)
     if MASK:
         v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=(offs_n[:, None] < k_end) & (offs_d[None, :] < D), other=0.0)
     else:
@@ -222,7 +229,7 @@ def _fwd_kernel(
     H, Nq, Nk, part_len, n_part, scale, qk_scale2,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-    KAHAN: tl.constexpr,
+    KAHAN: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -258,14 +265,33 @@ def _fwd_kernel(
     c_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     offs_n0 = tl.arange(0, BLOCK_N)
     # unmasked interior tiles, then the masked tail (partial tile, causal diagonal)
-    for start in range(k_lo, full_end, BLOCK_N):
-        m_i, s_i, c_s, acc, c_acc = _scan_tile(
-            q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
-            scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
-    for start in range(full_end, k_hi, BLOCK_N):
-        m_i, s_i, c_s, acc, c_acc = _scan_tile(
-            q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
-            scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
+    if TMA:
+        # half precision, no bias, not causal, D = D_PAD, 16-byte aligned rows (see _use_tma): q, k and
+        # v tiles come by TMA, and with WS the loop is warp-specialised — a loader partition feeding
+        # two consumer warpgroups that each own half of the query tile's rows (Triton ≥ 3.5 on
+        # Hopper). Triton 3.6's pass accepts one loop whose results only the epilogue reads, so the
+        # partial last tile is masked inside it (one select per score) instead of in a tail loop.
+        qd = tl.make_tensor_descriptor(Q + b * sq_b + h * sq_h, shape=[Nq, D], strides=[sq_m, 1],
+                                       block_shape=[BLOCK_M, D])
+        kd = tl.make_tensor_descriptor(K + b * sk_b + h * sk_h, shape=[Nk, D], strides=[sk_n, 1],
+                                       block_shape=[BLOCK_N, D])
+        vd = tl.make_tensor_descriptor(V + b * sv_b + h * sv_h, shape=[Nk, D], strides=[sv_n, 1],
+                                       block_shape=[BLOCK_N, D])
+        q = qd.load([pid_m * BLOCK_M, 0])
+        for start in tl.range(k_lo, k_end, BLOCK_N, warp_specialize=WS):
+            s = tl.where((start + offs_n0)[None, :] < k_end, _dot(q, kd.load([start, 0]).T, PREC), float("-inf"))
+            m_new, alpha, p = _softmax_step(s, m_i, qk_scale2, False, False)  # every tile has a visible key
+            acc, c_acc, s_i, c_s = _fold(p, vd.load([start, 0]), acc, c_acc, s_i, c_s, alpha, PREC, KAHAN)
+            m_i = m_new
+    else:
+        for start in range(k_lo, full_end, BLOCK_N):
+            m_i, s_i, c_s, acc, c_acc = _scan_tile(
+                q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
+                sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
+        for start in range(full_end, k_hi, BLOCK_N):
+            m_i, s_i, c_s, acc, c_acc = _scan_tile(
+                q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
+                sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
     if PREC == 0 and KAHAN:
         acc -= c_acc
         s_i -= c_s
@@ -549,6 +575,10 @@ class Config:
     num_warps: int
     num_stages: int
     kahan: bool = True  # strict float32 only: compensated tile-to-tile sums
+    # forward, half precision without a bias: k/v tiles by TMA (tensor descriptors made on the device)
+    # and, with ws, a warp-specialised interior loop. Used only where _use_tma allows.
+    tma: bool = False
+    ws: bool = False
 
 
 def _pow2(d: int) -> int:
@@ -638,6 +668,36 @@ def _strides4(t: Optional[torch.Tensor]) -> tuple[int, int, int, int]:
     return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(4))
 
 
+def _use_tma(q, k, v) -> bool:
+    """Whether q, k and v can be read by TMA descriptors: half precision, a power-of-two head dim,
+    unit stride along it, and 16-byte aligned bases and row strides (what a descriptor requires)."""
+    D = k.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or D != _pow2(D) or D > 256:
+        return False
+    for t in (q, k, v):
+        if t.stride(3) != 1 or t.data_ptr() % 16 or (t.stride(2) * t.element_size()) % 16:
+            return False
+    if INTERPRET:
+        return True
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    _ensure_allocator()
+    return True
+
+
+def _ensure_allocator() -> None:
+    """Device-made tensor descriptors need global scratch: give Triton a torch-backed allocator
+    unless the application installed one. Triton keeps it in a context variable, so this is checked
+    per call (a checkpointed forward may rerun in autograd's thread)."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
 def natural_lse(stats: torch.Tensor, has_bias: bool) -> torch.Tensor:
     """Row log-sum-exp [B, H, Nq] in natural-log units from the kernels' statistics [B, H, 2, Nq]
     (m in log2 units without a bias); +inf for a row that sees no key."""
@@ -667,6 +727,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     d_pad = _pow2(D)
     cfg = config or fwd_config(q.dtype, d_pad, precision, Nk, bias is not None)
     n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
+    tma = cfg.tma and bias is None and not causal and _use_tma(q, k, v)
     out = _out_like(q)
     stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
     split = n_part > 1
@@ -684,7 +745,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split, PREC=_PREC[precision], KAHAN=cfg.kahan,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA=tma, WS=tma and cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         phase2(ms, ss, ws, out, stats, bias is not None)
