@@ -6,7 +6,8 @@ warps laid out beyond the tile (replicated work).
     python benchmarks/window_compile.py --n 49,144 --d 32,64 --arch 90 --blocks 64,256
     python benchmarks/window_compile.py --attention --d 16,32,64,128,256   # kernels/attention.py tile table
 
-It runs the real launchers (kernels/window.py forward + backward on small CPU tensors) with Triton's
+Run it with the Triton version the GPU machine has (registers and spills differ between releases;
+e.g. ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``). It runs the real launchers (kernels/window.py forward + backward on small CPU tensors) with Triton's
 driver replaced by a stand-in that reports the target, and every launch replaced by a warm-up
 compile, so the kernels see exactly the specialisations of a real call. ptxas (shipped with Triton)
 gives the register and spill counts. This is how the tile table of kernels/window.py was chosen.
@@ -100,6 +101,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
+    print(f"triton {triton.__version__}, target sm_{a.arch}", flush=True)
     driver.set_active(_TargetOnly(a.arch))
     JITFunction.__getitem__ = _compile_only
     dts = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

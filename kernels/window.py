@@ -538,8 +538,8 @@ def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "
     (dq_m, dq_n, w1), (kv_m, kv_n, w2), (db_m, db_n, w3) = _BWD_TILES[cls]
     if cls != "half" and n_pad <= ONE_TILE_DQ_MAX:
         # float32 forms delta from P and dP: with the whole row in one key tile that is free (three
-        # dots a window instead of five on 32-wide tiles; ptxas sm_90: no spill in tf32 and ieee,
-        # ~90 bytes in 3xTF32, which spills ~40 with the 32-wide tiles too)
+        # dots a window instead of five on 32-wide tiles; ptxas sm_90, Triton 3.6: no spill in tf32
+        # and ieee, 56 bytes in 3xTF32, which spills a few dozen with the 32-wide tiles too)
         dq_n = n_pad
     stages = fwd_stages = STAGES
     # shared memory: the k and v tiles of every pipeline stage must fit (H100: 227 KiB per block)
