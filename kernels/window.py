@@ -35,8 +35,9 @@ precision through the folded lse (see kernels/attention.py) — and dS = P ⊙ (
           takes whole windows as one [N_pad, N_pad] tile and writes dq, dk, dv; delta = rowsum(P ⊙ dP)
           is exact inside the tile, so the forward output is not read back.
   tiled   (otherwise): a dq kernel that also writes delta (float32: rowsum(P ⊙ dP) in a first pass
-          over the key tiles; half: rowsum(dO ⊙ O)), a dk/dv kernel, and a dbias kernel that owns
-          one tile of the bias. Triton's 3xTF32 and IEEE-FMA dots keep several copies
+          over the key tiles; half: rowsum(dO ⊙ O)), a dk/dv kernel — which also sums dS into the
+          bias gradient when one query tile covers the window — and otherwise a dbias kernel that
+          owns one tile of the bias. Triton's 3xTF32 and IEEE-FMA dots keep several copies
           of their operands in registers, so five of them in one kernel spill (ptxas, sm_90).
 The bias gradient is summed over the windows of a run in registers; each program writes its partial
 sum to a float32 [runs, H, NR, NR] buffer (runs ≈ a few programs per SM per head, independent of BW),
@@ -366,21 +367,28 @@ def _win_bwd_dq_kernel(
 
 @triton.jit
 def _win_bwd_dkdv_kernel(
-    Q, K, V, Bias, Mask, dOut, Stats, Delta, dK, dV,
+    Q, K, V, Bias, Mask, dOut, Stats, Delta, dK, dV, dBiasPart,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, sb_h,
     BW, H, N, NR, nW, WPP, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
 ):
-    """One key tile [BLOCK_N] of one head for a run of windows, looping over the query tiles."""
+    """One key tile [BLOCK_N] of one head for a run of windows, looping over the query tiles.
+    BIAS_GRAD (only when N ≤ BLOCK_M: one query tile holds every row): the program's dS column strip
+    [NR, BLOCK_N] is also summed over its run into dBiasPart[run, h] — the bias gradient without a
+    kernel of its own that would recompute P and dP."""
     h = tl.program_id(1).to(tl.int64)
-    pid_n, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_N), WPP, BW)
+    n_nt = tl.cdiv(N, BLOCK_N)
+    pid_n, r0, r1 = _run(tl.program_id(0), n_nt, WPP, BW)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     bias_h = Bias + h * sb_h
     mask_stride = NR.to(tl.int64) * NR
+    if BIAS_GRAD:
+        dbias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
@@ -405,11 +413,17 @@ def _win_bwd_dkdv_kernel(
             dp = _dot(do, tl.trans(v), PREC)
             ds = p * (dp - delta[:, None])
             dk += _dot(tl.trans(_to(ds, q.dtype)), q, PREC)
+            if BIAS_GRAD:
+                dbias += ds  # 0 on padded rows and keys
         dk = dk * scale
         g_base = rr * sg_b + h * sg_h
         kv_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
         tl.store(dK + g_base + offs_n[:, None] * sg_n + offs_d[None, :], _to(dk, dK.dtype.element_ty), mask=kv_mask)
         tl.store(dV + g_base + offs_n[:, None] * sg_n + offs_d[None, :], _to(dv, dV.dtype.element_ty), mask=kv_mask)
+    if BIAS_GRAD:
+        run = tl.program_id(0) // n_nt
+        tl.store(dBiasPart + (run.to(tl.int64) * H + h) * mask_stride + offs_m0[:, None] * NR + offs_n[None, :],
+                 dbias, mask=(offs_m0[:, None] < NR) & (offs_n[None, :] < NR))
 
 
 @triton.jit
@@ -687,11 +701,15 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
             num_warps=pl.dq_warps, **common)
         n_nt = triton.cdiv(N, pl.kv_n)
         wpp, runs = plan_runs(BW, n_nt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
+        db_in_kv = bias_grad and nr <= pl.kv_m  # one query tile covers the [NR, NR] bias table's rows
+        if db_in_kv:
+            dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
         _win_bwd_dkdv_kernel[(runs * n_nt, H)](
-            q, k, v, bt, mt, do, stats, delta, dk, dv,
+            q, k, v, bt, mt, do, stats, delta, dk, dv, dparts if db_in_kv else delta,
             *qkv_do, *g3, sb_h, *rest, wpp, scale,
-            BLOCK_M=pl.kv_m, BLOCK_N=pl.kv_n, HAS_BIAS=has_bias, num_warps=pl.kv_warps, **common)
-        if bias_grad:
+            BLOCK_M=pl.kv_m, BLOCK_N=pl.kv_n, HAS_BIAS=has_bias, BIAS_GRAD=db_in_kv, num_warps=pl.kv_warps,
+            **common)
+        if bias_grad and not db_in_kv:
             n_tiles = triton.cdiv(N, pl.db_m) * triton.cdiv(N, pl.db_n)
             wpp, runs = plan_runs(BW, n_tiles * H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
             dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
