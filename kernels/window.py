@@ -132,6 +132,15 @@ def _logits(q, k, bias2, bias_base, mask_base, offs_m, offs_n, N, NR, scale,
 
 
 @triton.jit
+def _kv_logits(q, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n, sv_d, N, NR, scale,
+               D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
+    """The k and v tiles at keys offs_n (zero past N) and the logits of q against them (see _logits)."""
+    k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
+    v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
+    return k, v, _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale, HAS_BIAS, False, HAS_MASK, PREC)
+
+
+@triton.jit
 def _exp_rel(s, m):
     """exp(s − m) for logits s [BM, BN] and row maxima m [BM], natural units. s − m is formed first
     (exact for the dominant terms), then scaled by log2 e: in the log2 domain the logit would be
@@ -211,10 +220,8 @@ def _win_fwd_kernel(
             acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
             for start in range(0, N, BLOCK_N):
                 offs_n = start + offs_n0
-                k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
-                v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
-                s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale,
-                            HAS_BIAS, False, HAS_MASK, PREC)
+                k, v, s = _kv_logits(q, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d,
+                                     sv_n, sv_d, N, NR, scale, D, HAS_BIAS, HAS_MASK, PREC)
                 # monoid merge of the running state with this tile's (m, S, W)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # identity tile: nothing visible
@@ -326,10 +333,8 @@ def _win_bwd_dq_kernel(
         k_base = K + rr * sk_b + h * sk_h
         v_base = V + rr * sv_b + h * sv_h
         if EXACT and ONE_TILE:
-            k = _load_rows(k_base, offs_n0, offs_d, sk_n, sk_d, N, D)
-            v = _load_rows(v_base, offs_n0, offs_d, sv_n, sv_d, N, D)
-            s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n0, N, NR, scale,
-                        HAS_BIAS, False, HAS_MASK, PREC)
+            k, v, s = _kv_logits(q, k_base, v_base, bias_h, mask_base, offs_m, offs_n0, offs_d, sk_n, sk_d, sv_n, sv_d,
+                                 N, NR, scale, D, HAS_BIAS, HAS_MASK, PREC)
             p = _probs2(s, m_r, r_r, EXACT)
             dp = _dot(do, tl.trans(v), PREC)
             delta = tl.sum(p * dp, 1)
@@ -340,10 +345,8 @@ def _win_bwd_dq_kernel(
                 delta = tl.zeros([BLOCK_M], tl.float32)
                 for start in range(0, N, BLOCK_N):
                     offs_n = start + offs_n0
-                    k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
-                    v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
-                    s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale,
-                                HAS_BIAS, False, HAS_MASK, PREC)
+                    k, v, s = _kv_logits(q, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n,
+                                         sk_d, sv_n, sv_d, N, NR, scale, D, HAS_BIAS, HAS_MASK, PREC)
                     delta += tl.sum(_probs2(s, m_r, r_r, EXACT) * _dot(do, tl.trans(v), PREC), 1)
             else:
                 o = _load_rows(Out + rr * so_b + h * so_h, offs_m, offs_d, so_n, so_d, N, D)
@@ -352,10 +355,8 @@ def _win_bwd_dq_kernel(
             dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
             for start in range(0, N, BLOCK_N):
                 offs_n = start + offs_n0
-                k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
-                v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
-                s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale,
-                            HAS_BIAS, False, HAS_MASK, PREC)
+                k, v, s = _kv_logits(q, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d,
+                                     sv_n, sv_d, N, NR, scale, D, HAS_BIAS, HAS_MASK, PREC)
                 p = _probs2(s, m_r, r_r, EXACT)
                 dp = _dot(do, tl.trans(v), PREC)
                 ds = p * (dp - delta[:, None])
