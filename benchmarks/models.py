@@ -3,6 +3,7 @@
     python benchmarks/models.py --quick            # the headline cases, < 3 min on an H100
     python benchmarks/models.py --family vit       # ViT-T/S/B x 224/384/512/768/1024 x batch 8/64
     python benchmarks/models.py --family swin      # Swin-T, SwinV2-T x 224/256/384/512 x batch 8/64
+    python benchmarks/models.py --quick --profile  # + CUDA time per kernel category per variant
     python benchmarks/models.py                    # both (run the two families separately to stay
                                                    # under a 10-minute job limit)
 
@@ -33,12 +34,13 @@ import itertools
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import fmt_table, measure, results_dir, write_csv  # noqa: E402
+from benchmarks.harness import cuda_breakdown, fmt_table, measure, results_dir, write_csv  # noqa: E402
 
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters.registry import patched_modules  # noqa: E402
@@ -141,7 +143,10 @@ def make_fn(model, x, case: Case, fused=None):
     return step
 
 
-def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0) -> dict:
+def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0,
+             profile: Optional[list] = None) -> dict:
+    """Time one case (ELSA vs timm's paths, interleaved); with ``profile`` (a list), also append one
+    profiled call per variant: CUDA time per kernel category and the top kernels."""
     row = {"model": case.model, "size": case.size, "batch": case.batch, "mode": case.mode, "dtype": case.dtype}
     try:
         torch.manual_seed(0)
@@ -183,6 +188,18 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
             except Exception as ex:  # noqa: BLE001
                 row["max_diff"] = None
                 row["error"] = f"diff: {type(ex).__name__}"
+    if profile is not None and device == "cuda":
+        head = {k: row[k] for k in ("model", "size", "batch", "mode", "dtype")}
+        for name, fn in variants.items():
+            try:
+                by_cat, by_kernel = cuda_breakdown(fn)
+            except Exception as ex:  # noqa: BLE001 - an unprofilable variant is a note, not a crash
+                print(f"  profile {name}: {type(ex).__name__}")
+                continue
+            profile += [{**head, "variant": name, "kind": "category", **r} for r in by_cat]
+            profile += [{**head, "variant": name, "kind": "kernel", **r} for r in by_kernel]
+            if by_cat:
+                print(f"  profile {name}: " + ", ".join(f"{r['category']} {r['cuda_ms']:.1f} ms" for r in by_cat))
     delegated = sum(s.delegated for _, s in patched_modules(elsa))
     if delegated:
         row["delegated_calls"] = delegated
@@ -239,6 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="auto", help="ELSA precision passed to patch()")
     ap.add_argument("--name", help="output file stem (default models[_quick][_family])")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one call per variant: CUDA time per kernel category → <name>_profile.csv")
     a = ap.parse_args(argv)
     if a.device == "cpu":
         print("note: no GPU; this runs on the CPU (reference backend unless TRITON_INTERPRET=1) — "
@@ -255,14 +274,15 @@ def main(argv=None) -> int:
     parts += ["-".join(m.lower() for m in a.models)] if a.models else []
     name = a.name or "_".join(parts)
     out_dir = results_dir()
-    rows = []
+    rows, prof_rows = [], []
     t0 = time.time()
     for i, c in enumerate(cases):
         if a.max_minutes and time.time() - t0 > 60 * a.max_minutes:
             print(f"time limit: {len(cases) - i} case(s) not run, from {c.label}")
             break
         print(f"[{i + 1}/{len(cases)}] {c.label}", flush=True)
-        rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision, 1e3 * a.budget_s))
+        rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision, 1e3 * a.budget_s,
+                             prof_rows if a.profile else None))
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
             "speedup_vs_unfused", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
@@ -271,6 +291,8 @@ def main(argv=None) -> int:
     for r, k in errs:
         print(f"  {r['model']} {r['size']} b{r['batch']} {r['mode']} {r['dtype']}: {k} = {r[k]}")
     plot(rows, out_dir / f"{name}.png")
+    if prof_rows:
+        write_csv(prof_rows, out_dir / f"{name}_profile.csv")
     print(f"wrote {out_dir / (name + '.csv')} and {name}.png")
     return 0
 
