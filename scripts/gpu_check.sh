@@ -30,9 +30,9 @@ step() {  # step NAME COMMAND...: run, log, remember failures
 step gpu-tests python -m pytest -q -m gpu -p no:cacheprovider tests
 step attention python benchmarks/attention.py --quick ${ELSA_RESULTS_DIR:+--out "$ELSA_RESULTS_DIR"}
 step windows python benchmarks/windows.py --quick ${ELSA_RESULTS_DIR:+--out "$ELSA_RESULTS_DIR"}
-step models python benchmarks/models.py --quick
+step models python benchmarks/models.py --quick --profile
 if python -c "import vggt" 2>/dev/null; then
-  step frames python benchmarks/frames.py --quick ${FASTVGGT_SRC:+--fastvggt "$FASTVGGT_SRC"}
+  step frames python benchmarks/frames.py --quick --profile ${FASTVGGT_SRC:+--fastvggt "$FASTVGGT_SRC"}
 else
   echo "=== frames: skipped (vggt is not importable)" | tee -a "$LOG"
 fi
