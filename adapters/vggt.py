@@ -41,6 +41,11 @@ Patch options (keywords of ``elsa_vision.patch``):
   (``DPTHead.frames_chunk_size``, 8 frames); in lean mode they write each chunk into preallocated
   outputs instead of concatenating a list of chunks (``head_chunk`` frames per chunk, default the
   head's own 8). Inference only: an aggregator in training mode runs its original forward.
+* ``lean_offload`` (with ``lean_memory``): the kept layers other than the last — those only the DPT
+  heads read — go to (pinned) host memory as the aggregator produces them, concatenated a few frames
+  at a time on the device; the heads copy back the frames of each chunk. The device then holds one
+  [B, S, P, 2C] layer instead of five (at 392×518, 3.4 GB float32 per 400 frames each), for the
+  price of one device-to-host and one host-to-device pass over them. Values are unchanged (copies).
 * ``token_merging``: a :class:`TokenMerging` (upstream VGGT only, inference only).
 """
 from __future__ import annotations
@@ -533,9 +538,10 @@ class LeanLayerList(list):
 
     Indexing a dropped layer raises LookupError (never a silently wrong tensor)."""
 
-    def __init__(self, items, kept):
+    def __init__(self, items, kept, offloaded: bool = False):
         super().__init__(t if i in kept else None for i, t in enumerate(items))
         self.kept = frozenset(kept)
+        self.offloaded = offloaded  # lean_offload: the layers only the DPT heads read are in host memory
 
     def __getitem__(self, i):
         if not isinstance(i, slice):
@@ -612,11 +618,16 @@ def _block_attention(block, x, pos):
                                                   "outside autocast")
 
 
-def _lean_process(agg, kind: str, keep: frozenset, chunk: int):
+def _lean_process(agg, kind: str, keep: frozenset, chunk: int, host: Optional[dict] = None):
     """Replacement for Aggregator._process_{frame,global}_attention (same signature and results) that
-    drops the intermediates of layers not in ``keep`` and runs blocks with bounded memory."""
+    drops the intermediates of layers not in ``keep`` and runs blocks with bounded memory.
+
+    ``host`` (lean_offload): a dict shared by the frame and the global replacement. For the kept
+    layers other than the last, the frame half waits in it (as a GPU tensor) until the global half
+    exists; the pair then goes to host memory (see _to_host) and its intermediates are zero-width."""
     blocks = agg.frame_blocks if kind == "frame" else agg.global_blocks
     block_classes = _block_classes()
+    last = agg.depth - 1
 
     def run(tokens, B, S, P, C, idx, pos=None):
         shape = (B * S, P) if kind == "frame" else (B, S * P)
@@ -627,12 +638,32 @@ def _lean_process(agg, kind: str, keep: frozenset, chunk: int):
         intermediates = []
         for _ in range(agg.aa_block_size):
             tokens = _run_block(blocks[idx], tokens, pos, kind == "frame", chunk, block_classes)
+            out = tokens.view(B, S, P, C)
+            if host is not None and idx in keep and idx != last:
+                if kind == "frame":
+                    host[idx] = out
+                else:
+                    host[idx] = _to_host(host[idx], out, max(1, chunk // max(P, 1)))
+                out = None
             # a zero-width tensor keeps the aggregator's concatenation working at no memory cost
-            intermediates.append(tokens.view(B, S, P, C) if idx in keep else tokens.new_empty((B, S, P, 0)))
+            intermediates.append(out if idx in keep and out is not None else tokens.new_empty((B, S, P, 0)))
             idx += 1
         return tokens, idx, intermediates
 
     return run
+
+
+def _to_host(frame: torch.Tensor, glob: torch.Tensor, step: int) -> torch.Tensor:
+    """cat([frame, glob], -1) [B, S, P, 2C] in (pinned, when on CUDA) host memory, formed on the device
+    ``step`` frames at a time so that the full-size concatenation never exists on the device. The
+    copies are asynchronous on the current stream (the aggregator synchronizes before returning)."""
+    B, S, P, C = glob.shape
+    out = torch.empty((B, S, P, 2 * C), dtype=glob.dtype, pin_memory=glob.is_cuda)
+    for b in range(B):
+        for s0 in range(0, S, step):
+            out[b, s0:s0 + step].copy_(torch.cat([frame[b, s0:s0 + step], glob[b, s0:s0 + step]], -1),
+                                       non_blocking=True)
+    return out
 
 
 class VGGTAggregatorAdapter(Adapter):
@@ -646,6 +677,12 @@ class VGGTAggregatorAdapter(Adapter):
 
     def skip_reason(self, module, options):
         tm, lean = options.get("token_merging"), options.get("lean_memory")
+        offload = options.get("lean_offload", False)
+        if not isinstance(offload, bool):
+            raise TypeError(f"lean_offload must be True or False, got {offload!r}")
+        if offload and not lean:
+            raise ValueError("lean_offload=True moves the layers lean_memory keeps to host memory: "
+                             "pass lean_memory=True (or a list of layers) with it")
         if tm is not None and not isinstance(tm, TokenMerging):
             raise TypeError(f"token_merging must be an elsa_vision.TokenMerging or None, got {type(tm).__name__}")
         chunk = options.get("lean_chunk", 1 << 16)
@@ -676,11 +713,12 @@ class VGGTAggregatorAdapter(Adapter):
             layers = {id(b.attn): i for i, b in enumerate(agg.global_blocks) if hasattr(b, "attn")}
             token = _MERGING.set(_AggregatorCall(cfg, images.shape[1], grid, agg.patch_start_idx, layers))
         keep = _kept_layers(agg.depth, lean) if lean else None
+        host = {} if keep is not None and opts.get("lean_offload") else None
         if keep is not None:
             chunk = opts.get("lean_chunk", 1 << 16)
             # instance attributes shadow the class methods for this call only
-            agg.__dict__["_process_frame_attention"] = _lean_process(agg, "frame", keep, chunk)
-            agg.__dict__["_process_global_attention"] = _lean_process(agg, "global", keep, chunk)
+            agg.__dict__["_process_frame_attention"] = _lean_process(agg, "frame", keep, chunk, host)
+            agg.__dict__["_process_global_attention"] = _lean_process(agg, "global", keep, chunk, host)
         try:
             outputs, patch_start_idx = state.original(images, *args, **kwargs)
         finally:
@@ -690,8 +728,19 @@ class VGGTAggregatorAdapter(Adapter):
             if token is not None:
                 _MERGING.reset(token)
         if keep is not None:
-            outputs = LeanLayerList(outputs, keep)
+            if host:
+                if images.is_cuda:
+                    torch.cuda.current_stream(images.device).synchronize()  # the host copies are complete
+                outputs = [host.get(i, t) for i, t in enumerate(outputs)]
+            outputs = LeanLayerList(outputs, keep, offloaded=bool(host))
         return outputs, patch_start_idx
+
+
+def _frames_on(tokens_list: "LeanLayerList", f0: int, f1: int, device) -> "LeanLayerList":
+    """Frames f0:f1 of every kept layer of an offloaded aggregator output list, on ``device``."""
+    items = [t if t is None or t.shape[-1] == 0 else t[:, f0:f1].to(device, non_blocking=True)
+             for t in list.__iter__(tokens_list)]
+    return LeanLayerList(items, tokens_list.kept)
 
 
 class VGGTDPTHeadAdapter(Adapter):
@@ -720,11 +769,19 @@ class VGGTDPTHeadAdapter(Adapter):
         aggregated_tokens_list, images, patch_start_idx = a["aggregated_tokens_list"], a["images"], a["patch_start_idx"]
         chunk = state.options.get("head_chunk") or a.get("frames_chunk_size")
         S = images.shape[1]
-        if chunk is None or chunk >= S:
+        dev = images.device
+        on_host = getattr(aggregated_tokens_list, "offloaded", False)
+        if not on_host and (chunk is None or chunk >= S):
             return state.original(aggregated_tokens_list, images, patch_start_idx, frames_chunk_size=chunk)
+        chunk = min(chunk or S, S)
         outs = None
         for f0 in range(0, S, chunk):
-            part = head._forward_impl(aggregated_tokens_list, images, patch_start_idx, f0, min(S, f0 + chunk))
+            f1 = min(S, f0 + chunk)
+            if on_host:  # lean_offload: this chunk's frames of every layer, on the device, then as a whole
+                part = head._forward_impl(_frames_on(aggregated_tokens_list, f0, f1, dev), images[:, f0:f1],
+                                          patch_start_idx)
+            else:
+                part = head._forward_impl(aggregated_tokens_list, images, patch_start_idx, f0, f1)
             part = part if isinstance(part, tuple) else (part,)
             if outs is None:
                 outs = tuple(t.new_empty((t.shape[0], S, *t.shape[2:])) for t in part)

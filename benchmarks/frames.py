@@ -5,6 +5,7 @@ memory; the FastVGGT fork side by side when its source is available.
     python benchmarks/frames.py --dtype fp32 --frames 50,100 --parts aggregator --variants native,elsa
     python benchmarks/frames.py --dtype bf16 --frames 400 --variants native,elsa,elsa-merge,elsa-lean
     python benchmarks/frames.py --dtype bf16 --frames 1000,2000 --parts full --variants elsa-lean-merge
+    python benchmarks/frames.py --dtype bf16 --frames 400,2000 --parts full --variants elsa-lean,elsa-lean-offload
     python benchmarks/frames.py --dtype bf16 --frames 400 --parts aggregator --variants elsa,elsa-merge --profile
 
 Writes benchmarks/results/<device>/frames.csv and frames.png (time and peak memory vs frames), and
@@ -18,7 +19,8 @@ depth and point heads). dtypes: ``bf16`` (autocast, as VGGT's demo runs) and ``f
 ELSA in ``tf32x3``, float32-class accuracy; matmul precision "highest" for every linear layer).
 
 Variants: native (unpatched: SDPA), elsa (patched), elsa-lean (lean_memory=True), elsa-merge
-(TokenMerging(ratio=0.9)), elsa-lean-merge. FastVGGT fork (bf16 only; it casts its model to bf16):
+(TokenMerging(ratio=0.9)), elsa-lean-merge, elsa-lean-offload (+ lean_offload=True: the layers only the
+DPT heads read in host memory), elsa-lean-offload-merge. FastVGGT fork (bf16 only; it casts its model to bf16):
 fastvggt-native / fastvggt-elsa (its merging from block 0, SDPA or ELSA), fastvggt-nomerge-native /
 -elsa. The fork installs under the same package name ``vggt``, so it runs in a subprocess whose
 sys.path starts with the fork's source (``--fastvggt PATH``, $FASTVGGT_SRC or third_party/FastVGGT).
@@ -59,6 +61,8 @@ VARIANTS = {  # name → patch options (None = unpatched); order = run order (re
     "elsa-lean": {"lean_memory": True},
     "elsa-merge": {"token_merging": True},
     "elsa-lean-merge": {"lean_memory": True, "token_merging": True},
+    "elsa-lean-offload": {"lean_memory": True, "lean_offload": True},
+    "elsa-lean-offload-merge": {"lean_memory": True, "lean_offload": True, "token_merging": True},
 }
 FORK_VARIANTS = {  # name → (fork merging on?, patched?)
     "fastvggt-nomerge-native": (False, False),
@@ -67,6 +71,7 @@ FORK_VARIANTS = {  # name → (fork merging on?, patched?)
     "fastvggt-elsa": (True, True),
 }
 REFERENCE = {"elsa": "native", "elsa-lean": "elsa", "elsa-merge": "elsa", "elsa-lean-merge": "elsa-lean",
+             "elsa-lean-offload": "elsa-lean", "elsa-lean-offload-merge": "elsa-lean-merge",
              "fastvggt-elsa": "fastvggt-native", "fastvggt-native": "fastvggt-nomerge-native",
              "fastvggt-nomerge-elsa": "fastvggt-nomerge-native"}
 DTYPES = {"bf16": torch.bfloat16, "fp32": None}
@@ -302,6 +307,8 @@ def upstream_apply(model, variant, dtype):
     kw = dict(precision="tf32x3" if dtype is None else "auto")
     if opts.get("lean_memory"):
         kw["lean_memory"] = True
+    if opts.get("lean_offload"):
+        kw["lean_offload"] = True
     if opts.get("token_merging"):
         kw["token_merging"] = elsa_vision.TokenMerging(ratio=0.9, seed=0)
     elsa_vision.patch(model, **kw)

@@ -2,6 +2,7 @@
 
     python demos/reconstruct.py path/to/images/ --frames 200 --out out/scene
     python demos/reconstruct.py walk.mp4 --frames 400 --lean --merge        # long video, one GPU
+    python demos/reconstruct.py walk.mp4 --frames 2000 --lean --offload     # longest: layers in host memory
     python demos/reconstruct.py path/to/images/ --baseline                   # native attention, to compare
     python demos/reconstruct.py path/to/images/ --random-weights --device cpu --width 140   # offline smoke run
 
@@ -381,6 +382,9 @@ def parse_args(argv=None):
     p.add_argument("--merge-seed", type=int, default=0)
     p.add_argument("--lean", action="store_true",
                    help="keep only the aggregator layers the heads read and bound transient memory")
+    p.add_argument("--offload", action="store_true",
+                   help="with --lean: keep the layers only the depth/point heads read in host memory "
+                        "(for the longest sequences)")
     p.add_argument("--backend", choices=("auto", "triton", "reference"), default="auto",
                    help="ELSA backend (auto: Triton on CUDA, the reference scan elsewhere)")
     p.add_argument("--precision", choices=("auto", "ieee", "tf32x3", "tf32"), default="auto",
@@ -396,6 +400,8 @@ def parse_args(argv=None):
         p.error("--frames must be >= 1")
     if args.baseline and (args.merge is not None or args.lean):
         p.error("--merge and --lean are ELSA patch options; they cannot be combined with --baseline")
+    if args.offload and not args.lean:
+        p.error("--offload moves the layers --lean keeps to host memory: add --lean")
     if args.merge is not None and not 0.0 <= args.merge <= 1.0:
         p.error("--merge RATIO must be in [0, 1]")
     if not 0.0 <= args.conf_percentile < 100.0:
@@ -423,7 +429,7 @@ def main(argv=None) -> dict:
     if not args.baseline:
         tm = elsa_vision.TokenMerging(ratio=args.merge, seed=args.merge_seed) if args.merge is not None else None
         report = elsa_vision.patch(model, precision=args.precision, backend=args.backend,
-                                   lean_memory=args.lean, token_merging=tm)
+                                   lean_memory=args.lean, lean_offload=args.offload, token_merging=tm)
         print(report)
     dtype = autocast_dtype(device, args.dtype)
     preds, seconds, peak = infer(model, images, device, dtype, progress=not args.quiet)
@@ -436,7 +442,7 @@ def main(argv=None) -> dict:
         "input": str(args.input), "frames": S, "image_size_hw": [H, W], "tokens_per_frame": P,
         "global_tokens": S * P, "attention": "native" if args.baseline else "elsa",
         "token_merging": None if args.merge is None else {"ratio": args.merge, "seed": args.merge_seed},
-        "lean_memory": args.lean, "dtype": "fp32" if dtype is None else str(dtype).replace("torch.", ""),
+        "lean_memory": args.lean, "lean_offload": args.offload, "dtype": "fp32" if dtype is None else str(dtype).replace("torch.", ""),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "weights": weights, "model_load_seconds": round(load_s, 3), "inference_seconds": round(seconds, 3),
         "peak_memory_gib": None if peak is None else round(peak / 2**30, 3),

@@ -70,6 +70,8 @@ def test_clear_errors(tmp_path, monkeypatch):
         R.load_model(args)
     with pytest.raises(SystemExit):
         R.parse_args([str(tmp_path), "--baseline", "--lean"])
+    with pytest.raises(SystemExit):
+        R.parse_args([str(tmp_path), "--offload"])
 
 
 @pytest.mark.skipif(not HAS_VGGT, reason="vggt is not installed")
@@ -90,12 +92,13 @@ def test_reconstruct_random_weights_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the reference scan on CPU: fast
     proc = subprocess.run([sys.executable, str(ROOT / "demos" / "reconstruct.py"), str(src), "--random-weights",
                            "--device", "cpu", "--width", "70", "--frames", "3", "--out", str(out), "--lean",
-                           "--merge", "--quiet"], capture_output=True, text=True, env=env, timeout=900)
+                           "--offload", "--merge", "--quiet"], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["frames"] == 3 and summary["image_size_hw"] == [56, 70] and summary["attention"] == "elsa"
     assert summary["tokens_per_frame"] == 5 + 4 * 5 and summary["global_tokens"] == 75
     assert summary["patched_modules"] == 76 + 1 + 2 and summary["lean_memory"] and summary["token_merging"]["ratio"] == 0.9
+    assert summary["lean_offload"]
     header = (out / "points.ply").read_bytes()[:300].decode("latin1")
     assert f"element vertex {summary['points_written']}" in header and summary["points_written"] > 0
     cams = json.loads((out / "cameras.json").read_text())["cameras"]

@@ -257,6 +257,37 @@ def test_lean_memory_chunks_follow_the_tolerance_rule(standin):
     assert_rule(out, ref, oracle, what="lean_chunk=7: ")
 
 
+@pytest.mark.parametrize("lean_chunk", [1 << 16, 7])
+def test_lean_offload_keeps_predictions(standin, lean_chunk):
+    """lean_offload: the kept layers but the last leave the device (here the host is the device too,
+    so this checks the bookkeeping: the per-frame concatenation, the outputs list, the heads reading
+    frame chunks back from it); the predictions are those of lean_memory alone, bitwise."""
+    m = make_standin()
+    x = frames()
+    with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3), lean_chunk=lean_chunk, head_chunk=2):
+        lean = run(m, x)
+        with torch.no_grad():
+            layers, _ = m.aggregator(x)
+    with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3), lean_chunk=lean_chunk, head_chunk=2,
+                             lean_offload=True):
+        out = run(m, x)
+        with torch.no_grad():
+            kept, _ = m.aggregator(x)
+    assert_equal(out, lean)
+    assert kept.offloaded and not layers.offloaded
+    assert torch.equal(kept[1], layers[1]) and torch.equal(kept[3], layers[3])
+    with pytest.raises(LookupError, match="lean_memory"):
+        kept[2]
+
+
+def test_lean_offload_needs_lean_memory(standin):
+    m = make_standin()
+    with pytest.raises(ValueError, match="lean_memory"):
+        elsa_vision.patch(m, lean_offload=True)
+    with pytest.raises(TypeError, match="lean_offload"):
+        elsa_vision.patch(m, lean_memory=True, lean_offload="yes")
+
+
 def test_lean_memory_refuses_to_hide_a_layer_a_head_reads(standin):
     m = make_standin()  # its DPT heads read layers 1 and 3; lean_memory=True keeps VGGT's 4, 11, 17, 23 + last
     with elsa_vision.patched(m, lean_memory=True):
@@ -457,6 +488,8 @@ def test_real_vggt_lean_memory_and_merging(real_vggt):
             layers, _ = model.aggregator(x)
     assert_equal(lean, full)
     assert [i for i, t in enumerate(list.__iter__(layers)) if t is not None] == [4, 11, 17, 23]
+    with elsa_vision.patched(model, backend="reference", lean_memory=True, lean_offload=True):
+        assert_equal(run(model, x), lean)
     with elsa_vision.patched(model, backend="reference", token_merging=A.TokenMerging(seed=0)):
         a, b = run(model, x), run(model, x)
     assert_equal(a, b)
@@ -596,16 +629,23 @@ def test_gpu_lean_memory_and_merging(gpu_vggt):
 def test_gpu_lean_memory_lowers_the_peak(gpu_vggt):
     model, _ = gpu_vggt
     x = frames(S=32, hw=(392, 518), seed=4).cuda()
-    peaks = {}
-    for lean in (False, True):
-        with elsa_vision.patched(model, lean_memory=lean):
+    peaks, outs = {}, {}
+    for name, opts in {"full": {}, "lean": {"lean_memory": True},
+                       "offload": {"lean_memory": True, "lean_offload": True}}.items():
+        with elsa_vision.patched(model, **opts):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            run(model, x, device_type="cuda", dtype=torch.bfloat16)
+            outs[name] = run(model, x, device_type="cuda", dtype=torch.bfloat16)
             torch.cuda.synchronize()
-            peaks[lean] = torch.cuda.max_memory_allocated() - base
-    assert peaks[True] < 0.6 * peaks[False], peaks
+            peaks[name] = torch.cuda.max_memory_allocated() - base
+            if name == "offload":
+                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                    kept, _ = model.aggregator(x)
+                assert kept[4].device.type == "cpu" and kept[4].is_pinned() and kept[-1].is_cuda
+    assert peaks["lean"] < 0.6 * peaks["full"], peaks
+    assert peaks["offload"] < peaks["lean"], peaks
+    assert_equal(outs["offload"], outs["lean"])  # copies, and the same per-frame head computations
 
 
 # --------------------------------------------------------------------------------------------
@@ -624,15 +664,18 @@ def test_frames_benchmark_logic_on_the_standin(standin, tmp_path, monkeypatch):
         if opts is None:
             return lambda: None
         elsa_vision.patch(model, backend="reference", lean_memory=(1, 3) if opts.get("lean_memory") else False,
+                          lean_offload=bool(opts.get("lean_offload")),
                           token_merging=A.TokenMerging() if opts.get("token_merging") else None)
         return lambda: elsa_vision.unpatch(model)
 
-    variants = {v: FB.VARIANTS[v] for v in ("native", "elsa", "elsa-lean", "elsa-merge")}
+    variants = {v: FB.VARIANTS[v] for v in ("native", "elsa", "elsa-lean", "elsa-merge", "elsa-lean-offload")}
     rows = FB.sweep(m, variants, apply, ["aggregator", "full"], ["fp32"], {"fp32": [2, 3]}, 1, False, (42, 70),
                     log=lambda s: None)
-    assert len(rows) == 2 * 2 * 4 and all(r["status"] == "ok" for r in rows)
+    assert len(rows) == 2 * 2 * 5 and all(r["status"] == "ok" for r in rows)
     full = {(r["frames"], r["variant"]): r for r in rows if r["part"] == "full"}
     assert full[3, "elsa-lean"]["accuracy_vs"] == "elsa" and full[3, "elsa-lean"]["depth_rel_err"] == 0
+    assert full[3, "elsa-lean-offload"]["accuracy_vs"] == "elsa-lean"
+    assert full[3, "elsa-lean-offload"]["depth_rel_err"] == 0
     assert full[3, "elsa"]["accuracy_vs"] == "native" and full[3, "elsa"]["depth_rel_err"] < 1e-5
     assert 0 < full[3, "elsa-merge"]["depth_rel_err"] < 0.5 and full[3, "elsa-merge"]["pose_max_abs_diff"] > 0
     assert all("speedup_vs_native" in r for r in rows)
