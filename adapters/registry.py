@@ -31,6 +31,10 @@ class Adapter:
 
     name: str = "adapter"
     targets: tuple[str, ...] = ()
+    # keyword options of ``patch`` this adapter reads, besides ``precision``, ``backend`` and
+    # ``token_merging`` (patch refuses a keyword that no registered adapter reads: a typo never
+    # silently does nothing)
+    options: frozenset = frozenset()
 
     def classes(self) -> tuple[type, ...]:
         found = []
@@ -154,6 +158,11 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"patch expects a torch.nn.Module, got {type(model).__name__}")
     table = _class_table()
+    known = {"backend"}.union(*(a.options for a in ADAPTERS))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"patch() got unknown option(s) {unknown}; the options adapters read are "
+                        f"precision, token_merging, include, exclude and {sorted(known)}")
     opts = dict(options, precision=precision, token_merging=token_merging)
     report = PatchReport()
     for name, mod in model.named_modules():

@@ -474,6 +474,7 @@ class VGGTAttentionAdapter(Adapter):
 
     name = "vggt"
     targets = ATTENTION_TARGETS
+    options = frozenset({"lean_memory", "lean_chunk"})
 
     def classes(self) -> tuple[type, ...]:
         return tuple(dict.fromkeys([*super().classes(), *_EXTRA["attention"]]))
@@ -671,6 +672,7 @@ class VGGTAggregatorAdapter(Adapter):
 
     name = "vggt-aggregator"
     targets = AGGREGATOR_TARGETS
+    options = frozenset({"lean_memory", "lean_chunk", "lean_offload"})
 
     def classes(self) -> tuple[type, ...]:
         return tuple(dict.fromkeys([*super().classes(), *_EXTRA["aggregator"]]))
@@ -749,6 +751,7 @@ class VGGTDPTHeadAdapter(Adapter):
 
     name = "vggt-dpt-head"
     targets = DPT_HEAD_TARGETS
+    options = frozenset({"lean_memory", "head_chunk"})
 
     def classes(self) -> tuple[type, ...]:
         return tuple(dict.fromkeys([*super().classes(), *_EXTRA["dpt_head"]]))

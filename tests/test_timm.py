@@ -455,6 +455,9 @@ def test_include_exclude_and_report():
         elsa_vision.patch(m, precision="fp64")
     with pytest.raises(ValueError, match="backend"):
         elsa_vision.patch(m, backend="cudnn")
+    with pytest.raises(TypeError, match="lean_ofload"):  # a misspelt option is refused, not ignored
+        elsa_vision.patch(m, lean_memory=True, lean_ofload=True)
+    assert not registry.patched_modules(m)
 
 
 def test_unregistered_subclass_is_reported():
