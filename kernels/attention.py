@@ -73,6 +73,11 @@ _RNE_BF16 = tl.constexpr(INTERPRET)
 # The interpreter's dots are plain float32 already; emulating the split there adds two extra float32
 # roundings the GPU does not have, so it runs the plain float32 dot instead.
 _SPLIT3 = tl.constexpr(not INTERPRET)
+# The dK/dV kernel forms Sᵀ = k·qᵀ. A tensor core sums each element over the head dim in the same
+# order either way round; NumPy's matmul (the interpreter's dot) does not, so there Sᵀ is formed as
+# (q·kᵀ)ᵀ — the forward's orientation, bitwise its scores — and P stays consistent with the
+# forward's (m, S) as it is on the GPU.
+_SAME_ORIENTATION = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -376,15 +381,16 @@ def _merge_kernel(
 
 @triton.jit
 def _probs(qk, bias, scale, qk_scale2, m, r, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr):
-    """P from the raw q·k tile, the bias tile and the row statistics of _load_stats (log2 units
-    without a bias, natural units with one), with the same rounding structure as the forward (see
-    _scores)."""
+    """P (or Pᵀ) from the raw q·k tile, the bias tile and the row statistics of _load_stats (log2
+    units without a bias, natural units with one), already broadcast along the key axis (m[:, None]
+    for a [queries, keys] tile, m[None, :] for a transposed one), with the same rounding structure
+    as the forward (see _scores)."""
     if HAS_BIAS:  # natural units on this path: s − m is formed before the log2 e factor
-        p = tl.math.exp2(((qk * scale + bias) - m[:, None]) * 1.4426950408889634)
+        p = tl.math.exp2(((qk * scale + bias) - m) * 1.4426950408889634)
     else:
-        p = tl.math.exp2(qk * qk_scale2 - m[:, None])
+        p = tl.math.exp2(qk * qk_scale2 - m)
     if EXACT:
-        p = p * r[:, None]
+        p = p * r
     return p
 
 
@@ -414,7 +420,11 @@ def _bwd_dkdv_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """One key tile per program; loops over the query tiles that can see it."""
+    """One key tile per program; loops over the query tiles that can see it. Everything is formed
+    transposed — Sᵀ = k·qᵀ [BLOCK_N, BLOCK_M] — so that all four products have the key tile as their
+    M dimension (dV += Pᵀ·dO, dPᵀ = v·dOᵀ, dK += dSᵀ·q): with BLOCK_N = 64 each is one warpgroup
+    MMA on Hopper, where a [BLOCK_M, BLOCK_N] score tile transposed for dV and dK would put
+    BLOCK_N = 32 rows there (mma.sync, or duplicated work)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -424,8 +434,6 @@ def _bwd_dkdv_kernel(
     kv_mask = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
     k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
     v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
-    kT = tl.trans(k)
-    vT = tl.trans(v)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     m_lo = 0
@@ -439,27 +447,91 @@ def _bwd_dkdv_kernel(
     for start in range(m_lo, Nq, BLOCK_M):
         offs_m = start + offs_m0
         row_ok = offs_m < Nq
-        qm = row_ok[:, None] & (offs_d[None, :] < D)
-        q = tl.load(q_base + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
+        qT = tl.load(q_base + offs_m[None, :] * sq_m + offs_d[:, None] * sq_d,
+                     mask=row_ok[None, :] & (offs_d[:, None] < D), other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d,
+                     mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
         delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
-        qk = _dot(q, kT, PREC)
-        bt = 0.0
+        if _SAME_ORIENTATION:
+            qkT = tl.trans(_dot(tl.trans(qT), tl.trans(k), PREC))
+        else:
+            qkT = _dot(k, qT, PREC)
+        btT = 0.0
         if HAS_BIAS:
-            bt = tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
-                         mask=row_ok[:, None] & (offs_n[None, :] < Nk), other=0.0).to(tl.float32)
-        visible = offs_n[None, :] < Nk
+            btT = tl.load(bias_base + offs_m[None, :] * sb_m + offs_n[:, None] * sb_n,
+                          mask=row_ok[None, :] & (offs_n[:, None] < Nk), other=0.0).to(tl.float32)
+        visible = offs_n[:, None] < Nk
         if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
-        p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, m_r, r_r, HAS_BIAS, EXACT), 0.0)
-        dv += _dot(tl.trans(_to(p, do.dtype)), do, PREC)
-        dp = _dot(do, vT, PREC)
-        ds = p * (dp - delta[:, None])
-        dk += _dot(tl.trans(_to(ds, q.dtype)), q, PREC)
+            visible = visible & (offs_n[:, None] <= offs_m[None, :] + (Nk - Nq))
+        pT = tl.where(visible, _probs(qkT, btT, scale, qk_scale2, m_r[None, :], r_r[None, :], HAS_BIAS, EXACT), 0.0)
+        dv += _dot(_to(pT, do.dtype), do, PREC)
+        dpT = _dot(v, tl.trans(do), PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk += _dot(_to(dsT, qT.dtype), tl.trans(qT), PREC)
     dk = dk * scale
     tl.store(dK + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=kv_mask)
     tl.store(dV + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _p_dp_tile(q, do, k_base, v_base, bias_base, offs_m, offs_n, offs_d, row_ok, m_r, r_r,
+               Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, scale, qk_scale2,
+               D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+               EXACT: tl.constexpr):
+    """(k, P, dP) of a query tile (q, dO [BM, D_PAD]) against the key tile at offs_n: k [BN, D_PAD],
+    P and dP = dO·vᵀ [BM, BN], P = 0 where a key is invisible."""
+    kvm = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
+    k = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kvm, other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kvm, other=0.0)
+    qk = _dot(q, tl.trans(k), PREC)
+    bt = 0.0
+    if HAS_BIAS:
+        bt = tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
+                     mask=row_ok[:, None] & (offs_n[None, :] < Nk), other=0.0).to(tl.float32)
+    visible = offs_n[None, :] < Nk
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
+    p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, m_r[:, None], r_r[:, None], HAS_BIAS, EXACT), 0.0)
+    return k, p, _dot(do, tl.trans(v), PREC)
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    Q, K, V, Bias, dOut, Stats, Delta,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
+    H, Nq, Nk, qk_scale2, scale,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
+):
+    """delta[bh, i] = Σ_j P_ij·dP_ij from the very P and dP that form dS (float32 with a bias
+    gradient, in place of _bwd_preprocess). rowsum(dO ⊙ O) is the same number in exact arithmetic,
+    but O carries the forward's rounding, and a bias broadcast along queries sums dS down its
+    columns, where that per-row error no longer cancels: such a dbias came out 5× less accurate
+    than PyTorch's."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < Nq
+    qm = row_ok[:, None] & (offs_d[None, :] < D)
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
+    do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
+    m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
+    k_hi = Nk
+    if CAUSAL:
+        k_hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M + (Nk - Nq))
+    offs_n0 = tl.arange(0, BLOCK_N)
+    delta = tl.zeros([BLOCK_M], tl.float32)
+    for start in range(0, k_hi, BLOCK_N):
+        k, p, dp = _p_dp_tile(q, do, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, Bias + b * sb_b + h * sb_h,
+                              offs_m, start + offs_n0, offs_d, row_ok, m_r, r_r, Nq, Nk, sk_n, sk_d, sv_n, sv_d,
+                              sb_m, sb_n, scale, qk_scale2, D, HAS_BIAS, CAUSAL, PREC, EXACT)
+        delta += tl.sum(p * dp, 1)
+    tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, delta, mask=row_ok)
 
 
 @triton.jit
@@ -483,7 +555,6 @@ def _bwd_dq_kernel(
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
     do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
     m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
-    delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     k_hi = Nk
     if CAUSAL:
@@ -492,21 +563,11 @@ def _bwd_dq_kernel(
     k_base = K + b * sk_b + h * sk_h
     v_base = V + b * sv_b + h * sv_h
     bias_base = Bias + b * sb_b + h * sb_h
+    delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
     for start in range(0, k_hi, BLOCK_N):
-        offs_n = start + offs_n0
-        kvm = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
-        k = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kvm, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kvm, other=0.0)
-        qk = _dot(q, tl.trans(k), PREC)
-        bt = 0.0
-        if HAS_BIAS:
-            bt = tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
-                         mask=row_ok[:, None] & (offs_n[None, :] < Nk), other=0.0).to(tl.float32)
-        visible = offs_n[None, :] < Nk
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
-        p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, m_r, r_r, HAS_BIAS, EXACT), 0.0)
-        dp = _dot(do, tl.trans(v), PREC)
+        k, p, dp = _p_dp_tile(q, do, k_base, v_base, bias_base, offs_m, start + offs_n0, offs_d, row_ok, m_r, r_r,
+                              Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, scale, qk_scale2,
+                              D, HAS_BIAS, CAUSAL, PREC, EXACT)
         ds = p * (dp - delta[:, None])
         dq += _dot(_to(ds, k.dtype), k, PREC)
     dq = dq * scale
@@ -557,7 +618,8 @@ def _bwd_dbias_kernel(
             delta = tl.load(Delta + bh * Nq + offs_m, mask=row_ok, other=0.0)
             bt = tl.load(Bias + b * sb_b + h * sb_h + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
                          mask=visible, other=0.0).to(tl.float32)
-            p = tl.where(visible, _probs(_dot(q, tl.trans(k), PREC), bt, scale, qk_scale2, m_r, r_r, True, EXACT), 0.0)
+            p = tl.where(visible, _probs(_dot(q, tl.trans(k), PREC), bt, scale, qk_scale2, m_r[:, None], r_r[:, None],
+                                         True, EXACT), 0.0)
             dp = _dot(do, tl.trans(v), PREC)
             acc += p * (dp - delta[:, None])
     tl.store(dBias + bhb.to(tl.int64) * Nq * Nk + offs_m[:, None] * Nk + offs_n[None, :], acc,
@@ -778,9 +840,6 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     cfg = config or bwd_config(q.dtype, d_pad, precision)
     prec = _PREC[precision]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    bm0 = 16 if INTERPRET else 64
-    _bwd_preprocess[(triton.cdiv(Nq, bm0), B * H)](
-        out, do, delta, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0)
     dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, H, Nk, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, H, Nk, D), device=q.device, dtype=v.dtype)
@@ -788,12 +847,22 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     common = dict(D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, PREC=prec,
                   EXACT=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *_strides4(bias))
-    _bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.block_n), B * H)](
-        q, k, v, bias_arg, do, stats, delta, dk, dv, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, **common)
+    if bias_grad and q.dtype == torch.float32:  # delta from P and dP (see _bwd_delta_kernel)
+        _bwd_delta_kernel[(triton.cdiv(Nq, cfg.block_m), B * H)](
+            q, k, v, bias_arg, do, stats, delta, *strides, H, Nq, Nk, scale * LOG2E, scale,
+            HAS_BIAS=True, **common)
+    else:
+        bm0 = 16 if INTERPRET else 64
+        _bwd_preprocess[(triton.cdiv(Nq, bm0), B * H)](
+            out, do, delta, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0)
     _bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m), B * H)](
         q, k, v, bias_arg, do, stats, delta, dq, *strides, H, Nq, Nk, scale * LOG2E, scale,
         HAS_BIAS=bias is not None, **common)
+    # the dK/dV kernel owns the larger tile side as keys: its products all have the key tile as M
+    kv_m, kv_n = min(cfg.block_m, cfg.block_n), max(cfg.block_m, cfg.block_n)
+    _bwd_dkdv_kernel[(triton.cdiv(Nk, kv_n), B * H)](
+        q, k, v, bias_arg, do, stats, delta, dk, dv, *strides, H, Nq, Nk, scale * LOG2E, scale,
+        HAS_BIAS=bias is not None, **{**common, "BLOCK_M": kv_m, "BLOCK_N": kv_n})
     dbias = None
     if bias_grad:
         b1, h1 = bias.shape[0] == 1, bias.shape[1] == 1

@@ -315,3 +315,14 @@ def test_tma_forward_path(dtype, nq, nk, d, parts):
     # a view whose rows are not 16-byte aligned cannot be a TMA descriptor: the pointer path runs
     assert not K._use_tma(q, qkv_[1][:, :, :nk, 1:], qkv_[2][:, :, :nk, 1:])
 
+
+
+@pytest.mark.parametrize("nq,nk,d,bshape,seed", [(23, 9, 80, (9,), 45887), (64, 40, 32, (2, 1, 1, 40), 3)])
+def test_query_broadcast_bias_gradient(nq, nk, d, bshape, seed):
+    """A bias broadcast along queries (a key-padding bias) sums dS down each key's column, where a
+    per-row error of delta no longer cancels: float32 forms delta from P and dP then (with
+    rowsum(dO ⊙ O) the first case came out at 5× PyTorch's error)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2 if len(bshape) == 4 else 1, 1, n, d, generator=g).to(DEVICE) for n in (nq, nk, nk))
+    bias = torch.randn(bshape, generator=g).to(DEVICE)
+    check_case(q, k, v, bias=bias, precision="ieee", backend="triton", seed=seed)
