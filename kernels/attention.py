@@ -18,8 +18,9 @@ With one partition, phase 2 is phase 1's epilogue (no summaries touch memory). P
 scheduling choice: when (query blocks × batch·heads) cannot fill the GPU, the keys are split into
 balanced partitions so that every SM gets equal work (LeanAttention's stream-K idea).
 
-Backward. delta = rowsum(dO·O) (preprocess kernel); a dK/dV kernel loops over query tiles and a dQ
-kernel loops over key tiles, both recomputing P from the saved per-row statistics (m, S) — stored
+Backward. delta = rowsum(dO·O) (preprocess kernel; float32 with a bias gradient: Σ P·dP, see
+_bwd_delta_kernel); a dK/dV kernel (formed transposed, key tile as the MMAs' M side) loops over query
+tiles and a dQ kernel loops over key tiles, both recomputing P from the saved per-row statistics (m, S) — stored
 as a [B, H, 2, Nq] float32 tensor, m in the path's units: without a bias log2 units, with one
 natural units, so that nothing is rounded at the logits' magnitude before the large terms cancel.
 In float32, P = 2^(q·k·scale·log2 e − m₂) / S (with a bias 2^((q·k·scale + b − m)·log2 e) / S):
