@@ -498,6 +498,24 @@ def _p_dp_tile(q, do, k_base, v_base, bias_base, offs_m, offs_n, offs_d, row_ok,
 
 
 @triton.jit
+def _query_tile(Q, dOut, Stats, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
+                D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                EXACT: tl.constexpr):
+    """What a backward program that owns query tile pid_m of head bh reads once: (b, h, offs_m,
+    offs_d, row_ok, q/dO mask, q, dO [BLOCK_M, D_PAD], and the rows' statistics of _load_stats)."""
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < Nq
+    qm = row_ok[:, None] & (offs_d[None, :] < D)
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
+    do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
+    m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
+    return b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r
+
+
+@triton.jit
 def _bwd_delta_kernel(
     Q, K, V, Bias, dOut, Stats, Delta,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
@@ -513,15 +531,9 @@ def _bwd_delta_kernel(
     than PyTorch's."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    row_ok = offs_m < Nq
-    qm = row_ok[:, None] & (offs_d[None, :] < D)
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
-    do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
-    m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
+    b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r = _query_tile(
+        Q, dOut, Stats, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
+        D, D_PAD, BLOCK_M, HAS_BIAS, EXACT)
     k_hi = Nk
     if CAUSAL:
         k_hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M + (Nk - Nq))
@@ -547,15 +559,9 @@ def _bwd_dq_kernel(
     """One query tile per program; loops over the key tiles it can see."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    row_ok = offs_m < Nq
-    qm = row_ok[:, None] & (offs_d[None, :] < D)
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
-    do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
-    m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
+    b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r = _query_tile(
+        Q, dOut, Stats, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
+        D, D_PAD, BLOCK_M, HAS_BIAS, EXACT)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     k_hi = Nk
     if CAUSAL:
