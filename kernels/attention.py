@@ -471,8 +471,10 @@ def _bwd_dkdv_kernel(
         dsT = pT * (dpT - delta[None, :])
         dk += _dot(_to(dsT, qT.dtype), tl.trans(qT), PREC)
     dk = dk * scale
-    tl.store(dK + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=kv_mask)
-    tl.store(dV + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=kv_mask)
+    tl.store(dK + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], _to(dk, dK.dtype.element_ty),
+             mask=kv_mask)
+    tl.store(dV + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], _to(dv, dV.dtype.element_ty),
+             mask=kv_mask)
 
 
 @triton.jit
@@ -578,7 +580,8 @@ def _bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += _dot(_to(ds, k.dtype), k, PREC)
     dq = dq * scale
-    tl.store(dQ + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :], dq.to(dQ.dtype.element_ty), mask=qm)
+    tl.store(dQ + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :], _to(dq, dQ.dtype.element_ty),
+             mask=qm)
 
 
 @triton.jit
@@ -857,7 +860,7 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     if bias_grad and q.dtype == torch.float32:  # delta from P and dP (see _bwd_delta_kernel)
         _bwd_delta_kernel[(triton.cdiv(Nq, cfg.block_m), B * H)](
             q, k, v, bias_arg, do, stats, delta, *strides, H, Nq, Nk, scale * LOG2E, scale,
-            HAS_BIAS=True, **common)
+            HAS_BIAS=bias is not None, **common)
     else:
         bm0 = 16 if INTERPRET else 64
         _bwd_preprocess[(triton.cdiv(Nq, bm0), B * H)](
@@ -875,9 +878,14 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
         b1, h1 = bias.shape[0] == 1, bias.shape[1] == 1
         Bb, Hb = (1 if b1 else B), (1 if h1 else H)
         dfull = torch.empty((Bb, Hb, Nq, Nk), device=q.device, dtype=torch.float32)
-        _bwd_dbias_kernel[(triton.cdiv(Nq, cfg.block_m), triton.cdiv(Nk, cfg.block_n), Bb * Hb)](
+        # tensor-core products: at least 64 query rows, a warpgroup's worth. With the 32×32 tf32x3
+        # tiles of d ≥ 128, ptxas (sm_90) gave this kernel 32 registers and 14 KB of spills; 64×32
+        # has 255 and 320 bytes. (The FMA products of "ieee" go the other way: they keep 32 rows.)
+        db_m = cfg.block_m if INTERPRET or precision == "ieee" else max(64, cfg.block_m)
+        _bwd_dbias_kernel[(triton.cdiv(Nq, db_m), triton.cdiv(Nk, cfg.block_n), Bb * Hb)](
             q, k, v, bias, do, stats, delta, dfull, *strides, B, H, Hb, Nq, Nk, scale, scale * LOG2E,
-            BIAS_B1=b1, BIAS_H1=h1, **{**common, "num_stages": 1})  # its batch/head loop needs no prefetch
+            BIAS_B1=b1, BIAS_H1=h1,
+            **{**common, "BLOCK_M": db_m, "num_stages": 1})  # its batch/head loop needs no prefetch
         # bias broadcast along queries or keys (e.g. a key-padding bias [B,1,1,Nk]): reduce here
         red = tuple(i for i in (2, 3) if bias.shape[i] == 1)
         if red:
