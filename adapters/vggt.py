@@ -640,14 +640,11 @@ def _lean_process(agg, kind: str, keep: frozenset, chunk: int, host: Optional[di
         for _ in range(agg.aa_block_size):
             tokens = _run_block(blocks[idx], tokens, pos, kind == "frame", chunk, block_classes)
             out = tokens.view(B, S, P, C)
-            if host is not None and idx in keep and idx != last:
-                if kind == "frame":
-                    host[idx] = out
-                else:
-                    host[idx] = _to_host(host[idx], out, max(1, chunk // max(P, 1)))
-                out = None
+            offload = host is not None and idx in keep and idx != last
+            if offload:
+                host[idx] = out if kind == "frame" else _to_host(host[idx], out, max(1, chunk // max(P, 1)))
             # a zero-width tensor keeps the aggregator's concatenation working at no memory cost
-            intermediates.append(out if idx in keep and out is not None else tokens.new_empty((B, S, P, 0)))
+            intermediates.append(out if idx in keep and not offload else tokens.new_empty((B, S, P, 0)))
             idx += 1
         return tokens, idx, intermediates
 

@@ -53,7 +53,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import cuda_breakdown, fmt_table, metadata, results_dir, write_csv  # noqa: E402
+from benchmarks.harness import fmt_table, metadata, profile_rows, results_dir, write_csv  # noqa: E402
 
 VARIANTS = {  # name → patch options (None = unpatched); order = run order (references first)
     "native": None,
@@ -235,22 +235,15 @@ def profile_variants(model, variants: dict, parts, dtypes, frames_by_dtype, hw, 
             for part in parts:
                 for v in variants:
                     undo = upstream_apply(model, v, dtype)
+                    head = {"part": part, "dtype": dname, "frames": S, "variant": v}
                     try:
-                        by_cat, by_kernel = cuda_breakdown(lambda: forward(model, part, x, dtype))
+                        new, line = profile_rows(lambda: forward(model, part, x, dtype), head)
                     except torch.OutOfMemoryError:
-                        log(f"profile {dname} {part} {S} frames {v}: OOM")
-                        free_memory()
-                        continue
+                        new, line = [], "OOM"
                     finally:
                         undo()
-                    if not by_cat:
-                        log(f"profile {dname} {part} {S} frames {v}: the profiler saw no CUDA kernel (no CUPTI?)")
-                        continue
-                    head = {"part": part, "dtype": dname, "frames": S, "variant": v}
-                    rows += [{**head, "kind": "category", **r} for r in by_cat]
-                    rows += [{**head, "kind": "kernel", **r} for r in by_kernel]
-                    log(f"profile {dname} {part} {S} frames {v}: " + ", ".join(
-                        f"{r['category']} {r['cuda_ms'] / 1e3:.2f}s ({100 * r['share']:.0f}%)" for r in by_cat))
+                    rows += new
+                    log(f"profile {dname} {part} {S} frames {v}: {line}")
                     free_memory()
         finally:
             torch.set_float32_matmul_precision(prev)
@@ -304,11 +297,8 @@ def upstream_apply(model, variant, dtype):
     opts = VARIANTS[variant]
     if opts is None:
         return lambda: None
-    kw = dict(precision="tf32x3" if dtype is None else "auto")
-    if opts.get("lean_memory"):
-        kw["lean_memory"] = True
-    if opts.get("lean_offload"):
-        kw["lean_offload"] = True
+    kw = {k: v for k, v in opts.items() if k != "token_merging"}
+    kw["precision"] = "tf32x3" if dtype is None else "auto"
     if opts.get("token_merging"):
         kw["token_merging"] = elsa_vision.TokenMerging(ratio=0.9, seed=0)
     elsa_vision.patch(model, **kw)

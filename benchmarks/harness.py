@@ -200,3 +200,14 @@ def cuda_breakdown(fn: Callable[[], object], top: int = 12, device: str = "cuda"
     by_kernel = [{"category": kernel_category(n), "kernel": n[:120], "cuda_ms": ms, "share": ms / total}
                  for n, ms in sorted(kernels.items(), key=lambda t: -t[1])[:top]]
     return by_cat, by_kernel
+
+
+def profile_rows(fn: Callable[[], object], head: dict) -> tuple[list[dict], str]:
+    """cuda_breakdown of one call of ``fn`` as CSV rows (``head`` + kind "category" / "kernel") and a
+    one-line summary."""
+    by_cat, by_kernel = cuda_breakdown(fn)
+    if not by_cat:
+        return [], "the profiler saw no CUDA kernel (no CUPTI?)"
+    rows = [{**head, "kind": "category", **r} for r in by_cat] + [{**head, "kind": "kernel", **r} for r in by_kernel]
+    return rows, ", ".join(f"{r['category']} {r['cuda_ms']:.1f} ms ({100 * r['share']:.0f}%)" for r in by_cat)
+

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import cuda_breakdown, fmt_table, measure, results_dir, write_csv  # noqa: E402
+from benchmarks.harness import fmt_table, measure, profile_rows, results_dir, write_csv  # noqa: E402
 
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters.registry import patched_modules  # noqa: E402
@@ -192,14 +192,11 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         head = {k: row[k] for k in ("model", "size", "batch", "mode", "dtype")}
         for name, fn in variants.items():
             try:
-                by_cat, by_kernel = cuda_breakdown(fn)
+                new, line = profile_rows(fn, {**head, "variant": name})
             except Exception as ex:  # noqa: BLE001 - an unprofilable variant is a note, not a crash
-                print(f"  profile {name}: {type(ex).__name__}")
-                continue
-            profile += [{**head, "variant": name, "kind": "category", **r} for r in by_cat]
-            profile += [{**head, "variant": name, "kind": "kernel", **r} for r in by_kernel]
-            if by_cat:
-                print(f"  profile {name}: " + ", ".join(f"{r['category']} {r['cuda_ms']:.1f} ms" for r in by_cat))
+                new, line = [], type(ex).__name__
+            profile += new
+            print(f"  profile {name}: {line}")
     delegated = sum(s.delegated for _, s in patched_modules(elsa))
     if delegated:
         row["delegated_calls"] = delegated

@@ -168,9 +168,9 @@ def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr, KAHAN: tl.const
     output error is that of PyTorch's rounded P). Summing the rounded values instead would make
     the output an exact convex combination, at two more conversions per score (a bf16 → float32
     one and a scalar instead of a packed float32 → bf16 one): a quarter more ALU work in a
-    softmax that bounds the half-precision forward. In strict float32 ("ieee") the running sums are Kahan-compensated (c_acc, c_s): the FMA dot
-    already adds BN terms in sequence, and without compensation the error of the tile-to-tile sum
-    grows with the number of key tiles."""
+    softmax that bounds the half-precision forward. In strict float32 ("ieee") the running sums are
+    Kahan-compensated (c_acc, c_s): the FMA dot already adds BN terms in sequence, and without
+    compensation the error of the tile-to-tile sum grows with the number of key tiles."""
     if PREC == 3 and _SPLIT3:
         p_hi, p_lo = _split_tf32(p)
         v_hi, v_lo = _split_tf32(v)
@@ -602,38 +602,24 @@ def _bwd_dbias_kernel(
     bhb = tl.program_id(2)
     bb = bhb // Hb
     hb = bhb % Hb
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    row_ok = offs_m < Nq
-    col_ok = offs_n < Nk
-    qm = row_ok[:, None] & (offs_d[None, :] < D)
-    kvm = col_ok[:, None] & (offs_d[None, :] < D)
-    visible = col_ok[None, :] & row_ok[:, None]
-    if CAUSAL:
-        visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
     n_b = B if BIAS_B1 else 1
     n_h = H if BIAS_H1 else 1
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for ib in range(0, n_b):
-        b = tl.cast(ib if BIAS_B1 else bb, tl.int64)
         for ih in range(0, n_h):
-            h = tl.cast(ih if BIAS_H1 else hb, tl.int64)
-            bh = b * H + h
-            q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
-            do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
-            k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kvm, other=0.0)
-            v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kvm, other=0.0)
-            m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, True, EXACT)
-            delta = tl.load(Delta + bh * Nq + offs_m, mask=row_ok, other=0.0)
-            bt = tl.load(Bias + b * sb_b + h * sb_h + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
-                         mask=visible, other=0.0).to(tl.float32)
-            p = tl.where(visible, _probs(_dot(q, tl.trans(k), PREC), bt, scale, qk_scale2, m_r[:, None], r_r[:, None],
-                                         True, EXACT), 0.0)
-            dp = _dot(do, tl.trans(v), PREC)
+            bh = (ib if BIAS_B1 else bb) * H + (ih if BIAS_H1 else hb)
+            b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r = _query_tile(
+                Q, dOut, Stats, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
+                D, D_PAD, BLOCK_M, True, EXACT)
+            k, p, dp = _p_dp_tile(q, do, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, Bias + b * sb_b + h * sb_h,
+                                  offs_m, offs_n, offs_d, row_ok, m_r, r_r, Nq, Nk, sk_n, sk_d, sv_n, sv_d,
+                                  sb_m, sb_n, scale, qk_scale2, D, True, CAUSAL, PREC, EXACT)
+            delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
             acc += p * (dp - delta[:, None])
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(dBias + bhb.to(tl.int64) * Nq * Nk + offs_m[:, None] * Nk + offs_n[None, :], acc,
-             mask=row_ok[:, None] & col_ok[None, :])
+             mask=(offs_m[:, None] < Nq) & (offs_n[None, :] < Nk))
 
 
 # ---------------------------------------------------------------------------------------------
