@@ -147,14 +147,8 @@ def few_queries(d=64, nq=16, nk=131072, H=16):
 # Tile shapes tried by --tune: (block_m, block_n, num_warps, num_stages) per (pass, dtype, precision, d).
 # Kept short: each candidate is a separate compile.
 CANDIDATES = {
-    # entries 6 and 7 (after kahan): k/v by TMA, and a warp-specialised loop (Config.tma / .ws)
-    ("fwd", "bf16", "native", 64): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3), (128, 32, 4, 4),
-                                    (128, 64, 4, 3, True, True, False), (128, 64, 4, 3, True, True, True),
-                                    (128, 64, 4, 2, True, True, True), (128, 128, 4, 2, True, True, True),
-                                    (64, 64, 4, 3, True, True, True)],
-    ("fwd", "bf16", "native", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2),
-                                     (128, 64, 4, 3, True, True, True), (128, 64, 4, 2, True, True, True),
-                                     (128, 128, 4, 2, True, True, True), (64, 64, 4, 3, True, True, True)],
+    ("fwd", "bf16", "native", 64): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3), (128, 32, 4, 4)],
+    ("fwd", "bf16", "native", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2)],
     ("fwd", "bf16", "native", 32): [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)],
     ("fwd", "fp32", "tf32x3", 64): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4)],
     ("fwd", "fp32", "tf32x3", 128): [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
@@ -164,10 +158,19 @@ CANDIDATES = {
                                   (64, 64, 8, 2), (32, 64, 2, 2)],
     ("fwd", "fp32", "ieee", 128): [(64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2, False)],
     ("fwd", "fp32", "tf32", 64): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
-    ("bwd", "bf16", "native", 64): [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
+    ("bwd", "bf16", "native", 64): [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
+                                   (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 1), (64, 32, 4, 3)],
     ("bwd", "bf16", "native", 128): [(64, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
-    ("bwd", "fp32", "tf32x3", 64): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+    ("bwd", "fp32", "tf32x3", 64): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
+                                     (64, 128, 8, 2), (128, 32, 8, 2), (64, 64, 4, 1)],
     ("bwd", "fp32", "tf32x3", 128): [(32, 32, 4, 1), (64, 32, 4, 2), (64, 64, 8, 2)],
+    # the dK/dV kernel alone (the dQ kernel keeps bwd_config's tile): (query rows, keys, warps, stages)
+    ("bwdkv", "bf16", "native", 64): [(32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 128, 4, 2),
+                                      (16, 128, 4, 4), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
+    ("bwdkv", "bf16", "native", 128): [(32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 2),
+                                       (16, 128, 8, 3)],
+    ("bwdkv", "fp32", "tf32x3", 64): [(64, 128, 8, 2), (32, 128, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
+                                      (64, 128, 8, 1), (16, 128, 8, 2)],
 }
 
 
@@ -181,17 +184,17 @@ def tune(kinds=("fwd", "bwd"), N=16384, only=None):
         fns = {}
         for cand in cands:
             cfg = K.Config(*cand)
-            name = "{}x{}w{}s{}".format(*cand) + ("" if cfg.kahan else "-nokahan") + \
-                ("-ws" if cfg.ws else "-tma" if cfg.tma else "")
+            name = "{}x{}w{}s{}".format(*cand) + ("" if cfg.kahan else "-nokahan")
             if kind == "fwd":
                 fns[name] = lambda cfg=cfg: K.forward(q, k, v, None, d ** -0.5, False, prec, 1, config=cfg)
             else:
                 o, stats = K.forward(q, k, v, None, d ** -0.5, False, prec, 1)
                 do = torch.randn_like(o)
-                fns[name] = lambda cfg=cfg, o=o, stats=stats, do=do: K.backward(
-                    do, q, k, v, None, o, stats, d ** -0.5, False, prec, False, config=cfg)
+                which = {"bwd": "config", "bwdkv": "kv"}[kind]
+                fns[name] = lambda cfg=cfg, o=o, stats=stats, do=do, which=which: K.backward(
+                    do, q, k, v, None, o, stats, d ** -0.5, False, prec, False, **{which: cfg})
         res = measure(fns, warmup=1, rounds=5, memory=False)
-        flops = 4.0 * 16 * N * N * d * (2.5 if kind == "bwd" else 1.0)
+        flops = 4.0 * 16 * N * N * d * (1.0 if kind == "fwd" else 2.5)
         ranked = sorted((r.ms, n) for n, r in res.items() if r.ms)
         for n, r in res.items():
             out.append({"kind": kind, "dtype": dtn, "precision": prec, "d": d, "config": n, "ms": r.ms,
@@ -230,7 +233,8 @@ def plot(rows, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--tune", choices=["fwd", "bwd", "both"])
+    ap.add_argument("--tune", choices=["fwd", "bwd", "bwdkv", "both"],
+                    help="tile-shape sweep: forward, backward (dQ tile), the dK/dV kernel's tile, or fwd+bwd")
     ap.add_argument("--only", help="with --tune: one dtype or precision (e.g. ieee, bf16)")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--no-bwd", action="store_true")

@@ -235,7 +235,7 @@ def _fwd_kernel(
     H, Nq, Nk, part_len, n_part, scale, qk_scale2,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-    KAHAN: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    KAHAN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -271,33 +271,14 @@ def _fwd_kernel(
     c_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     offs_n0 = tl.arange(0, BLOCK_N)
     # unmasked interior tiles, then the masked tail (partial tile, causal diagonal)
-    if TMA:
-        # half precision, no bias, not causal, D = D_PAD, 16-byte aligned rows (see _use_tma): q, k and
-        # v tiles come by TMA, and with WS the loop is warp-specialised — a loader partition feeding
-        # two consumer warpgroups that each own half of the query tile's rows (Triton ≥ 3.5 on
-        # Hopper). Triton 3.6's pass accepts one loop whose results only the epilogue reads, so the
-        # partial last tile is masked inside it (one select per score) instead of in a tail loop.
-        qd = tl.make_tensor_descriptor(Q + b * sq_b + h * sq_h, shape=[Nq, D], strides=[sq_m, 1],
-                                       block_shape=[BLOCK_M, D])
-        kd = tl.make_tensor_descriptor(K + b * sk_b + h * sk_h, shape=[Nk, D], strides=[sk_n, 1],
-                                       block_shape=[BLOCK_N, D])
-        vd = tl.make_tensor_descriptor(V + b * sv_b + h * sv_h, shape=[Nk, D], strides=[sv_n, 1],
-                                       block_shape=[BLOCK_N, D])
-        q = qd.load([pid_m * BLOCK_M, 0])
-        for start in tl.range(k_lo, k_end, BLOCK_N, warp_specialize=WS):
-            s = tl.where((start + offs_n0)[None, :] < k_end, _dot(q, kd.load([start, 0]).T, PREC), float("-inf"))
-            m_new, alpha, p = _softmax_step(s, m_i, qk_scale2, False, False)  # every tile has a visible key
-            acc, c_acc, s_i, c_s = _fold(p, vd.load([start, 0]), acc, c_acc, s_i, c_s, alpha, PREC, KAHAN)
-            m_i = m_new
-    else:
-        for start in range(k_lo, full_end, BLOCK_N):
-            m_i, s_i, c_s, acc, c_acc = _scan_tile(
-                q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
-                sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
-        for start in range(full_end, k_hi, BLOCK_N):
-            m_i, s_i, c_s, acc, c_acc = _scan_tile(
-                q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
-                sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
+    for start in range(k_lo, full_end, BLOCK_N):
+        m_i, s_i, c_s, acc, c_acc = _scan_tile(
+            q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
+            sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
+    for start in range(full_end, k_hi, BLOCK_N):
+        m_i, s_i, c_s, acc, c_acc = _scan_tile(
+            q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
+            sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
     if PREC == 0 and KAHAN:
         acc -= c_acc
         s_i -= c_s
@@ -323,6 +304,12 @@ def _store_stats(Stats, bh, offs_m, row_ok, Nq, m, s, nonempty):
     st = Stats + bh.to(tl.int64) * 2 * Nq + offs_m
     tl.store(st, tl.where(nonempty, m, float("inf")), mask=row_ok)
     tl.store(st + Nq, tl.where(nonempty, s, 1.0), mask=row_ok)
+
+
+@triton.jit
+def _mean(delta, l):
+    """delta / l per row (see _bwd_delta_kernel); delta (= 0) as is where a row sees no key."""
+    return delta / tl.where(l > 0, l, 1.0)
 
 
 @triton.jit
@@ -530,7 +517,15 @@ def _bwd_delta_kernel(
     gradient, in place of _bwd_preprocess). rowsum(dO ⊙ O) is the same number in exact arithmetic,
     but O carries the forward's rounding, and a bias broadcast along queries sums dS down its
     columns, where that per-row error no longer cancels: such a dbias came out 5× less accurate
-    than PyTorch's."""
+    than PyTorch's.
+
+    The same pass sums l_i = Σ_j P_ij and stores delta / l: the backward's logits need not round
+    exactly as the forward's did (another product order), so its P rows sum to 1 only within
+    that logit error — ~1e-5 with logits of ±100 (cosine attention at τ = 100). With delta
+    unnormalised, Σ_j dS_ij = (1 − l)·delta instead of 0, an error at delta's magnitude, not dS's:
+    dQ/dK came out 4–6× less accurate than PyTorch's. Dividing delta by l makes every row of dS sum
+    to zero; what remains is a relative error l − 1 on dS. (Renormalising P itself was measured
+    worse for dV: P's own error is as small as it gets, its sum is not what dV needs.)"""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r = _query_tile(
@@ -541,12 +536,14 @@ def _bwd_delta_kernel(
         k_hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M + (Nk - Nq))
     offs_n0 = tl.arange(0, BLOCK_N)
     delta = tl.zeros([BLOCK_M], tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, k_hi, BLOCK_N):
         k, p, dp = _p_dp_tile(q, do, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, Bias + b * sb_b + h * sb_h,
                               offs_m, start + offs_n0, offs_d, row_ok, m_r, r_r, Nq, Nk, sk_n, sk_d, sv_n, sv_d,
                               sb_m, sb_n, scale, qk_scale2, D, HAS_BIAS, CAUSAL, PREC, EXACT)
         delta += tl.sum(p * dp, 1)
-    tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, delta, mask=row_ok)
+        l += tl.sum(p, 1)
+    tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, _mean(delta, l), mask=row_ok)
 
 
 @triton.jit
@@ -633,10 +630,6 @@ class Config:
     num_warps: int
     num_stages: int
     kahan: bool = True  # strict float32 only: compensated tile-to-tile sums
-    # forward, half precision without a bias: k/v tiles by TMA (tensor descriptors made on the device)
-    # and, with ws, a warp-specialised interior loop. Used only where _use_tma allows.
-    tma: bool = False
-    ws: bool = False
 
 
 def _pow2(d: int) -> int:
@@ -653,8 +646,10 @@ def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_
     if INTERPRET:
         return Config(32, 32, 1, 1)
     if dtype != torch.float32:
-        if d_pad <= 64:
+        if d_pad <= 32:
             return Config(128, 64, 4, 3)
+        if d_pad <= 64:
+            return Config(128, 64, 8, 3)
         if d_pad <= 128:
             return Config(64, 64, 4, 3)
         return Config(64, 32, 4, 2)
@@ -678,10 +673,12 @@ def bwd_config(dtype: torch.dtype, d_pad: int, precision: str) -> Config:
         return Config(32, 32, 1, 1)
     if dtype != torch.float32:
         if d_pad <= 64:
-            return Config(64, 64, 4, 3)
+            return Config(64, 32, 4, 3)
         if d_pad <= 128:
-            return Config(128, 64, 8, 2)
+            return Config(64, 32, 4, 2)
         return Config(32, 32, 4, 1)
+    if precision == "tf32x3" and d_pad <= 64:
+        return Config(128, 64, 8, 2)
     # strict float32 (FMA products) stages its operands through shared memory: no multi-buffering
     stages = 1 if precision == "ieee" else 2
     if d_pad <= 64:
@@ -689,6 +686,27 @@ def bwd_config(dtype: torch.dtype, d_pad: int, precision: str) -> Config:
     if d_pad <= 128:
         return Config(32, 32, 4, 1)
     return Config(16, 16, 4, 1)
+
+
+def kv_config(dtype: torch.dtype, d_pad: int, precision: str, dq_cfg: Config) -> Config:
+    """Tile shape of the dK/dV kernel: block_m query rows per step, block_n keys per program (the
+    MMAs' M side). Measured separately from the dQ kernel's (benchmarks/attention.py --tune bwdkv);
+    elsewhere the dQ tile with its larger side as keys."""
+    if not INTERPRET:
+        if dtype != torch.float32:
+            if d_pad <= 64:
+                return Config(*_KV_HALF_64)
+            if d_pad <= 128:
+                return Config(*_KV_HALF_128)
+        elif precision == "tf32x3" and d_pad <= 64:
+            return Config(*_KV_TF32X3_64)
+    return Config(min(dq_cfg.block_m, dq_cfg.block_n), max(dq_cfg.block_m, dq_cfg.block_n),
+                  dq_cfg.num_warps, dq_cfg.num_stages)
+
+
+_KV_HALF_64 = (32, 128, 4, 4)
+_KV_HALF_128 = (64, 64, 4, 2)
+_KV_TF32X3_64 = (64, 128, 8, 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -726,36 +744,6 @@ def _strides4(t: Optional[torch.Tensor]) -> tuple[int, int, int, int]:
     return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(4))
 
 
-def _use_tma(q, k, v) -> bool:
-    """Whether q, k and v can be read by TMA descriptors: half precision, a power-of-two head dim,
-    unit stride along it, and 16-byte aligned bases and row strides (what a descriptor requires)."""
-    D = k.shape[-1]
-    if q.dtype not in (torch.float16, torch.bfloat16) or D != _pow2(D) or D > 256:
-        return False
-    for t in (q, k, v):
-        if t.stride(3) != 1 or t.data_ptr() % 16 or (t.stride(2) * t.element_size()) % 16:
-            return False
-    if INTERPRET:
-        return True
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
-        return False
-    _ensure_allocator()
-    return True
-
-
-def _ensure_allocator() -> None:
-    """Device-made tensor descriptors need global scratch: give Triton a torch-backed allocator
-    unless the application installed one. Triton keeps it in a context variable, so this is checked
-    per call (a checkpointed forward may rerun in autograd's thread)."""
-    from triton.runtime import _allocation
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
-
-
 def natural_lse(stats: torch.Tensor, has_bias: bool) -> torch.Tensor:
     """Row log-sum-exp [B, H, Nq] in natural-log units from the kernels' statistics [B, H, 2, Nq]
     (m in log2 units without a bias); +inf for a row that sees no key."""
@@ -785,7 +773,6 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     d_pad = _pow2(D)
     cfg = config or fwd_config(q.dtype, d_pad, precision, Nk, bias is not None)
     n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
-    tma = cfg.tma and bias is None and not causal and _use_tma(q, k, v)
     out = _out_like(q)
     stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
     split = n_part > 1
@@ -803,7 +790,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split, PREC=_PREC[precision], KAHAN=cfg.kahan,
-        TMA=tma, WS=tma and cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         phase2(ms, ss, ws, out, stats, bias is not None)
@@ -827,7 +814,7 @@ def phase2(ms, ss, ws, out, stats, natural: bool):
 
 
 def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precision: str, bias_grad: bool,
-             config: Optional[Config] = None):
+             config: Optional[Config] = None, kv: Optional[Config] = None):
     """Returns (dq, dk, dv, dbias); dbias is None unless ``bias_grad``. Shapes as the inputs'.
     ``stats`` [B,H,2,Nq]: the forward's row statistics."""
     B, H, Nq, D = q.shape
@@ -854,11 +841,11 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     _bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m), B * H)](
         q, k, v, bias_arg, do, stats, delta, dq, *strides, H, Nq, Nk, scale * LOG2E, scale,
         HAS_BIAS=bias is not None, **common)
-    # the dK/dV kernel owns the larger tile side as keys: its products all have the key tile as M
-    kv_m, kv_n = min(cfg.block_m, cfg.block_n), max(cfg.block_m, cfg.block_n)
-    _bwd_dkdv_kernel[(triton.cdiv(Nk, kv_n), B * H)](
+    kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
+    _bwd_dkdv_kernel[(triton.cdiv(Nk, kv.block_n), B * H)](
         q, k, v, bias_arg, do, stats, delta, dk, dv, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, **{**common, "BLOCK_M": kv_m, "BLOCK_N": kv_n})
+        HAS_BIAS=bias is not None, **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n,
+                                      "num_warps": kv.num_warps, "num_stages": kv.num_stages})
     dbias = None
     if bias_grad:
         b1, h1 = bias.shape[0] == 1, bias.shape[1] == 1

@@ -75,7 +75,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import INTERPRET, _PREC, _dot, _load_stats, _pow2, _setup_bwd, _sm_count, _store_stats, _to
+from .attention import (INTERPRET, _PREC, _dot, _load_stats, _mean, _pow2, _setup_bwd, _sm_count, _store_stats,
+                        _to)
 
 BLOCKS = (64, 128, 256)
 MAX_TOKENS = 256
@@ -283,6 +284,8 @@ def _win_bwd_fused_kernel(
         dv = _dot(tl.trans(_to(p, do.dtype)), do, PREC)
         dp = _dot(do, tl.trans(v), PREC)
         delta = tl.sum(p * dp, 1)  # = rowsum(dO ⊙ O), exact: the tile holds every key of the row
+        if EXACT:  # Σ_j dS_ij = 0 (see kernels/attention.py _bwd_delta_kernel)
+            delta = _mean(delta, tl.sum(p, 1))
         ds = p * (dp - delta[:, None])
         dq = _dot(_to(ds, k.dtype), k, PREC) * scale
         dk = _dot(tl.trans(_to(ds, q.dtype)), q, PREC) * scale
@@ -315,6 +318,7 @@ def _win_bwd_dq_kernel(
     arithmetic, but O carries the forward's rounding, not this P's, and dS = P ⊙ (dP − delta)
     cancels: with it float32 gradients (dbias most) come out 2–4× less accurate than PyTorch's.
     In half precision, where P is rounded to 8–11 bits for the dots, rowsum(dO ⊙ O) it is.
+    Float32 divides it by Σ_j P_ij (see kernels/attention.py _bwd_delta_kernel).
     ONE_TILE (float32, N ≤ BLOCK_N): the row is one key tile, so delta comes free in a single pass."""
     h = tl.program_id(1).to(tl.int64)
     pid_m, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M), WPP, BW)
@@ -337,17 +341,21 @@ def _win_bwd_dq_kernel(
                                  N, NR, scale, D, HAS_BIAS, HAS_MASK, PREC)
             p = _probs2(s, m_r, r_r, EXACT)
             dp = _dot(do, tl.trans(v), PREC)
-            delta = tl.sum(p * dp, 1)
+            delta = _mean(tl.sum(p * dp, 1), tl.sum(p, 1))
             tl.store(Delta + (rr * H + h) * N + offs_m, delta, mask=row_ok)
             dq = _dot(_to(p * (dp - delta[:, None]), k.dtype), k, PREC)
         else:
             if EXACT:
                 delta = tl.zeros([BLOCK_M], tl.float32)
+                l = tl.zeros([BLOCK_M], tl.float32)
                 for start in range(0, N, BLOCK_N):
                     offs_n = start + offs_n0
                     k, v, s = _kv_logits(q, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n,
                                          sk_d, sv_n, sv_d, N, NR, scale, D, HAS_BIAS, HAS_MASK, PREC)
-                    delta += tl.sum(_probs2(s, m_r, r_r, EXACT) * _dot(do, tl.trans(v), PREC), 1)
+                    p = _probs2(s, m_r, r_r, EXACT)
+                    delta += tl.sum(p * _dot(do, tl.trans(v), PREC), 1)
+                    l += tl.sum(p, 1)
+                delta = _mean(delta, l)
             else:
                 o = _load_rows(Out + rr * so_b + h * so_h, offs_m, offs_d, so_n, so_d, N, D)
                 delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)

@@ -295,28 +295,6 @@ def test_large_logits_cosine_attention(backend):
     check_case(q, k, v, bias=bias, scale=100.0, backend=backend, precision="ieee")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("nq,nk,d,parts", [(64, 100, 64, 1), (40, 64, 32, 1), (33, 130, 64, 2), (7, 1, 32, 1)])
-def test_tma_forward_path(dtype, nq, nk, d, parts):
-    """The TMA / warp-specialised forward loop (Config.tma / .ws) on strided q/k/v views laid out as
-    timm's qkv projection gives them: same output and statistics as the pointer path (bitwise under
-    the interpreter, which runs no warp specialisation) and within the §7 rule of the oracle."""
-    from elsa_vision.kernels import attention as K
-    from oracle_check import assert_close_to_oracle, torch_same_dtype
-    g = torch.Generator().manual_seed(nq + nk + d)
-    qkv_ = torch.randn(2, max(nq, nk), 3, 2, d, generator=g).to(DEVICE, dtype).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv_[0][:, :, :nq], qkv_[1][:, :, :nk], qkv_[2][:, :, :nk]
-    assert K._use_tma(q, k, v)
-    res = [K.forward(q, k, v, None, d ** -0.5, False, "native", parts, config=K.Config(32, 32, 1, 1, tma=t, ws=t))
-           for t in (False, True)]
-    (o0, s0), (o1, s1) = res
-    assert torch.equal(o0, o1) and torch.equal(s0, s1)
-    assert_close_to_oracle(o1, verify.oracle(q, k, v), torch_same_dtype(q, k, v))
-    # a view whose rows are not 16-byte aligned cannot be a TMA descriptor: the pointer path runs
-    assert not K._use_tma(q, qkv_[1][:, :, :nk, 1:], qkv_[2][:, :, :nk, 1:])
-
-
-
 @pytest.mark.parametrize("nq,nk,d,bshape,seed", [(23, 9, 80, (9,), 45887), (64, 40, 32, (2, 1, 1, 40), 3)])
 def test_query_broadcast_bias_gradient(nq, nk, d, bshape, seed):
     """A bias broadcast along queries (a key-padding bias) sums dS down each key's column, where a
