@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from triton import knobs as _knobs
+from triton.runtime import driver as _driver
 
 INTERPRET = bool(_knobs.runtime.interpret)
 
@@ -633,7 +634,50 @@ class Config:
 
 
 def _pow2(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return 1 << max(4, (int(d) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    # host arithmetic in plain Python: triton.cdiv / next_power_of_2 are constexpr functions since
+    # Triton 3.5, a few microseconds a call on the launch path
+    return -(-a // b)
+
+
+# Kernels launched before, by (kernel, device, Triton's specialisation of the arguments, options).
+_LAUNCHED: dict = {}
+
+
+def _hooked(hook) -> bool:
+    # Triton ≥ 3.6 keeps a (possibly empty) HookChain here, older versions None or a callable
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch(fn, grid: tuple, *args, **meta):
+    """``fn[grid](*args, **meta)`` with Triton's per-call host work cut to what a compiled kernel
+    needs. Triton's own launch re-derives the compile options, checks the kernel's global values and
+    builds launch metadata on every call — about 80 µs on an H200 host, more than the whole GPU time
+    of a ViT-sized attention (a Swin-T training step makes 48 such calls). Here the arguments are
+    specialised by Triton's own binder (so a kernel compiled for other strides, alignments or
+    constants is never reused) and a kernel seen before is launched directly. The first launch of
+    each specialisation, the interpreter, and a profiler's launch hooks take Triton's path."""
+    if INTERPRET or _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook):
+        return fn[grid](*args, **meta)
+    dev = torch.cuda.current_device()
+    caches = fn.device_caches.get(dev)
+    if caches is None:
+        return fn[grid](*args, **meta)
+    params, spec, opts = caches[4](*args, **meta)
+    key = (fn, dev, tuple(spec), tuple(opts.items()), _knobs.runtime.debug)
+    kernel = _LAUNCHED.get(key)
+    if kernel is None:
+        kernel = fn[grid](*args, **meta)
+        _LAUNCHED[key] = kernel.result() if hasattr(kernel, "result") else kernel
+        return kernel
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    kernel.run(grid[0], g1, g2, _driver.active.get_current_stream(dev), kernel.function, kernel.packed_metadata,
+               None, None, None, *params.values())
+    return kernel
 
 
 def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_bias: bool = False) -> Config:
@@ -724,17 +768,17 @@ def plan_partitions(batch_heads: int, nq: int, nk: int, block_m: int, block_n: i
     grid that already fills the SMs once is not split (at N = 1041, B·H = 16 a split doubled the
     peak memory for no gain).
     """
-    n_tiles = max(1, triton.cdiv(nk, block_n))
+    n_tiles = max(1, _cdiv(nk, block_n))
     if requested is not None:
         want = max(1, min(int(requested), n_tiles))
     else:
-        base = triton.cdiv(nq, block_m) * batch_heads
+        base = _cdiv(nq, block_m) * batch_heads
         sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
-        want = 1 if base >= sms else min(n_tiles, triton.cdiv(2 * sms, base))
+        want = 1 if base >= sms else min(n_tiles, _cdiv(2 * sms, base))
         # a partition shorter than four tiles pays more in summary traffic than it gains in parallelism
         want = max(1, min(want, n_tiles // 4 or 1))
-    tiles_per = triton.cdiv(n_tiles, want)
-    return triton.cdiv(n_tiles, tiles_per), tiles_per * block_n
+    tiles_per = _cdiv(n_tiles, want)
+    return _cdiv(n_tiles, tiles_per), tiles_per * block_n
 
 
 def _strides4(t: Optional[torch.Tensor]) -> tuple[int, int, int, int]:
@@ -783,8 +827,8 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     else:
         ms = ss = ws = stats  # unused placeholders
     bias_arg = bias if bias is not None else q
-    grid = (triton.cdiv(Nq, cfg.block_m), B * H, n_part)
-    _fwd_kernel[grid](
+    grid = (_cdiv(Nq, cfg.block_m), B * H, n_part)
+    launch(_fwd_kernel, grid,
         q, k, v, bias_arg, out, stats, ms, ss, ws,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_strides4(bias),
         H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
@@ -807,7 +851,7 @@ def phase2(ms, ss, ws, out, stats, natural: bool):
     B, H, Nq, D = out.shape
     d_pad = ws.shape[-1]
     bm2 = 16 if INTERPRET else (64 if d_pad <= 128 else 32)
-    _merge_kernel[(triton.cdiv(Nq, bm2), B * H)](
+    launch(_merge_kernel, (_cdiv(Nq, bm2), B * H),
         ms, ss, ws, out, stats, *out.stride(), H, Nq, ms.shape[1],
         D=D, D_PAD=d_pad, BLOCK_M=bm2, NATURAL=natural, num_warps=4,
     )
@@ -831,18 +875,18 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
                   EXACT=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *_strides4(bias))
     if bias_grad and q.dtype == torch.float32:  # delta from P and dP (see _bwd_delta_kernel)
-        _bwd_delta_kernel[(triton.cdiv(Nq, cfg.block_m), B * H)](
+        launch(_bwd_delta_kernel, (_cdiv(Nq, cfg.block_m), B * H),
             q, k, v, bias_arg, do, stats, delta, *strides, H, Nq, Nk, scale * LOG2E, scale,
             HAS_BIAS=bias is not None, **common)
     else:
         bm0 = 16 if INTERPRET else 64
-        _bwd_preprocess[(triton.cdiv(Nq, bm0), B * H)](
+        launch(_bwd_preprocess, (_cdiv(Nq, bm0), B * H),
             out, do, delta, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0)
-    _bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m), B * H)](
+    launch(_bwd_dq_kernel, (_cdiv(Nq, cfg.block_m), B * H),
         q, k, v, bias_arg, do, stats, delta, dq, *strides, H, Nq, Nk, scale * LOG2E, scale,
         HAS_BIAS=bias is not None, **common)
     kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
-    _bwd_dkdv_kernel[(triton.cdiv(Nk, kv.block_n), B * H)](
+    launch(_bwd_dkdv_kernel, (_cdiv(Nk, kv.block_n), B * H),
         q, k, v, bias_arg, do, stats, delta, dk, dv, *strides, H, Nq, Nk, scale * LOG2E, scale,
         HAS_BIAS=bias is not None, **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n,
                                       "num_warps": kv.num_warps, "num_stages": kv.num_stages})
@@ -855,7 +899,7 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
         # tiles of d ≥ 128, ptxas (sm_90) gave this kernel 32 registers and 14 KB of spills; 64×32
         # has 255 and 320 bytes. (The FMA products of "ieee" go the other way: they keep 32 rows.)
         db_m = cfg.block_m if INTERPRET or precision == "ieee" else max(64, cfg.block_m)
-        _bwd_dbias_kernel[(triton.cdiv(Nq, db_m), triton.cdiv(Nk, cfg.block_n), Bb * Hb)](
+        launch(_bwd_dbias_kernel, (_cdiv(Nq, db_m), _cdiv(Nk, cfg.block_n), Bb * Hb),
             q, k, v, bias, do, stats, delta, dfull, *strides, B, H, Hb, Nq, Nk, scale, scale * LOG2E,
             BIAS_B1=b1, BIAS_H1=h1,
             **{**common, "BLOCK_M": db_m, "num_stages": 1})  # its batch/head loop needs no prefetch

@@ -75,8 +75,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import (INTERPRET, _PREC, _dot, _load_stats, _mean, _pow2, _setup_bwd, _sm_count, _store_stats,
-                        _to)
+from .attention import (INTERPRET, _PREC, _cdiv, _dot, _load_stats, _mean, _pow2, _setup_bwd, _sm_count,
+                        _store_stats, _to, launch)
 
 BLOCKS = (64, 128, 256)
 MAX_TOKENS = 256
@@ -599,10 +599,10 @@ def plan_runs(bw: int, programs_per_run: int, min_windows: int, device: torch.de
         wpp = int(requested)
     else:
         sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
-        runs = max(1, min(bw, triton.cdiv(per_sm * sms, programs_per_run)))
-        wpp = max(min_windows, triton.cdiv(bw, runs))
+        runs = max(1, min(bw, _cdiv(per_sm * sms, programs_per_run)))
+        wpp = max(min_windows, _cdiv(bw, runs))
     wpp = max(1, min(wpp, bw))
-    return wpp, triton.cdiv(bw, wpp)
+    return wpp, _cdiv(bw, wpp)
 
 
 def _bnhd_empty(bw: int, h: int, n: int, d: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -627,7 +627,7 @@ def _table(x: torch.Tensor, nr: int) -> tuple[torch.Tensor, int]:
 
 def _tables(bias, mask, n: int, like: torch.Tensor):
     """(bias table, its head stride, mask table, NR); absent inputs become a placeholder pointer."""
-    nr = triton.cdiv(n, 16) * 16
+    nr = _cdiv(n, 16) * 16
     bt, sb_h = _table(bias, nr) if bias is not None else (like, 0)
     mt = _table(mask, nr)[0] if mask is not None else like
     if mask is not None and mt.stride(0) != nr * nr:  # the kernel steps windows by NR·NR
@@ -654,9 +654,9 @@ def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
         stats[:, :, 0], stats[:, :, 1] = float("inf"), 1.0
         return out.zero_(), stats
     bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q)
-    n_mt = triton.cdiv(N, pl.fwd_m)
+    n_mt = _cdiv(N, pl.fwd_m)
     wpp, runs = plan_runs(BW, n_mt * H, pl.min_windows, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
-    _win_fwd_kernel[(runs * n_mt, H)](
+    launch(_win_fwd_kernel, (runs * n_mt, H),
         q, k, v, bt, mt, out, stats,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), sb_h,
         BW, H, N, nr, nW, wpp, scale,
@@ -693,7 +693,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
         wpp, runs = plan_runs(BW, H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
         if bias_grad:
             dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
-        _win_bwd_fused_kernel[(runs, H)](
+        launch(_win_bwd_fused_kernel, (runs, H),
             q, k, v, bt, mt, do, stats, dq, dk, dv, dparts if bias_grad else stats,
             *qkv_do, *g3, sb_h, *rest, wpp, scale,
             BLOCK=pl.n_pad, HAS_BIAS=has_bias, BIAS_REGS=pl.bias_regs, BIAS_GRAD=bias_grad,
@@ -701,28 +701,28 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     else:
         delta = torch.empty((BW, H, N), device=q.device, dtype=torch.float32)
         o_arg = out if pl.reads_out else q  # float32 forms delta from P and dP
-        n_mt = triton.cdiv(N, pl.dq_m)
+        n_mt = _cdiv(N, pl.dq_m)
         wpp, runs = plan_runs(BW, n_mt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
-        _win_bwd_dq_kernel[(runs * n_mt, H)](
+        launch(_win_bwd_dq_kernel, (runs * n_mt, H),
             q, k, v, bt, mt, do, o_arg, stats, delta, dq,
             *qkv_do, *o_arg.stride(), *g3, sb_h, *rest, wpp, scale,
             BLOCK_M=pl.dq_m, BLOCK_N=pl.dq_n, HAS_BIAS=has_bias, ONE_TILE=pl.n_pad <= pl.dq_n,
             num_warps=pl.dq_warps, **common)
-        n_nt = triton.cdiv(N, pl.kv_n)
+        n_nt = _cdiv(N, pl.kv_n)
         wpp, runs = plan_runs(BW, n_nt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
         db_in_kv = bias_grad and nr <= pl.kv_m  # one query tile covers the [NR, NR] bias table's rows
         if db_in_kv:
             dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
-        _win_bwd_dkdv_kernel[(runs * n_nt, H)](
+        launch(_win_bwd_dkdv_kernel, (runs * n_nt, H),
             q, k, v, bt, mt, do, stats, delta, dk, dv, dparts if db_in_kv else delta,
             *qkv_do, *g3, sb_h, *rest, wpp, scale,
             BLOCK_M=pl.kv_m, BLOCK_N=pl.kv_n, HAS_BIAS=has_bias, BIAS_GRAD=db_in_kv, num_warps=pl.kv_warps,
             **common)
         if bias_grad and not db_in_kv:
-            n_tiles = triton.cdiv(N, pl.db_m) * triton.cdiv(N, pl.db_n)
+            n_tiles = _cdiv(N, pl.db_m) * _cdiv(N, pl.db_n)
             wpp, runs = plan_runs(BW, n_tiles * H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
             dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
-            _win_bwd_dbias_kernel[(runs * n_tiles, H)](
+            launch(_win_bwd_dbias_kernel, (runs * n_tiles, H),
                 q, k, v, bt, mt, do, stats, delta, dparts,
                 *qkv_do, sb_h, *rest, wpp, scale,
                 BLOCK_M=pl.db_m, BLOCK_N=pl.db_n, num_warps=pl.db_warps, **common)
