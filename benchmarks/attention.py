@@ -3,6 +3,7 @@
     python benchmarks/attention.py              # full sweep → benchmarks/results/<device>/attention.{csv,png}
     python benchmarks/attention.py --quick      # N 4K/16K, d 64
     python benchmarks/attention.py --tune fwd   # tile-shape sweep for the kernel config tables
+                                                # (bwd: the dQ tile; bwdkv: the dK/dV kernel's own)
 
 TF/s counts 4·Nq·Nk·d·H·B FLOPs for a forward (2 matmuls) and 3.5× that for forward+backward.
 Error: max |out − float64 oracle| over a sample of query rows (all keys). Peak memory: bytes
