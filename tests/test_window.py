@@ -251,6 +251,36 @@ def test_autocast_and_custom_op():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_mask_table_is_kept_per_mask_and_follows_in_place_changes():
+    """The padded [nW, NR, NR] copy of a shift mask is made once per mask tensor, made again after
+    an in-place change (version counter), dropped with the mask, and never made for a mask the
+    kernel reads as is (N a multiple of 16)."""
+    import gc
+    from elsa_vision.kernels import window as W
+    m = torch.randn(4, 49, 49)
+    t1 = W._tables(None, m, 49, m)[2]
+    assert W._tables(None, m, 49, m)[2] is t1
+    assert t1.shape == (4, 64, 64) and torch.equal(t1[:, :49, :49], m) and not t1[:, 49:].any()
+    m.add_(1)
+    t2 = W._tables(None, m, 49, m)[2]
+    assert t2 is not t1 and torch.equal(t2[:, :49, :49], m)
+    n = len(W._MASK_TABLES)
+    del m, t1, t2
+    gc.collect()
+    assert len(W._MASK_TABLES) == n - 1
+    m64 = torch.randn(4, 64, 64)
+    assert W._tables(None, m64, 64, m64)[2] is m64 and len(W._MASK_TABLES) == n - 1
+
+
+@needs_interp
+def test_in_place_mask_change_reaches_the_kernel():
+    q, k, v, b, m = _inputs(1, 4, 2, 49, 16, torch.float32)
+    _check(q, k, v, b, m, grads=False, backend="triton")
+    with torch.no_grad():
+        m[1:] = torch.where(m[1:] == 0, -100.0, 0.0)  # regions swapped in place
+    _check(q, k, v, b, m, backend="triton")
+
+
 @needs_interp
 def test_torch_compile_fullgraph():
     q, k, v, b, m = _inputs(2, 4, 2, 49, 32, torch.float32)
