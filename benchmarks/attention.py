@@ -154,9 +154,11 @@ CANDIDATES = {
     ("fwd", "fp32", "tf32x3", 64): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4)],
     ("fwd", "fp32", "tf32x3", 128): [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
     ("fwd", "fp32", "tf32x3", 32): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
-    # a fifth entry False turns off the Kahan compensation of the strict-fp32 running sums
+    # a fifth entry False turns off the Kahan compensation of the strict-fp32 running sums; a sixth
+    # folds the keys a chunk at a time (Config.chunk), the other way to bound that rounding
     ("fwd", "fp32", "ieee", 64): [(64, 64, 4, 2), (64, 64, 4, 2, False), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2),
-                                  (64, 64, 8, 2), (32, 64, 2, 2)],
+                                  (64, 64, 8, 2), (32, 64, 2, 2), (64, 64, 4, 2, False, 2048),
+                                  (64, 64, 4, 2, False, 1024), (32, 64, 4, 2, False, 2048)],
     ("fwd", "fp32", "ieee", 128): [(64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2, False)],
     ("fwd", "fp32", "tf32", 64): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
     ("bwd", "bf16", "native", 64): [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
@@ -185,7 +187,8 @@ def tune(kinds=("fwd", "bwd"), N=16384, only=None):
         fns = {}
         for cand in cands:
             cfg = K.Config(*cand)
-            name = "{}x{}w{}s{}".format(*cand) + ("" if cfg.kahan else "-nokahan")
+            name = "{}x{}w{}s{}".format(*cand) + ("" if cfg.kahan else "-nokahan") + \
+                (f"-chunk{cfg.chunk}" if cfg.chunk else "")
             if kind == "fwd":
                 fns[name] = lambda cfg=cfg: K.forward(q, k, v, None, d ** -0.5, False, prec, 1, config=cfg)
             else:

@@ -236,8 +236,15 @@ def _fwd_kernel(
     H, Nq, Nk, part_len, n_part, scale, qk_scale2,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-    KAHAN: tl.constexpr,
+    KAHAN: tl.constexpr, CHUNK: tl.constexpr,
 ):
+    """Phase 1 (and, unsplit, its epilogue). CHUNK > 0 (float32, unsplit): the interior key tiles
+    are folded CHUNK keys at a time into a fresh state, and each chunk's state is merged with the
+    monoid operator into the running one, whose W lives in this program's rows of Out (float32):
+    the two-level scan inside one program. Rounding then accumulates over CHUNK / BLOCK_N tile sums
+    plus Nk / CHUNK merges instead of Nk / BLOCK_N tile sums, at no register cost — Kahan
+    compensation, the other way to bound it, doubles the accumulator registers (at 64×64 tiles it
+    spilled to 1.8 TF/s)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     part = tl.program_id(2)
@@ -272,15 +279,43 @@ def _fwd_kernel(
     c_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     offs_n0 = tl.arange(0, BLOCK_N)
     # unmasked interior tiles, then the masked tail (partial tile, causal diagonal)
-    for start in range(k_lo, full_end, BLOCK_N):
-        m_i, s_i, c_s, acc, c_acc = _scan_tile(
-            q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
-            sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
-    for start in range(full_end, k_hi, BLOCK_N):
-        m_i, s_i, c_s, acc, c_acc = _scan_tile(
-            q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
-            sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
-    if PREC == 0 and KAHAN:
+    if CHUNK > 0:
+        o_ptrs = Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d
+        o_mask = (offs_m[:, None] < Nq) & (offs_d[None, :] < D)
+        m_t = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        s_t = tl.zeros([BLOCK_M], tl.float32)
+        for c0 in range(k_lo, full_end, CHUNK):
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            s_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+            for start in range(c0, tl.minimum(c0 + CHUNK, full_end), BLOCK_N):
+                m_i, s_i, c_s, acc, c_acc = _scan_tile(
+                    q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n,
+                    sv_n, sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC,
+                    False)
+            w_t = tl.load(o_ptrs, mask=o_mask & (c0 > k_lo), other=0.0)
+            m_t, s_t, w_t = _combine(m_t, s_t, w_t, m_i, s_i, acc, HAS_BIAS)
+            tl.store(o_ptrs, w_t, mask=o_mask)
+            tl.debug_barrier()  # the next chunk's load may be another thread's store
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        s_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        for start in range(full_end, k_hi, BLOCK_N):
+            m_i, s_i, c_s, acc, c_acc = _scan_tile(
+                q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
+                sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, False)
+        w_t = tl.load(o_ptrs, mask=o_mask & (full_end > k_lo), other=0.0)
+        m_i, s_i, acc = _combine(m_t, s_t, w_t, m_i, s_i, acc, HAS_BIAS)
+    else:
+        for start in range(k_lo, full_end, BLOCK_N):
+            m_i, s_i, c_s, acc, c_acc = _scan_tile(
+                q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
+                sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
+        for start in range(full_end, k_hi, BLOCK_N):
+            m_i, s_i, c_s, acc, c_acc = _scan_tile(
+                q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
+                sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
+    if PREC == 0 and KAHAN and CHUNK == 0:
         acc -= c_acc
         s_i -= c_s
 
@@ -329,6 +364,21 @@ def _load_stats(Stats, bh, offs_m, row_ok, Nq, NATURAL: tl.constexpr, EXACT: tl.
 
 
 @triton.jit
+def _combine(ma, sa, wa, mb, sb, wb, NATURAL: tl.constexpr):
+    """The monoid operator on two row states (m [BM], S [BM], W [BM, D_PAD]); m in natural units
+    when NATURAL, else log2 units. A pair of empty states (m = −inf) gives the identity, not NaN."""
+    m = tl.maximum(ma, mb)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    if NATURAL:
+        a = tl.math.exp2((ma - m_safe) * 1.4426950408889634)
+        c = tl.math.exp2((mb - m_safe) * 1.4426950408889634)
+    else:
+        a = tl.math.exp2(ma - m_safe)
+        c = tl.math.exp2(mb - m_safe)
+    return m, sa * a + sb * c, wa * a[:, None] + wb * c[:, None]
+
+
+@triton.jit
 def _merge_kernel(
     Ms, Ss, Ws, Out, Stats, so_b, so_h, so_m, so_d, H, Nq, n_part,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, NATURAL: tl.constexpr,
@@ -348,17 +398,7 @@ def _merge_kernel(
         mp = tl.load(Ms + srow, mask=row_ok, other=float("-inf"))
         sp = tl.load(Ss + srow, mask=row_ok, other=0.0)
         wp = tl.load(Ws + srow[:, None] * D_PAD + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        m_new = tl.maximum(m, mp)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if NATURAL:
-            a = tl.math.exp2((m - m_safe) * 1.4426950408889634)
-            c = tl.math.exp2((mp - m_safe) * 1.4426950408889634)
-        else:
-            a = tl.math.exp2(m - m_safe)
-            c = tl.math.exp2(mp - m_safe)
-        s = s * a + sp * c
-        w = w * a[:, None] + wp * c[:, None]
-        m = m_new
+        m, s, w = _combine(m, s, w, mp, sp, wp, NATURAL)
     nonempty = s > 0
     out = w / tl.where(nonempty, s, 1.0)[:, None]
     b = (bh // H).to(tl.int64)
@@ -631,6 +671,7 @@ class Config:
     num_warps: int
     num_stages: int
     kahan: bool = True  # strict float32 only: compensated tile-to-tile sums
+    chunk: int = 0      # float32 forward: keys per chunk of the in-program two-level scan (0 = off)
 
 
 def _pow2(d: int) -> int:
@@ -820,6 +861,8 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     out = _out_like(q)
     stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
     split = n_part > 1
+    # the chunked scan keeps its running W in Out: float32 outputs of an unsplit launch only
+    chunk = 0 if split or q.dtype != torch.float32 or cfg.chunk <= 0 else max(1, cfg.chunk // cfg.block_n) * cfg.block_n
     if split:
         ms = torch.empty((B * H, n_part, Nq), device=q.device, dtype=torch.float32)
         ss = torch.empty_like(ms)
@@ -834,7 +877,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split, PREC=_PREC[precision], KAHAN=cfg.kahan,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CHUNK=chunk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         phase2(ms, ss, ws, out, stats, bias is not None)

@@ -44,6 +44,19 @@ def test_forward_long_rows_sampled(n, dtype, precision):
     assert_close_to_oracle(out[:, :, idx], ref, same, rel_l2=2e-6 if dtype == torch.float32 else None)
 
 
+@pytest.mark.parametrize("n", [16384, 65536])
+@pytest.mark.parametrize("chunk", [1024, 4096])
+def test_chunked_strict_fp32_long_rows(n, chunk):
+    """The chunked scan (Config.chunk) with the uncompensated 64×64 strict-float32 tile: the 2e-6
+    relative-L2 bound that the plain tile misses beyond 8K keys."""
+    from elsa_vision.kernels import attention as K
+    q, k, v = qkv(1, 4, n, n, 64, torch.float32, seed=2)
+    out, _ = K.forward(q, k, v, None, 0.125, False, "ieee", 1, config=K.Config(64, 64, 4, 2, kahan=False, chunk=chunk))
+    idx = torch.linspace(0, n - 1, 64, device="cuda").long()
+    qs = q[:, :, idx]
+    assert_close_to_oracle(out[:, :, idx], verify.oracle(qs, k, v), torch_same_dtype(qs, k, v), rel_l2=2e-6)
+
+
 @pytest.mark.parametrize("nq,nk", [(1, 131072), (16, 131072), (64, 100000), (1041, 104100)])
 def test_few_queries_split(nq, nk):
     q, k, v = qkv(1, 16, nq, nk, 64, torch.float32, seed=3)
