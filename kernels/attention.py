@@ -564,9 +564,9 @@ def _bwd_delta_kernel(
     exactly as the forward's did (another product order), so its P rows sum to 1 only within
     that logit error — ~1e-5 with logits of ±100 (cosine attention at τ = 100). With delta
     unnormalised, Σ_j dS_ij = (1 − l)·delta instead of 0, an error at delta's magnitude, not dS's:
-    dQ/dK came out 4–6× less accurate than PyTorch's. Dividing delta by l makes every row of dS sum
-    to zero; what remains is a relative error l − 1 on dS. (Renormalising P itself was measured
-    worse for dV: P's own error is as small as it gets, its sum is not what dV needs.)"""
+    dQ/dK came out 3–8× less accurate than PyTorch's on the H200. Dividing delta by l makes every
+    row of dS sum to zero; what remains is a relative error l − 1 on dS. (Renormalising P itself
+    was measured worse for dV: P's own error is as small as it gets, its sum is not what dV needs.)"""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r = _query_tile(
