@@ -621,7 +621,8 @@ def _table(x: torch.Tensor, nr: int) -> tuple[torch.Tensor, int]:
         return x, x.stride(0)
     lead0 = x.shape[0] > 1 and x.stride(0) == 0
     src = x[:1] if lead0 else x
-    return torch.nn.functional.pad(src, (0, nr - n, 0, nr - n)), (0 if lead0 else nr * nr)
+    # (with nothing to pad, pad returns a copy in the input's strides: hence contiguous())
+    return torch.nn.functional.pad(src, (0, nr - n, 0, nr - n)).contiguous(), (0 if lead0 else nr * nr)
 
 
 # id(mask) → (weak reference, version, data pointer, NR, table)

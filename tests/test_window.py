@@ -272,6 +272,17 @@ def test_mask_table_is_kept_per_mask_and_follows_in_place_changes():
     assert W._tables(None, m64, 64, m64)[2] is m64 and len(W._MASK_TABLES) == n - 1
 
 
+def test_tables_are_laid_out_for_the_kernel():
+    """A bias that needs no padding but is not row-major (Swin v2's is a permuted view) still comes
+    out with unit column stride and row stride NR, as the kernel reads it."""
+    from elsa_vision.kernels import window as W
+    for n in (49, 64):
+        b = torch.randn(n, n, 3).permute(2, 0, 1)
+        t, sb_h = W._table(b, W._cdiv(n, 16) * 16)
+        nr = W._cdiv(n, 16) * 16
+        assert t.stride()[1:] == (nr, 1) and sb_h == t.stride(0) and torch.equal(t[:, :n, :n], b)
+
+
 @needs_interp
 def test_in_place_mask_change_reaches_the_kernel():
     q, k, v, b, m = _inputs(1, 4, 2, 49, 16, torch.float32)
