@@ -292,7 +292,7 @@ def _fwd_kernel(
                 m_i, s_i, c_s, acc, c_acc = _scan_tile(
                     q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n,
                     sv_n, sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC,
-                    False)
+                    KAHAN)
             w_t = tl.load(o_ptrs, mask=o_mask & (c0 > k_lo), other=0.0)
             m_t, s_t, w_t = _combine(m_t, s_t, w_t, m_i, s_i, acc, HAS_BIAS)
             tl.store(o_ptrs, w_t, mask=o_mask)
@@ -300,22 +300,19 @@ def _fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         s_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        for start in range(full_end, k_hi, BLOCK_N):
-            m_i, s_i, c_s, acc, c_acc = _scan_tile(
-                q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
-                sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, False)
-        w_t = tl.load(o_ptrs, mask=o_mask & (full_end > k_lo), other=0.0)
-        m_i, s_i, acc = _combine(m_t, s_t, w_t, m_i, s_i, acc, HAS_BIAS)
     else:
         for start in range(k_lo, full_end, BLOCK_N):
             m_i, s_i, c_s, acc, c_acc = _scan_tile(
                 q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
                 sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
-        for start in range(full_end, k_hi, BLOCK_N):
-            m_i, s_i, c_s, acc, c_acc = _scan_tile(
-                q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
-                sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
-    if PREC == 0 and KAHAN and CHUNK == 0:
+    for start in range(full_end, k_hi, BLOCK_N):
+        m_i, s_i, c_s, acc, c_acc = _scan_tile(
+            q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
+            sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
+    if CHUNK > 0:  # the tail joins the chunks' running state
+        w_t = tl.load(o_ptrs, mask=o_mask & (full_end > k_lo), other=0.0)
+        m_i, s_i, acc = _combine(m_t, s_t, w_t, m_i, s_i, acc, HAS_BIAS)
+    if PREC == 0 and KAHAN:
         acc -= c_acc
         s_i -= c_s
 
@@ -877,8 +874,8 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_strides4(bias),
         H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split, PREC=_PREC[precision], KAHAN=cfg.kahan,
-        CHUNK=chunk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split, PREC=_PREC[precision],
+        KAHAN=cfg.kahan and not chunk, CHUNK=chunk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         phase2(ms, ss, ws, out, stats, bias is not None)
