@@ -15,14 +15,19 @@ def round_tf32(x):
     return ((bits + 0x1000) & -0x2000).view(torch.float32)
 
 
+def tf32_operand(t):
+    """t with tf32-rounded values forward and an identity gradient (autograd's matmuls then read
+    the rounded operands), as a TF32 matmul sees it."""
+    return t + (round_tf32(t.detach()) - t.detach())
+
+
 def torch_same_dtype(q, k, v, bias=None, scale=None, causal=False, tf32=False):
     """Plain softmax attention in the inputs' dtype (the 'same-dtype reference' of the rule).
     ``tf32``: both matmuls take tf32-rounded operands with float32 accumulation, on any device."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    # rounded values forward, identity gradient (autograd's matmuls then read the rounded operands)
-    r = (lambda t: t + (round_tf32(t.detach()) - t.detach())) if tf32 else (lambda t: t)
+    r = tf32_operand if tf32 else (lambda t: t)
     try:
         s = torch.matmul(r(q), r(k).transpose(-1, -2)) * scale
         if bias is not None:
