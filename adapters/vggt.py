@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from ..api import attention
+from ..kernels import nearest as _nearest_kernel
 from .registry import Adapter, PatchState, register
 
 # --------------------------------------------------------------------------------------------
@@ -249,19 +250,41 @@ class MergePlan:
 def _nearest(metric: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype,
              budget: int = 1 << 28):
     """Per batch element, each source's most cosine-similar destination: (similarity [B, Ns] float32,
-    destination row [B, Ns] int64). Scores are formed in chunks of ≤ ``budget`` elements."""
+    destination row [B, Ns] int64). The unit vectors are rounded to ``dtype`` and their products
+    accumulated in float32 (float64 for float64); ties go to the first destination. bf16/fp16 on a
+    GPU: the fused kernel (kernels/nearest.py); otherwise scores are formed in chunks of ≤ ``budget``."""
     B = metric.shape[0]
-    sim = torch.empty(B, src.numel(), dtype=torch.float32, device=metric.device)
-    best = torch.empty(B, src.numel(), dtype=torch.int64, device=metric.device)
-    rows = max(1, budget // max(dst.numel(), 1))
+    ns, nd = src.numel(), dst.numel()
+    sim = torch.empty(B, ns, dtype=torch.float32, device=metric.device)
+    best = torch.empty(B, ns, dtype=torch.int64, device=metric.device)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    rows = max(1, budget // max(nd, 1))
+
+    def unit(idx):  # [n, C] unit rows in the similarity dtype, normalized in float32
+        return F.normalize(metric[b].index_select(0, idx).float(), dim=-1).to(dtype)
+
     with torch.autocast(metric.device.type, enabled=False):
         for b in range(B):
-            d = F.normalize(metric[b].index_select(0, dst).float(), dim=-1).to(dtype)
-            for i in range(0, src.numel(), rows):
-                s = F.normalize(metric[b].index_select(0, src[i:i + rows]).float(), dim=-1).to(dtype)
-                val, idx = (s @ d.T).max(dim=1)
-                sim[b, i:i + rows] = val.float()
-                best[b, i:i + rows] = idx
+            d = unit(dst)
+            fused = nd > 0 and _nearest_kernel.supported(d, d) is None
+            if fused:  # sources in blocks of ≤ budget elements, normalized ≤ budget / 8 at a time
+                C = max(d.shape[1], 1)
+                step, sub = max(rows, budget // C), max(1, budget // (8 * C))
+                s = torch.empty(min(step, ns), d.shape[1], dtype=dtype, device=metric.device)
+                for i in range(0, ns, step):
+                    n = min(step, ns - i)
+                    for j in range(0, n, sub):
+                        s[j:min(j + sub, n)] = unit(src[i + j:i + min(j + sub, n)])
+                    sim[b, i:i + n], best[b, i:i + n] = _nearest_kernel.nearest(s[:n], d)
+                continue
+            d = d.to(acc)
+            for i in range(0, ns, rows):
+                scores = unit(src[i:i + rows]).to(acc) @ d.T
+                # first maximal index (torch's max leaves the choice among ties open)
+                top = scores.amax(dim=1, keepdim=True)
+                first = (scores == top).to(torch.uint8).argmax(dim=1)
+                sim[b, i:i + rows] = top.squeeze(1).float()
+                best[b, i:i + rows] = first
     return sim, best
 
 
@@ -619,18 +642,53 @@ def _block_attention(block, x, pos):
                                                   "outside autocast")
 
 
-def _lean_process(agg, kind: str, keep: frozenset, chunk: int, host: Optional[dict] = None):
+class _PatchEmbedOnce:
+    """Lean mode's stand-in for ``agg.patch_embed`` during one aggregator call: the real module's
+    result, with the normalized images it was given and the patch tokens it returned remembered so
+    that ``release`` can free them. The aggregator keeps both in local variables until it returns but
+    reads neither once the token sequence is built (1.6 + 0.9 GiB at 400 frames, 392×518)."""
+
+    def __init__(self, module, user_images: torch.Tensor):
+        self.module, self.user, self.dead = module, user_images, []
+
+    def __call__(self, images, *args, **kwargs):
+        out = self.module(images, *args, **kwargs)
+        if not (self.module._forward_hooks or self.module._forward_pre_hooks or _GLOBAL_HOOKS()):
+            tokens = out["x_norm_patchtokens"] if isinstance(out, dict) else out
+            self.dead = [t for t in (images, tokens) if isinstance(t, torch.Tensor)]
+        return out
+
+    def release(self):
+        """Free the remembered storages (never the caller's own images)."""
+        user = self.user.untyped_storage().data_ptr()
+        for t in self.dead:
+            st = t.untyped_storage()
+            if st.data_ptr() != user:
+                st.resize_(0)
+        self.dead = []
+
+
+def _GLOBAL_HOOKS() -> bool:
+    from torch.nn.modules import module as _m
+    return bool(_m._global_forward_hooks or _m._global_forward_pre_hooks)
+
+
+def _lean_process(agg, kind: str, keep: frozenset, chunk: int, host: Optional[dict] = None,
+                  embed: Optional[_PatchEmbedOnce] = None):
     """Replacement for Aggregator._process_{frame,global}_attention (same signature and results) that
     drops the intermediates of layers not in ``keep`` and runs blocks with bounded memory.
 
     ``host`` (lean_offload): a dict shared by the frame and the global replacement. For the kept
     layers other than the last, the frame half waits in it (as a GPU tensor) until the global half
-    exists; the pair then goes to host memory (see _to_host) and its intermediates are zero-width."""
+    exists; the pair then goes to host memory (see _to_host) and its intermediates are zero-width.
+    ``embed``: released when the first frame block starts (the token sequence exists by then)."""
     blocks = agg.frame_blocks if kind == "frame" else agg.global_blocks
     block_classes = _block_classes()
     last = agg.depth - 1
 
     def run(tokens, B, S, P, C, idx, pos=None):
+        if embed is not None:
+            embed.release()
         shape = (B * S, P) if kind == "frame" else (B, S * P)
         if tokens.shape != (*shape, C):
             tokens = tokens.view(B, S, P, C).view(*shape, C)
@@ -716,14 +774,15 @@ class VGGTAggregatorAdapter(Adapter):
         if keep is not None:
             chunk = opts.get("lean_chunk", 1 << 16)
             # instance attributes shadow the class methods for this call only
-            agg.__dict__["_process_frame_attention"] = _lean_process(agg, "frame", keep, chunk, host)
+            embed = agg.__dict__["patch_embed"] = _PatchEmbedOnce(agg.patch_embed, images)
+            agg.__dict__["_process_frame_attention"] = _lean_process(agg, "frame", keep, chunk, host, embed)
             agg.__dict__["_process_global_attention"] = _lean_process(agg, "global", keep, chunk, host)
         try:
             outputs, patch_start_idx = state.original(images, *args, **kwargs)
         finally:
             if keep is not None:
-                agg.__dict__.pop("_process_frame_attention", None)
-                agg.__dict__.pop("_process_global_attention", None)
+                for name in ("patch_embed", "_process_frame_attention", "_process_global_attention"):
+                    agg.__dict__.pop(name, None)
             if token is not None:
                 _MERGING.reset(token)
         if keep is not None:

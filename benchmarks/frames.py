@@ -222,7 +222,7 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
     return rows
 
 
-def profile_variants(model, variants: dict, parts, dtypes, frames_by_dtype, hw, log=print) -> list[dict]:
+def profile_variants(model, variants: dict, apply, parts, dtypes, frames_by_dtype, hw, log=print) -> list[dict]:
     """One profiled call per (dtype, part, variant) at the dtype's largest frame count: where the CUDA
     time goes (attention kernels, GEMMs, the merging's index/scatter/sort work, ...)."""
     rows = []
@@ -234,7 +234,7 @@ def profile_variants(model, variants: dict, parts, dtypes, frames_by_dtype, hw, 
         try:
             for part in parts:
                 for v in variants:
-                    undo = upstream_apply(model, v, dtype)
+                    undo = apply(model, v, dtype)
                     head = {"part": part, "dtype": dname, "frames": S, "variant": v}
                     try:
                         new, line = profile_rows(lambda: forward(model, part, x, dtype), head)
@@ -339,9 +339,12 @@ def fork_worker(args):
         return lambda: None
 
     variants = {v: None for v in FORK_VARIANTS if v in args.fork_variants}
+    log = lambda s: print(s, flush=True)  # noqa: E731
     rows = sweep(model, variants, apply, args.parts, ["bf16"], {"bf16": args.frames_bf16}, args.repeats,
-                 not args.no_warmup, (args.height, args.width), log=lambda s: print(s, flush=True))
-    Path(args.rows_out).write_text(json.dumps(rows))
+                 not args.no_warmup, (args.height, args.width), log=log)
+    prof = profile_variants(model, variants, apply, args.parts, ["bf16"], {"bf16": args.frames_bf16},
+                            (args.height, args.width), log=log) if args.profile else []
+    Path(args.rows_out).write_text(json.dumps({"rows": rows, "profile": prof}))
 
 
 def run_fork(args, src: Path, frames):
@@ -350,15 +353,17 @@ def run_fork(args, src: Path, frames):
         cmd = [sys.executable, str(Path(__file__).resolve()), "--fork-worker", "--fork-src", str(src),
                "--rows-out", str(out), "--frames-bf16", ",".join(map(str, frames)), "--parts", ",".join(args.parts),
                "--fork-variants", ",".join(args.fork_variants), "--repeats", str(args.repeats),
-               "--height", str(args.height), "--width", str(args.width)] + (["--no-warmup"] if args.no_warmup else [])
+               "--height", str(args.height), "--width", str(args.width)] + (["--no-warmup"] if args.no_warmup else []) \
+            + (["--profile"] if args.profile else [])
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # keep upstream vggt off its path
         env["PYTHONPATH"] = str(ROOT)
         print(f"\nFastVGGT fork from {src} (subprocess)")
         proc = subprocess.run(cmd, env=env, cwd=str(ROOT))
         if proc.returncode != 0 or not out.is_file():
             print(f"FastVGGT run failed (exit {proc.returncode}); its rows are missing")
-            return []
-        return json.loads(out.read_text())
+            return [], []
+        got = json.loads(out.read_text())
+        return got["rows"], got["profile"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -476,13 +481,16 @@ def main():
           f"{hw[0]}x{hw[1]}, {5 + (hw[0] // 14) * (hw[1] // 14)} tokens per frame")
     rows = sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
                  not args.no_warmup, hw)
-    prof_rows = profile_variants(model, variants, args.parts, args.dtype, frames_by_dtype, hw) if args.profile else []
+    prof_rows = profile_variants(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, hw) \
+        if args.profile else []
     del model
     free_memory()
 
     src = fork_source(args.fastvggt)
     if src is not None and "bf16" in args.dtype and args.fork_variants:
-        rows += run_fork(args, src, frames_by_dtype["bf16"])
+        fork_rows, fork_prof = run_fork(args, src, frames_by_dtype["bf16"])
+        rows += fork_rows
+        prof_rows += fork_prof
     elif args.fastvggt != "none":
         print("\nFastVGGT fork: not run (" + ("no bf16 pass" if src is not None else
               "source not found; pass --fastvggt PATH or set FASTVGGT_SRC") + ")")

@@ -31,6 +31,14 @@ def test_bias_causal_real_sizes(causal, bias_shape):
     check_case(q, k, v, bias=bias, causal=causal, precision="tf32x3", backend="triton")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_strict_fp32_bias_long_rows(causal):
+    """Strict float32 beyond 8K keys (the chunked scan by default) with a bias, causal or not."""
+    q, k, v = qkv(1, 2, 10000, 10000, 64, torch.float32, seed=4)
+    bias = torch.randn(2, 10000, 10000, device="cuda")
+    check_case(q, k, v, bias=bias, causal=causal, precision="ieee", backend="triton")
+
+
 @pytest.mark.parametrize("n", [16384, 65536])
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "tf32x3"), (torch.float32, "ieee"), (torch.bfloat16, "auto")])
 def test_forward_long_rows_sampled(n, dtype, precision):
@@ -57,14 +65,17 @@ def test_chunked_strict_fp32_long_rows(n, chunk):
     assert_close_to_oracle(out[:, :, idx], verify.oracle(qs, k, v), torch_same_dtype(qs, k, v), rel_l2=2e-6)
 
 
+@pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
 @pytest.mark.parametrize("nq,nk", [(1, 131072), (16, 131072), (64, 100000), (1041, 104100)])
-def test_few_queries_split(nq, nk):
+def test_few_queries_split(nq, nk, precision):
+    """Split launches (ieee: partitions longer than one uncompensated sum may fold get the
+    compensated tile) against the oracle and against one partition (ieee: the chunked scan)."""
     q, k, v = qkv(1, 16, nq, nk, 64, torch.float32, seed=3)
-    rep = verify.structure(q, k, v, precision="tf32x3")
+    rep = verify.structure(q, k, v, precision=precision)
     if nq <= 64:
         assert rep["partitions"] > 1 and rep["two_pass"], rep
-    out = elsa_vision.attention(q, k, v, precision="tf32x3")
-    one = elsa_vision.attention(q, k, v, precision="tf32x3", partitions=1)
+    out = elsa_vision.attention(q, k, v, precision=precision)
+    one = elsa_vision.attention(q, k, v, precision=precision, partitions=1)
     idx = torch.linspace(0, nq - 1, min(nq, 32), device="cuda").long()
     ref = verify.oracle(q[:, :, idx], k, v)
     assert verify.max_err(out[:, :, idx], ref) < 2e-6

@@ -245,6 +245,34 @@ def test_lean_memory_keeps_predictions_and_is_reversible(standin):
     assert_equal(run(m, x), original)
 
 
+@pytest.mark.parametrize("hooked", [False, True])
+def test_lean_memory_frees_the_aggregators_dead_inputs(standin, monkeypatch, hooked):
+    """The normalized images and the patch tokens are freed once the token sequence exists (the
+    aggregator never reads them again); the caller's images are never touched; with a hook on the
+    patch embedding (someone may keep its output) nothing is freed."""
+    m = make_standin()
+    x = frames()
+    x0 = x.clone()
+    with elsa_vision.patched(m, precision="ieee"):
+        full = run(m, x)
+    freed = []
+    real = A._PatchEmbedOnce.release
+
+    def release(self):
+        dead = list(self.dead)
+        real(self)
+        freed.extend(t.untyped_storage().size() for t in dead)
+    monkeypatch.setattr(A._PatchEmbedOnce, "release", release)
+    if hooked:
+        m.aggregator.patch_embed.register_forward_hook(lambda *a: None)
+    with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3)):
+        lean = run(m, x)
+    assert_equal(lean, full)
+    assert torch.equal(x, x0)
+    assert freed == ([] if hooked else [0, 0])
+    assert "patch_embed" not in m.aggregator.__dict__ and isinstance(m.aggregator.patch_embed, torch.nn.Module)
+
+
 def test_lean_memory_chunks_follow_the_tolerance_rule(standin):
     m = make_standin()
     x = frames()
@@ -328,9 +356,11 @@ def test_destination_pattern():
     assert not torch.equal(other, A.destination_pattern(4, (6, 8), special, A.TokenMerging(seed=0))[0])
 
 
-@pytest.mark.parametrize("ratio", [0.9, 0.2])
-def test_merge_plan_merges_into_the_most_similar_destination(ratio):
-    cfg = A.TokenMerging(ratio=ratio, similarity_dtype=torch.float32)
+@pytest.mark.parametrize("ratio,sim_dtype", [(0.9, torch.float32), (0.2, torch.float32), (0.9, torch.bfloat16),
+                                             (0.2, torch.bfloat16)])
+def test_merge_plan_merges_into_the_most_similar_destination(ratio, sim_dtype):
+    """bf16: the fused kernel (interpreter on CPU); float32: the chunked matmul path."""
+    cfg = A.TokenMerging(ratio=ratio, similarity_dtype=sim_dtype)
     frames_, grid, special = 3, (3, 5), 5
     N = frames_ * (special + 15)
     metric = torch.randn(2, N, 16, generator=torch.Generator().manual_seed(0))
@@ -339,7 +369,7 @@ def test_merge_plan_merges_into_the_most_similar_destination(ratio):
     r = min(int(ratio * N), src.numel())
     assert plan.num_merged == N - r
     assert plan.counts.sum(1).tolist() == [float(N)] * 2
-    cos = F.normalize(metric.double(), dim=-1)
+    cos = F.normalize(metric.float(), dim=-1).to(sim_dtype).double()  # the operands the search multiplies
     sim = cos[:, src] @ cos[:, dst].transpose(1, 2)                  # [B, Ns, Nd]
     best_sim, best = sim.max(-1)
     for b in range(2):
