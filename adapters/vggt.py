@@ -51,6 +51,7 @@ Patch options (keywords of ``elsa_vision.patch``):
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import operator
 import sys
@@ -62,6 +63,7 @@ import torch.nn.functional as F
 
 from ..api import attention
 from ..kernels import nearest as _nearest_kernel
+from ..kernels import rope as _rope_kernel
 from .registry import Adapter, PatchState, register
 
 # --------------------------------------------------------------------------------------------
@@ -236,6 +238,12 @@ def destination_pattern(frames: int, grid: tuple[int, int], special: int, cfg: T
     return keep.nonzero().squeeze(1), (~keep).nonzero().squeeze(1)
 
 
+@functools.lru_cache(maxsize=8)
+def _pattern(frames: int, grid: tuple[int, int], special: int, cfg: TokenMerging):
+    """destination_pattern, remembered for the last few shapes (a pure function of its arguments)."""
+    return destination_pattern(frames, grid, special, cfg)
+
+
 @dataclass
 class MergePlan:
     """Where every token goes: ``slot`` [B, N] (int64) is the merged-set row each token is averaged
@@ -354,7 +362,7 @@ class _AggregatorCall:
 
     def plan(self, x: torch.Tensor) -> MergePlan:
         if self.pattern is None:  # one pattern per aggregator call, shared by its global blocks
-            self.pattern = destination_pattern(self.frames, self.grid, self.special, self.cfg)
+            self.pattern = _pattern(self.frames, self.grid, self.special, self.cfg)
         return merge_plan(x, self.frames, self.grid, self.special, self.cfg, self.pattern)
 
 
@@ -379,9 +387,36 @@ def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     return None
 
 
+def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
+    """When q/k norm and RoPE can run as one kernel (kernels/rope.py): the RoPE (cos, sin) tables
+    [P, D/2] float32, () without RoPE; None when they go through the modules themselves — with
+    gradients, hooks on them, or modules other than LayerNorm / Identity and vggt's RoPE."""
+    if torch.is_grad_enabled() or not (x.is_cuda or _rope_kernel.INTERPRET):
+        return None
+    D = module.head_dim
+    qn, kn, rope = module.q_norm, module.k_norm, module.rope
+    norms = [type(m) for m in (qn, kn)]
+    if not (norms == [torch.nn.Identity] * 2 or (norms == [torch.nn.LayerNorm] * 2
+                                                 and qn.normalized_shape == kn.normalized_shape == (D,))):
+        return None
+    if D < 4 or D & (D - 1) or _GLOBAL_HOOKS() or any(m is not None and (m._forward_hooks or m._forward_pre_hooks)
+                                                       for m in (qn, kn, rope)):
+        return None
+    if rope is None:  # norms only (nothing to fuse without them: q and k stay views of qkv)
+        return None if norms[0] is torch.nn.Identity else ()
+    if (type(rope).__name__ != "RotaryPositionEmbedding2D" or not hasattr(rope, "_compute_frequency_components")
+            or not isinstance(pos, torch.Tensor) or pos.dim() != 3 or pos.shape[-1] != 2
+            or pos.shape[:2] != x.shape[:2] or pos.is_floating_point() or pos.device != x.device):
+        return None
+    return rope._compute_frequency_components(D // 2, int(pos.max()) + 1, x.device, torch.float32)
+
+
 def _project(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None):
     """q, k, v [B, H, N, D] after q/k norm and RoPE, exactly as vggt's Attention forms them from
     ``prenorm(x)`` (``x`` itself when prenorm is None).
+
+    In inference, q/k norm and RoPE run fused (see _fused_qk), q and k coming out in the dtype
+    attention runs in (the autocast dtype under autocast, where SDPA would cast them to it).
 
     With ``chunk`` and B·N > chunk, tokens are processed ``chunk`` at a time into [B, N, H, D]
     buffers (the returned tensors are transposed views) held in the dtype attention will run in
@@ -389,29 +424,48 @@ def _project(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None):
     float32 temporaries of the whole sequence (normalized input, q/k, RoPE) never exist at once."""
     B, N, C = x.shape
     H, D = module.num_heads, module.head_dim
+    cast = _autocast_dtype(x.device)
+    tables = _fused_qk(module, x, pos)
+    norms = (module.q_norm, module.k_norm) if type(module.q_norm) is torch.nn.LayerNorm else (None, None)
+
+    def fused(part, n0, n1, bufs):  # q, k of tokens n0:n1 into bufs[0], bufs[1] ([B, N, H, D])
+        p = pos[:, n0:n1] if tables else None
+        for j in range(2):
+            _rope_kernel.qk_norm_rope(part[..., j * H * D:], H, bufs[j][:, n0:n1], norms[j], p, tables or None)
+
     if chunk is None or B * N <= chunk:
         if prenorm is not None:
             x = prenorm(x)
-        qkv = module.qkv(x).reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)
+        y = module.qkv(x)
+        if tables is not None:
+            qk = [y.new_empty((B, N, H, D), dtype=cast or y.dtype) for _ in range(2)]
+            fused(y, 0, N, qk)
+            v = y.view(B, N, 3, H, D)[:, :, 2].transpose(1, 2)
+            return qk[0].transpose(1, 2), qk[1].transpose(1, 2), v
+        qkv = y.reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = module.q_norm(q), module.k_norm(k)
         if module.rope is not None:
             q, k = module.rope(q, pos), module.rope(k, pos)
         return q, k, v
     step = max(1, chunk // B)
-    cast = _autocast_dtype(x.device)
     bufs = None
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
         xc = x[:, n0:n1] if prenorm is None else prenorm(x[:, n0:n1])
-        part = module.qkv(xc).reshape(B, n1 - n0, 3, H, D)
+        part = module.qkv(xc)
+        if bufs is None:
+            bufs = [x.new_empty((B, N, H, D), dtype=cast or part.dtype) for _ in range(3)]
+        if tables is not None:
+            fused(part, n0, n1, bufs)
+            bufs[2][:, n0:n1] = part.view(B, n1 - n0, 3, H, D)[:, :, 2]
+            continue
+        part = part.reshape(B, n1 - n0, 3, H, D)
         q, k, v = part[:, :, 0], part[:, :, 1], part[:, :, 2]
         q, k = module.q_norm(q).transpose(1, 2), module.k_norm(k).transpose(1, 2)  # [B, H, n, D]
         if module.rope is not None:
             p = pos[:, n0:n1]
             q, k = module.rope(q, p), module.rope(k, p)
-        if bufs is None:
-            bufs = [x.new_empty((B, N, H, D), dtype=cast or t.dtype) for t in (q, k, v)]
         bufs[0][:, n0:n1] = q.transpose(1, 2)
         bufs[1][:, n0:n1] = k.transpose(1, 2)
         bufs[2][:, n0:n1] = v
@@ -460,6 +514,16 @@ def _merge_call(module) -> Optional[_AggregatorCall]:
     return None
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
+
+
 def _elsa_attention(module, state: PatchState, x, pos, kind: "_Kind", merging=None, prenorm=None):
     """The ELSA forward of one attention call (inputs already checked by ``_unsupported``).
 
@@ -468,18 +532,31 @@ def _elsa_attention(module, state: PatchState, x, pos, kind: "_Kind", merging=No
     opts = state.options
     B, N, C = x.shape
     chunk = int(opts.get("lean_chunk", 1 << 16)) if opts.get("lean_memory") else None
+    call = None if kind.fork else _merge_call(module)
+    plan = unmerge_fn = side = None
+    if call is not None:
+        metric = x if prenorm is None else prenorm(x)
+        if x.is_cuda:
+            # the similarity search (a compute-bound kernel) runs on a side stream while the main
+            # stream forms q, k, v (bandwidth-bound): the same operations, overlapped
+            main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                plan = call.plan(metric)
+        else:
+            plan = call.plan(metric)
     q, k, v = _project(module, x, pos, chunk, prenorm)
+    if side is not None:
+        main.wait_stream(side)
+        for t in (plan.slot, plan.counts, plan.destinations):
+            t.record_stream(main)  # made on the side stream, used (and freed) on the main one
     if _autocast_dtype(x.device) is None and not (q.dtype == k.dtype == v.dtype):
         return None
-    plan = unmerge_fn = None
     if kind.fork:
         if merging is not None and merging in _FORK_BLOCKS:
             q, k, v, unmerge_fn = _fork_merge(module, x, q, k, v)
-    else:
-        call = _merge_call(module)
-        if call is not None:
-            plan = call.plan(x if prenorm is None else prenorm(x))
-            q, k, v = (merge_mean(t.transpose(1, 2), plan).transpose(1, 2) for t in (q, k, v))
+    elif plan is not None:
+        q, k, v = (merge_mean(t.transpose(1, 2), plan).transpose(1, 2) for t in (q, k, v))
     # SDPA's default scale is 1/sqrt(head_dim); the unfused path multiplies by module.scale
     scale = None if kind.fork or module.fused_attn else float(module.scale)
     out = attention(q, k, v, scale=scale, precision=opts.get("precision", "auto"), backend=opts.get("backend", "auto"))
@@ -768,7 +845,10 @@ class VGGTAggregatorAdapter(Adapter):
         if cfg is not None:
             grid = (images.shape[-2] // agg.patch_size, images.shape[-1] // agg.patch_size)
             layers = {id(b.attn): i for i, b in enumerate(agg.global_blocks) if hasattr(b, "attn")}
-            token = _MERGING.set(_AggregatorCall(cfg, images.shape[1], grid, agg.patch_start_idx, layers))
+            # the pattern goes to the device before any block is queued: a host-to-device copy
+            # later would wait for the GPU to drain its queue
+            pattern = tuple(t.to(images.device) for t in _pattern(images.shape[1], grid, agg.patch_start_idx, cfg))
+            token = _MERGING.set(_AggregatorCall(cfg, images.shape[1], grid, agg.patch_start_idx, layers, pattern))
         keep = _kept_layers(agg.depth, lean) if lean else None
         host = {} if keep is not None and opts.get("lean_offload") else None
         if keep is not None:

@@ -26,28 +26,28 @@ class RotaryPositionEmbedding2D(nn.Module):
         super().__init__()
         self.base_frequency = frequency
 
-    def _cos_sin(self, dim, n, device, dtype):
+    def _compute_frequency_components(self, dim, n, device, dtype):
         inv_freq = 1.0 / (self.base_frequency ** (torch.arange(0, dim, 2, device=device).float() / dim))
         angles = torch.einsum("i,j->ij", torch.arange(n, device=device, dtype=inv_freq.dtype), inv_freq).to(dtype)
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     @staticmethod
-    def _rotate(x):
+    def _rotate_features(x):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    def _rope_1d(self, x, positions, cos, sin):
+    def _apply_1d_rope(self, x, positions, cos, sin):
         cos = F.embedding(positions, cos)[:, None]
         sin = F.embedding(positions, sin)[:, None]
-        return x * cos + self._rotate(x) * sin
+        return x * cos + self._rotate_features(x) * sin
 
     def forward(self, tokens, positions):
         dim = tokens.size(-1) // 2
-        cos, sin = self._cos_sin(dim, int(positions.max()) + 1, tokens.device, tokens.dtype)
+        cos, sin = self._compute_frequency_components(dim, int(positions.max()) + 1, tokens.device, tokens.dtype)
         vert, horiz = tokens.chunk(2, dim=-1)
-        return torch.cat((self._rope_1d(vert, positions[..., 0], cos, sin),
-                          self._rope_1d(horiz, positions[..., 1], cos, sin)), dim=-1)
+        return torch.cat((self._apply_1d_rope(vert, positions[..., 0], cos, sin),
+                          self._apply_1d_rope(horiz, positions[..., 1], cos, sin)), dim=-1)
 
 
 class PositionGetter:
