@@ -98,7 +98,7 @@ def qk_norm_rope(x: torch.Tensor, heads: int, out: torch.Tensor, norm: Optional[
         cos, sin = (t.contiguous() for t in tables)
     else:
         cos = sin = x
-    block_t = 16 if INTERPRET else max(1, 4096 // D)
+    block_t = 64 if INTERPRET else max(1, 4096 // D)
     launch(_qk_norm_rope_kernel, (_cdiv(n, block_t), B * heads),
            x, pos if rope else x, w if w is not None else x, bias if bias is not None else x, cos, sin, out,
            n, heads, float(norm.eps) if norm is not None else 0.0,
