@@ -408,7 +408,10 @@ def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
             or not isinstance(pos, torch.Tensor) or pos.dim() != 3 or pos.shape[-1] != 2
             or pos.shape[:2] != x.shape[:2] or pos.is_floating_point() or pos.device != x.device):
         return None
-    return rope._compute_frequency_components(D // 2, int(pos.max()) + 1, x.device, torch.float32)
+    lo, hi = torch.stack(torch.aminmax(pos)).tolist()  # one device sync, as the module's own max
+    if lo < 0:  # the module's embedding lookup raises on these; the kernel would read out of bounds
+        return None
+    return rope._compute_frequency_components(D // 2, hi + 1, x.device, torch.float32)
 
 
 def _project(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None):

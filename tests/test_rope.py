@@ -65,3 +65,6 @@ def test_fused_path_is_taken_only_where_it_is_exact():
         assert A._fused_qk(m, x, pos) is None          # only LayerNorm / Identity
     m.k_norm = torch.nn.LayerNorm(16).to(DEVICE)
     assert A._fused_qk(m, x, pos) is None              # gradients: the modules' own autograd
+    with torch.no_grad():
+        assert A._fused_qk(m, x, pos - 2) is None      # negative positions: the module raises, as upstream
+        assert A._fused_qk(m, x, pos.float()) is None
