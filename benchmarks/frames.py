@@ -445,8 +445,8 @@ def main():
     p.add_argument("--width", type=int, default=518)
     p.add_argument("--name", default="frames", help="output file stem (CSV + PNG)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one call per variant at the largest frame count: CUDA time per kernel "
-                        "category and the top kernels → <name>_profile.csv")
+                   help="also profile one call per variant (the FastVGGT fork's too) at the largest frame count: "
+                        "CUDA time per kernel category and the top kernels → <name>_profile.csv")
     # internal: the FastVGGT worker process
     p.add_argument("--fork-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fork-src", type=Path, help=argparse.SUPPRESS)
