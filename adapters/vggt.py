@@ -358,11 +358,9 @@ class _AggregatorCall:
     grid: tuple[int, int]
     special: int
     layers: dict  # id(global attention module) → global layer index
-    pattern: Optional[tuple] = None
+    pattern: tuple  # (destinations, sources) on the device, shared by the call's global blocks
 
     def plan(self, x: torch.Tensor) -> MergePlan:
-        if self.pattern is None:  # one pattern per aggregator call, shared by its global blocks
-            self.pattern = _pattern(self.frames, self.grid, self.special, self.cfg)
         return merge_plan(x, self.frames, self.grid, self.special, self.cfg, self.pattern)
 
 
@@ -387,6 +385,13 @@ def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     return None
 
 
+def _observed(module) -> bool:
+    """Whether forward hooks (the module's own, when given, or global ones) would see a call."""
+    from torch.nn.modules import module as _m
+    own = module is not None and bool(module._forward_hooks or module._forward_pre_hooks)
+    return own or bool(_m._global_forward_hooks or _m._global_forward_pre_hooks)
+
+
 def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
     """When q/k norm and RoPE can run as one kernel (kernels/rope.py): the RoPE (cos, sin) tables
     [P, D/2] float32, () without RoPE; None when they go through the modules themselves — with
@@ -399,8 +404,7 @@ def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
     if not (norms == [torch.nn.Identity] * 2 or (norms == [torch.nn.LayerNorm] * 2
                                                  and qn.normalized_shape == kn.normalized_shape == (D,))):
         return None
-    if D < 4 or D & (D - 1) or _GLOBAL_HOOKS() or any(m is not None and (m._forward_hooks or m._forward_pre_hooks)
-                                                       for m in (qn, kn, rope)):
+    if D < 4 or D & (D - 1) or any(_observed(m) for m in (qn, kn, rope)):
         return None
     if rope is None:  # norms only (nothing to fuse without them: q and k stay views of qkv)
         return None if norms[0] is torch.nn.Identity else ()
@@ -733,7 +737,7 @@ class _PatchEmbedOnce:
 
     def __call__(self, images, *args, **kwargs):
         out = self.module(images, *args, **kwargs)
-        if not (self.module._forward_hooks or self.module._forward_pre_hooks or _GLOBAL_HOOKS()):
+        if not _observed(self.module):
             tokens = out["x_norm_patchtokens"] if isinstance(out, dict) else out
             self.dead = [t for t in (images, tokens) if isinstance(t, torch.Tensor)]
         return out
@@ -746,11 +750,6 @@ class _PatchEmbedOnce:
             if st.data_ptr() != user:
                 st.resize_(0)
         self.dead = []
-
-
-def _GLOBAL_HOOKS() -> bool:
-    from torch.nn.modules import module as _m
-    return bool(_m._global_forward_hooks or _m._global_forward_pre_hooks)
 
 
 def _lean_process(agg, kind: str, keep: frozenset, chunk: int, host: Optional[dict] = None,
