@@ -28,7 +28,8 @@ sys.path starts with the fork's source (``--fastvggt PATH``, $FASTVGGT_SRC or th
 Timing: one case of VGGT at hundreds of frames takes tens of seconds, so each variant runs
 ``--repeats`` times (default 1; minimum reported) and every run records its time (CUDA events) and
 its peak memory above what was allocated before the call (weights, input) — not the harness's
-separate warm-up / memory / timing calls. A warm-up pass at 2 frames compiles every kernel first.
+separate warm-up / memory / timing calls. A warm-up pass at 2 frames compiles every kernel first
+(``--no-warmup`` skips it: then ELSA's times include Triton's compile, about 2 s; column warm_up).
 Variants of one case run back to back (interleaved across repeats). A variant that runs out of
 memory is recorded as OOM and skipped at larger frame counts.
 
@@ -195,7 +196,7 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
                             del out
                     for v, r in best.items():
                         row = {"part": part, "dtype": dname, "frames": S, "tokens": S * P, "variant": v,
-                               "repeats": repeats}
+                               "repeats": repeats, "warm_up": bool(warmup)}
                         if r is None:
                             row["status"] = "skipped (OOM at fewer frames)"
                         elif r == "OOM":
@@ -324,9 +325,11 @@ def fork_worker(args):
                  "upstream vggt (editable install?) shadows it; make upstream importable with PYTHONPATH instead")
     from vggt.models.vggt import VGGT
     import elsa_vision
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # as build_upstream: the same aggregator and camera-head weights
     with torch.device("cuda"):
         model = VGGT(merging=0)
+    if args.weights:  # the upstream checkpoint (the fork has no point head: those keys are skipped)
+        model.load_state_dict(torch.load(args.weights, map_location="cuda", weights_only=True), strict=False)
     model = model.cuda().eval().to(torch.bfloat16)
     model.update_patch_dimensions(args.width // 14, args.height // 14)
 
@@ -354,7 +357,8 @@ def run_fork(args, src: Path, frames):
                "--rows-out", str(out), "--frames-bf16", ",".join(map(str, frames)), "--parts", ",".join(args.parts),
                "--fork-variants", ",".join(args.fork_variants), "--repeats", str(args.repeats),
                "--height", str(args.height), "--width", str(args.width)] + (["--no-warmup"] if args.no_warmup else []) \
-            + (["--profile"] if args.profile else [])
+            + (["--profile"] if args.profile else []) \
+            + (["--weights", str(Path(args.weights).resolve())] if args.weights else [])
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # keep upstream vggt off its path
         env["PYTHONPATH"] = str(ROOT)
         print(f"\nFastVGGT fork from {src} (subprocess)")
@@ -439,7 +443,9 @@ def main():
                    help=",".join(FORK_VARIANTS))
     p.add_argument("--fastvggt", default=None, help="FastVGGT source folder, or 'none' to skip it")
     p.add_argument("--repeats", type=int, default=None, help="runs per variant (default 1; --quick 2)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the 2-frame compile pass")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the 2-frame compile pass: the first timed call of each variant then includes "
+                        "Triton's compile (seconds; warm_up = False in the CSV)")
     p.add_argument("--weights", default=None, help="a VGGT checkpoint (.pt); default random weights")
     p.add_argument("--height", type=int, default=392)
     p.add_argument("--width", type=int, default=518)
