@@ -7,6 +7,8 @@ memory; the FastVGGT fork side by side when its source is available.
     python benchmarks/frames.py --dtype bf16 --frames 1000,2000 --parts full --variants elsa-lean-merge
     python benchmarks/frames.py --dtype bf16 --frames 400,2000 --parts full --variants elsa-lean,elsa-lean-offload
     python benchmarks/frames.py --dtype bf16 --frames 400 --parts aggregator --variants elsa,elsa-merge --profile
+    python benchmarks/frames.py --dtype bf16 --frames 2000,3000 --parts full --variants elsa-lean,elsa-lean-offload \
+        --memory-rehearsal                                      # peak memory only (see rehearse_attention)
 
 Writes benchmarks/results/<device>/frames.csv and frames.png (time and peak memory vs frames), and
 prints a table and, per variant with two or more frame counts, the largest frame count its memory
@@ -151,9 +153,11 @@ def accuracy(out, ref) -> dict:
 # Sweep (shared by the upstream run and the fork worker)
 # ------------------------------------------------------------------------------------------------
 
-def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats, warmup, hw, log=print):
+def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats, warmup, hw, log=print,
+          rehearsal=False):
     """Run every (dtype, frames, part, variant); ``apply(model, variant, dtype)`` sets the model up for
-    a variant and returns an undo function. Returns CSV rows."""
+    a variant and returns an undo function. Returns CSV rows. ``rehearsal``: ELSA's attention only
+    allocates (see rehearse_attention); rows then carry the peak memory alone."""
     rows, oom = [], set()
     P = 5 + (hw[0] // 14) * (hw[1] // 14)
     for dname in dtypes:
@@ -201,6 +205,8 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
                             row["status"] = "skipped (OOM at fewer frames)"
                         elif r == "OOM":
                             row["status"] = "OOM"
+                        elif rehearsal:
+                            row.update(status="memory rehearsal", peak_gib=r[1] / 2**30)
                         else:
                             ms, peak = r
                             row.update(status="ok", seconds=ms / 1e3, peak_gib=peak / 2**30)
@@ -252,6 +258,32 @@ def profile_variants(model, variants: dict, apply, parts, dtypes, frames_by_dtyp
     return rows
 
 
+REHEARSAL_VARIANTS = ("elsa", "elsa-lean", "elsa-lean-offload")
+
+
+def rehearse_attention():
+    """Replace the Triton attention forward by its allocations alone — the output and the row
+    statistics, the only device memory it takes when the key range is not split, as at these sizes
+    (B·H·Nq/block_m programs fill the GPU) — and return the undo. Everything else runs as is, so a
+    call's peak memory is the real run's, in minutes instead of the hours of attention arithmetic at
+    thousands of frames. Outputs are garbage: only the memory column means anything. Variants
+    whose shapes depend on values (token merging) or that run SDPA (native) are not rehearsed."""
+    from elsa_vision.kernels import attention as K
+    real = K.forward
+
+    def allocations_only(q, k, v, bias, scale, causal, precision, partitions=None, summaries=None, config=None):
+        B, H, Nq, D = q.shape
+        cfg = K.fwd_config(q.dtype, K._pow2(D), precision, k.shape[2], bias is not None)
+        n_part, _ = K.plan_partitions(B * H, Nq, k.shape[2], cfg.block_m, cfg.block_n, q.device, partitions)
+        if n_part > 1:
+            raise RuntimeError("memory rehearsal: this call would split its keys (summary buffers); "
+                               "rehearse larger frame counts only")
+        return K._out_like(q), torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
+
+    K.forward = allocations_only
+    return lambda: setattr(K, "forward", real)
+
+
 def native_of(variant: str) -> str:
     """The SDPA run a variant's speed and memory are compared with."""
     return variant.replace("elsa", "native") if variant.startswith("fastvggt") else "native"
@@ -260,7 +292,7 @@ def native_of(variant: str) -> str:
 def _line(row) -> str:
     s = f"{row['part']:>10} {row['dtype']:>4} {row['frames']:>5} frames {row['variant']:>24}: "
     if row.get("status") != "ok":
-        return s + row.get("status", "")
+        return s + row.get("status", "") + (f"  {row['peak_gib']:7.2f} GiB" if "peak_gib" in row else "")
     s += f"{row['seconds']:8.3f} s  {row['peak_gib']:7.2f} GiB"
     if "speedup_vs_native" in row:
         s += f"  x{row['speedup_vs_native']:.2f} speed"
@@ -443,6 +475,9 @@ def main():
                    help=",".join(FORK_VARIANTS))
     p.add_argument("--fastvggt", default=None, help="FastVGGT source folder, or 'none' to skip it")
     p.add_argument("--repeats", type=int, default=None, help="runs per variant (default 1; --quick 2)")
+    p.add_argument("--memory-rehearsal", action="store_true",
+                   help="peak memory only, attention not computed (variants " + ",".join(REHEARSAL_VARIANTS)
+                        + "): how many frames fit, without hours of attention")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the 2-frame compile pass: the first timed call of each variant then includes "
                         "Triton's compile (seconds; warm_up = False in the CSV)")
@@ -474,6 +509,12 @@ def main():
         if args.variants == list(VARIANTS):
             args.variants = ["native", "elsa", "elsa-merge", "elsa-lean"]
     args.repeats = args.repeats or (2 if args.quick else 1)
+    if args.memory_rehearsal:
+        if any(v not in REHEARSAL_VARIANTS for v in args.variants):
+            p.error(f"--memory-rehearsal runs only {','.join(REHEARSAL_VARIANTS)}; pass --variants")
+        if args.profile:
+            p.error("--memory-rehearsal computes no attention: nothing to profile")
+        args.fastvggt = "none"
     if args.fork_worker:
         return fork_worker(args)
 
@@ -485,8 +526,12 @@ def main():
     print(f"VGGT ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, random weights"
           f"{'' if not args.weights else ' → ' + args.weights}) on {metadata()['device']}; "
           f"{hw[0]}x{hw[1]}, {5 + (hw[0] // 14) * (hw[1] // 14)} tokens per frame")
-    rows = sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
-                 not args.no_warmup, hw)
+    undo = rehearse_attention() if args.memory_rehearsal else (lambda: None)
+    try:
+        rows = sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
+                     not args.no_warmup, hw, rehearsal=args.memory_rehearsal)
+    finally:
+        undo()
     prof_rows = profile_variants(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, hw) \
         if args.profile else []
     del model

@@ -715,3 +715,34 @@ def test_frames_benchmark_logic_on_the_standin(standin, tmp_path, monkeypatch):
     assert {c["estimated_max_frames"] for c in cap} == {int(3 + (0.95 * 10 - 1.75) / 0.25)}
     FB.plot(rows, tmp_path / "frames.png")
     assert (tmp_path / "frames.png").stat().st_size > 0
+
+
+def test_frames_memory_rehearsal(standin, monkeypatch):
+    """frames.py --memory-rehearsal: the Triton forward only allocates (same output layout and
+    statistics), rows carry the peak memory and no time; the real forward comes back after."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import frames as FB
+    from elsa_vision.kernels import attention as K
+    real = K.forward
+    q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
+    undo = FB.rehearse_attention()
+    try:
+        out, stats = K.forward(q, k, v, None, 0.25, False, "ieee")
+        assert out.shape == q.shape and out.stride() == K._out_like(q).stride() and stats.shape == (1, 2, 2, 20)
+        with pytest.raises(RuntimeError, match="split its keys"):
+            long_k = torch.randn(1, 2, 200, 16)
+            K.forward(q, long_k, long_k, None, 0.25, False, "ieee", partitions=2)
+    finally:
+        undo()
+    assert K.forward is real
+    monkeypatch.setattr(FB, "DEVICE", "cpu")
+    m = make_standin()
+
+    def apply(model, variant, dtype):
+        elsa_vision.patch(model, backend="reference")
+        return lambda: elsa_vision.unpatch(model)
+
+    rows = FB.sweep(m, {"elsa": {}}, apply, ["aggregator"], ["fp32"], {"fp32": [2]}, 1, False, (42, 70),
+                    log=lambda s: None, rehearsal=True)
+    assert [r["status"] for r in rows] == ["memory rehearsal"] and "seconds" not in rows[0]
+    assert "peak_gib" in rows[0] and "speedup_vs_native" not in rows[0]
