@@ -44,7 +44,8 @@ def _autocast(*ts):
     dev = t0.device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
-        return tuple(None if t is None or not t.is_floating_point() else t.to(dt) for t in ts)
+        # only floating tensors: a bool keep-mask stays one, other dtypes meet the checks below
+        return tuple(t if t is None or not t.is_floating_point() else t.to(dt) for t in ts)
     return ts
 
 
@@ -59,7 +60,8 @@ def _check_qkv(q, k, v, fn: str):
         raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
                         "cast them to one dtype (or run under torch.autocast)")
     if q.dtype not in _FLOATS:
-        raise TypeError(f"{fn}: dtype {q.dtype} is not supported; use float32, float16 or bfloat16")
+        raise TypeError(f"{fn}: dtype {q.dtype} is not supported; use float32, float16 or bfloat16 "
+                        "(float64 on the reference backend)")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{fn}: q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
     if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
@@ -71,6 +73,8 @@ def _check_qkv(q, k, v, fn: str):
         raise ValueError(f"{fn}: head dims differ (q {q.shape[3]}, k {k.shape[3]}, v {v.shape[3]}); they must be equal")
     if q.shape[3] > 256:
         raise ValueError(f"{fn}: head dim {q.shape[3]} > 256 is not supported; split the heads")
+    if q.shape[3] == 0:
+        raise ValueError(f"{fn}: head dim is 0; q, k, v need at least one feature per head")
 
 
 def _check_scale(scale, d: int, fn: str) -> float:
@@ -78,9 +82,21 @@ def _check_scale(scale, d: int, fn: str) -> float:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, torch.Tensor):
         raise TypeError(f"{fn}: scale must be a Python number, not a tensor; pass float(scale) (or fold it into q)")
-    if not isinstance(scale, Real) or not math.isfinite(float(scale)):
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise TypeError(f"{fn}: scale must be a Python number, got {type(scale).__name__}")
+    try:
+        value = float(scale)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
         raise ValueError(f"{fn}: scale must be a finite number, got {scale!r}")
-    return float(scale)
+    return value
+
+
+def _check_flag(x, name: str, fn: str) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{fn}: {name} must be True or False, got {x!r}")
+    return x
 
 
 def _check_tensor_arg(t, name: str, q, fn: str) -> None:
@@ -165,9 +181,13 @@ def attention(
     Nk = k.shape[2]
     scale = _check_scale(scale, D, "attention")
     bias = _bias4(bias, B, H, Nq, Nk, q, "attention")
-    if partitions is not None and (not isinstance(partitions, int) or partitions < 1):
+    causal = _check_flag(causal, "causal", "attention")
+    if partitions is not None and (not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1):
         raise ValueError(f"attention: partitions must be a positive int or None, got {partitions!r}")
     prec = resolve_precision(precision, q.dtype)
+    p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=causal,
+                has_bias=bias is not None, precision=prec, positive_scale=scale > 0)
+    run = select(p, backend).run["attention"]  # before the shortcut below: an unfit call raises either way
     if Nk == 0 or Nq == 0:
         # no key: every row is fully masked and returns 0 (keeps the graph connected for autograd)
         # (empty sums keep the result connected to the inputs for autograd)
@@ -175,10 +195,7 @@ def attention(
         out = torch.zeros(B, H, Nq, D, dtype=q.dtype, device=q.device) + empty
         lse = torch.full((B, H, Nq), float("inf"), device=q.device)
         return (out, lse) if return_lse else out
-    p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=bool(causal),
-                has_bias=bias is not None, precision=prec, positive_scale=scale > 0)
-    out, lse = select(p, backend).run["attention"](q, k, v, bias, scale, bool(causal), prec, partitions,
-                                                   return_lse)
+    out, lse = run(q, k, v, bias, scale, causal, prec, partitions, return_lse)
     return (out, lse.detach()) if return_lse else out
 
 
@@ -272,13 +289,14 @@ def window_attention(
     if block not in WINDOW_BLOCKS or isinstance(block, bool):
         raise ValueError(f"{fn}: block must be one of {WINDOW_BLOCKS}, got {block!r}")
     prec = resolve_precision(precision, q.dtype)
+    p = Problem(op=fn, device=q.device.type, dtype=q.dtype, head_dim=D, has_bias=bias is not None,
+                has_mask=mask is not None, window_tokens=N, precision=prec)
+    run = select(p, backend).run[fn]  # before the shortcut below: an unfit call raises either way
     if q.numel() == 0:
         # no window or no token: nothing to attend (empty sums keep the graph connected for autograd)
         empty = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device) + empty
-    p = Problem(op=fn, device=q.device.type, dtype=q.dtype, head_dim=D, has_bias=bias is not None,
-                has_mask=mask is not None, window_tokens=N, precision=prec)
-    return select(p, backend).run[fn](q, k, v, bias, mask, scale, prec, 0 if block == "auto" else int(block))
+    return run(q, k, v, bias, mask, scale, prec, 0 if block == "auto" else int(block))
 
 
 def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None,

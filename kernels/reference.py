@@ -89,7 +89,7 @@ def attention(
         part = checkpoint(_chunk_summary, *args, use_reentrant=False) if grad else _chunk_summary(*args)
         state = merge(state, part)
     m, s, w = state
-    nonempty = s > 0
+    nonempty = s != 0  # a NaN row (NaN inputs, overflowing logits) stays NaN, as in the Triton kernels
     out = torch.where(nonempty[..., None], w / torch.where(nonempty, s, 1)[..., None], 0)
     out = out.to(q.dtype)
     if not return_lse:
@@ -110,7 +110,7 @@ def _window_chunk(q, k, v, bias, mask, scale: float, r0: int):
     m = s.amax(dim=-1)
     p = torch.exp(s - _safe_max(m)[..., None])
     z = p.sum(dim=-1)
-    nonempty = z > 0
+    nonempty = z != 0  # NaN stays NaN (see attention)
     zs = torch.where(nonempty, z, 1)
     out = torch.where(nonempty[..., None], torch.matmul(p, v.to(cdt)) / zs[..., None], 0).to(q.dtype)
     lse = torch.where(nonempty, _safe_max(m) + torch.log(zs), float("inf"))

@@ -68,7 +68,6 @@ what Swin consumes next (``out.transpose(1, 2).reshape(BW, N, H·D)`` is then fr
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -625,30 +624,12 @@ def _table(x: torch.Tensor, nr: int) -> tuple[torch.Tensor, int]:
     return torch.nn.functional.pad(src, (0, nr - n, 0, nr - n)).contiguous(), (0 if lead0 else nr * nr)
 
 
-# id(mask) → (weak reference, version, data pointer, NR, table)
-_MASK_TABLES: dict = {}
-
-
 def _mask_table(mask: torch.Tensor, nr: int) -> torch.Tensor:
-    """The [nW, NR, NR] table of a shifted-window mask. Swin's mask is a buffer that every block of
-    a stage and every step passes again, so its padded copy is kept (one per live mask tensor, and
-    made again after an in-place change, which bumps the tensor's version): that saves a copy per
-    call, part of the host time that bounds small-batch Swin."""
-    try:
-        key = (mask._version, mask.data_ptr(), nr)
-    except RuntimeError:  # an inference-mode tensor has no version counter: no caching
-        key = None
-    hit = _MASK_TABLES.get(id(mask)) if key is not None else None
-    if hit is not None and hit[0]() is mask and hit[1:4] == key:
-        return hit[4]
+    """The [nW, NR, NR] table of a shifted-window mask (windows NR·NR apart). Made on every call: a
+    copy kept between calls could not see writes that bypass the tensor's version counter
+    (``mask.data``, memory shared with NumPy) and would then apply a stale mask."""
     mt = _table(mask, nr)[0]
-    if mt.stride(0) != nr * nr:  # the kernel steps windows by NR·NR
-        mt = mt.contiguous()
-    capturing = mask.is_cuda and torch.cuda.is_current_stream_capturing()  # a graph's pool is not ours to keep
-    if key is not None and mt is not mask and not capturing and not torch.compiler.is_compiling():
-        i = id(mask)
-        _MASK_TABLES[i] = (weakref.ref(mask, lambda _, i=i: _MASK_TABLES.pop(i, None)), *key, mt)
-    return mt
+    return mt if mt.stride(0) == nr * nr else mt.contiguous()
 
 
 def _tables(bias, mask, n: int, like: torch.Tensor):

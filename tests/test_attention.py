@@ -197,6 +197,31 @@ def test_autocast_follows_sdpa():
     assert out.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast_keeps_bool_mask_and_checks_int_bias(backend):
+    """Under autocast only floating tensors are cast: a bool keep-mask still masks, an integer
+    bias is still refused (as outside autocast)."""
+    q, k, v = qkv(1, 2, 16, 16, 32)
+    keep = torch.rand(16, 16, generator=torch.Generator().manual_seed(1)) > 0.5
+    keep[:, 0] = True
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        masked = elsa_vision.attention(q, k, v, bias=keep, backend=backend)
+        additive = elsa_vision.attention(q, k, v, bias=torch.zeros(16, 16).masked_fill(~keep, float("-inf")),
+                                         backend=backend)
+        with pytest.raises(TypeError, match="floating point"):
+            elsa_vision.attention(q, k, v, bias=keep.int(), backend=backend)
+    assert torch.equal(masked, additive)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_rows_stay_nan(backend):
+    """A NaN input gives NaN in its row on every backend (not 0, which is for rows with no visible key)."""
+    q, k, v = qkv(1, 1, 5, 7, 16 if backend == "reference" else 32)
+    q[0, 0, 1, 0] = float("nan")
+    out = elsa_vision.attention(q, k, v, backend=backend)
+    assert out[0, 0, 1].isnan().all() and not out[0, 0, [0, 2, 3, 4]].isnan().any()
+
+
 def test_torch_compile_fullgraph():
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 24, 24, 32))
     bias = rand(2, 24, 24)
@@ -240,6 +265,14 @@ def test_dispatch_explains_refusals():
     (lambda q, k, v: (q.int(), k.int(), v.int(), {}), TypeError, "not supported"),
     (lambda q, k, v: ("q", k, v, {}), TypeError, "torch.Tensor"),
     (lambda q, k, v: (q, k, v, {"partitions": 0}), ValueError, "partitions"),
+    (lambda q, k, v: (q, k, v, {"partitions": True}), ValueError, "partitions"),
+    (lambda q, k, v: (q, k, v, {"scale": True}), TypeError, "scale must be a Python number"),
+    (lambda q, k, v: (q, k, v, {"scale": 10 ** 400}), ValueError, "finite"),
+    (lambda q, k, v: (q, k, v, {"causal": "no"}), TypeError, "causal must be True or False"),
+    (lambda q, k, v: (q[..., :0], k[..., :0], v[..., :0], {}), ValueError, "head dim is 0"),
+    (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0], {"backend": "bogus"}), Exception, "bogus"),
+    (lambda q, k, v: (q.double(), k[:, :, :0].double(), v[:, :, :0].double(), {"backend": "triton"}),
+     Exception, "float64"),
 ])
 def test_input_errors(make, err, msg):
     q, k, v = qkv(2, 2, 8, 8, 32)
