@@ -9,13 +9,17 @@ state_dict keys do not change.
 
 A patched forward that meets an input the adapter cannot serve exactly calls the original forward
 for that call and counts it (``module._elsa.delegated``); it never returns a different answer.
+
+A module whose forward is already replaced on the instance (another library's wrapper) is skipped,
+with that reason. ``torch.nn.DataParallel`` is not supported: its replicas copy the instance
+attributes, so their forward would keep serving the source module (DistributedDataParallel, one
+process per GPU, has no replicas and works).
 """
 from __future__ import annotations
 
 import fnmatch
 import importlib
 import importlib.util
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -61,7 +65,6 @@ class PatchState:
     """Stored on a patched module as ``module._elsa``."""
     adapter: Adapter
     original: Callable                  # the module's bound forward before patching
-    had_instance_forward: bool          # whether forward was an instance attribute before patching
     options: dict
     calls: int = 0
     delegated: int = 0
@@ -182,6 +185,9 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
             report.skipped.setdefault(adapter.name, []).append((name, "excluded by include/exclude"))
             continue
         why = adapter.skip_reason(mod, opts)
+        if not why and "forward" in mod.__dict__:
+            why = ("its forward is replaced on the instance (a wrapper from other code), which patching "
+                   "would bypass; remove it (del module.forward) or patch before wrapping")
         if why:
             report.skipped.setdefault(adapter.name, []).append((name, why))
             continue
@@ -190,21 +196,32 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
     return report
 
 
-def _patched_forward(self, *args, **kwargs):
-    # The state is looked up on the instance (not captured in a closure) so that copy.deepcopy of a
-    # patched model (EMA copies, model soups) gives a copy whose forward, delegation target and
-    # counters are its own: deepcopy rebinds the bound methods to the copied module.
-    state = self.__dict__["_elsa"]
-    state.calls += 1
-    return state.adapter.forward(self, state, *args, **kwargs)
+class _PatchedForward:
+    """The forward a patched module carries as an instance attribute. The state is looked up on the
+    module at each call (not captured), and copying or pickling rebuilds it around the copied
+    module (``__reduce__``): copy.deepcopy of a patched model (EMA copies, model soups) gives a copy
+    whose forward, delegation target and counters are its own, and torch.save / torch.load of a
+    patched model loads patched."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        state = self.module.__dict__["_elsa"]
+        state.calls += 1
+        return state.adapter.forward(self.module, state, *args, **kwargs)
+
+    def __reduce__(self):
+        return (_PatchedForward, (self.module,))
 
 
 def _bind(mod: torch.nn.Module, adapter: Adapter, opts: dict) -> None:
-    had = "forward" in mod.__dict__
-    state = PatchState(adapter=adapter, original=mod.forward, had_instance_forward=had, options=dict(opts))
+    state = PatchState(adapter=adapter, original=mod.forward, options=dict(opts))
     # object.__setattr__: nn.Module.__setattr__ would try to register these as submodules/params
     object.__setattr__(mod, "_elsa", state)
-    object.__setattr__(mod, "forward", types.MethodType(_patched_forward, mod))
+    object.__setattr__(mod, "forward", _PatchedForward(mod))
 
 
 def unpatch(model: torch.nn.Module) -> int:
@@ -214,10 +231,7 @@ def unpatch(model: torch.nn.Module) -> int:
         state = mod.__dict__.get("_elsa")
         if not isinstance(state, PatchState):
             continue
-        if state.had_instance_forward:
-            object.__setattr__(mod, "forward", state.original)
-        else:
-            del mod.__dict__["forward"]
+        del mod.__dict__["forward"]  # (patch skips modules with a forward of their own)
         del mod.__dict__["_elsa"]
         n += 1
     return n

@@ -18,13 +18,18 @@ module class (matched exactly)                 forward
 
 Calls that are delegated to the original forward (and counted in ``module._elsa.delegated``):
 
-* attention dropout in training (``module.training and module.attn_drop.p > 0``): ELSA never
-  forms the attention matrix, so it cannot drop its entries; the original forward does it;
+* attention dropout that would be active (``attn_drop.p > 0`` and the module, or ``attn_drop``
+  itself — MC dropout at eval — in training mode): ELSA never forms the attention matrix, so it
+  cannot drop its entries; the original forward does it;
+* forward hooks on ``attn_drop`` or ``softmax`` (e.g. attention-map extraction), which ELSA's
+  forward never calls;
 * ``attn_mask`` together with ``is_causal=True`` (SDPA refuses it, timm's unfused path ignores
   the mask — the original decides);
 * a Swin ``mask`` that is not ``[nW, N, N]`` with ``nW`` dividing the window batch.
 
-Rows that see no key at all (a boolean ``attn_mask`` row of all False) return 0, as SDPA does.
+Rows that see no key at all (a boolean ``attn_mask`` row of all False) return 0, as SDPA does;
+timm's unfused path (``fused_attn=False``, and Swin) returns NaN there. A Swin ``mask`` of bool or
+integer dtype is added as numbers (True = +1), as timm does.
 
 Patch options read here: ``precision`` (see :func:`elsa_vision.attention`) and ``backend``
 (``"auto"`` by default; naming one, e.g. ``backend="reference"``, routes every call — Swin
@@ -78,9 +83,23 @@ def _check_common(module: torch.nn.Module, options: dict, head_dim: int) -> Opti
     return None
 
 
-def _dropout_active(module: torch.nn.Module) -> bool:
+# children of timm's attention modules that ELSA's forward never calls
+_BYPASSED = ("attn_drop", "softmax")
+
+
+def _bypass_reason(module: torch.nn.Module) -> Optional[str]:
+    """Why this call must run the original forward because of what ELSA's forward skips (None if
+    nothing): attention dropout that would be active — timm's fused path follows module.training,
+    its unfused path the dropout module's own mode (kept in train for MC dropout) — or hooks on a
+    skipped child (attention-map extraction hooks softmax or attn_drop)."""
     drop = getattr(module, "attn_drop", None)
-    return bool(module.training and drop is not None and getattr(drop, "p", 0.0) > 0)
+    if drop is not None and getattr(drop, "p", 0.0) > 0 and (module.training or drop.training):
+        return "attention dropout in training"
+    for name in _BYPASSED:
+        child = getattr(module, name, None)
+        if isinstance(child, torch.nn.Module) and (child._forward_hooks or child._forward_pre_hooks):
+            return f"hooks on {name}, which ELSA's forward does not call"
+    return None
 
 
 def _biased_qkv(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -140,8 +159,9 @@ class TimmAttention(Adapter):
         return _check_common(module, options, module.head_dim)
 
     def forward(self, module, state, x, attn_mask=None, is_causal=False):
-        if _dropout_active(module):
-            return state.delegate(x, attn_mask=attn_mask, is_causal=is_causal, reason="attention dropout in training")
+        why = _bypass_reason(module)
+        if why:
+            return state.delegate(x, attn_mask=attn_mask, is_causal=is_causal, reason=why)
         if attn_mask is not None and is_causal:
             return state.delegate(x, attn_mask=attn_mask, is_causal=is_causal, reason="attn_mask with is_causal")
         B, N, C = x.shape
@@ -166,9 +186,9 @@ class TimmRopeAttention(Adapter):
         return _check_common(module, options, module.head_dim)
 
     def forward(self, module, state, x, rope=None, attn_mask=None, is_causal=False):
-        if _dropout_active(module):
-            return state.delegate(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal,
-                                  reason="attention dropout in training")
+        why = _bypass_reason(module)
+        if why:
+            return state.delegate(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal, reason=why)
         if attn_mask is not None and is_causal:
             return state.delegate(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal,
                                   reason="attn_mask with is_causal")
@@ -254,10 +274,13 @@ class _SwinBase(Adapter):
 
     def forward(self, module, state, x, mask=None):
         Bw, N, C = x.shape
-        if _dropout_active(module):
-            return state.delegate(x, mask=mask, reason="attention dropout in training")
+        why = _bypass_reason(module)
+        if why:
+            return state.delegate(x, mask=mask, reason=why)
         if not _mask_ok(mask, Bw, N):
             return state.delegate(x, mask=mask, reason="mask is not [nW, N, N] with nW dividing the window batch")
+        if mask is not None and not mask.is_floating_point():
+            mask = mask.float()  # timm adds a bool / integer mask as numbers (True = +1), not as a keep-mask
         q, k, v = _split_heads(self._qkv(module, x), module.num_heads)
         q, k, scale, bias = self._prepare(module, q, k)
         o = window_core(q, k, v, bias, mask, scale, precision=state.options.get("precision", "auto"),

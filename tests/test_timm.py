@@ -295,6 +295,70 @@ def test_attention_dropout_in_training_delegates(cls):
     elsa_vision.unpatch(mod)
 
 
+def test_mc_dropout_and_hooked_children_delegate():
+    """attn_drop kept in train mode under an eval model (MC dropout) runs in timm's unfused path, and
+    hooks on children ELSA never calls (softmax, attn_drop) must still fire: both delegate."""
+    x = _x(2, 9, 32)
+    mod = swin1.WindowAttention(32, num_heads=2, window_size=3, attn_drop=0.5).eval()
+    mod.attn_drop.train()
+    elsa_vision.patch(mod)
+    torch.manual_seed(3)
+    out = mod(x)
+    elsa_vision.unpatch(mod)
+    torch.manual_seed(3)
+    assert torch.equal(out, mod(x))
+    mod.attn_drop.eval()
+    seen = []
+    h = mod.softmax.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    elsa_vision.patch(mod)
+    mod(x)
+    assert len(seen) == 1 and "hooks on softmax" in " ".join(mod._elsa.delegate_reasons)
+    h.remove()
+    mod(x)
+    assert len(seen) == 1 and mod._elsa.delegated == 1 and mod._elsa.calls == 2
+    elsa_vision.unpatch(mod)
+
+
+def test_swin_bool_mask_is_added_as_numbers():
+    mod = swin1.WindowAttention(32, num_heads=2, window_size=3).eval()
+    x = _x(4, 9, 32)
+    mask = torch.rand(2, 9, 9, generator=torch.Generator().manual_seed(2)) > 0.5
+    with torch.no_grad():
+        ref = mod(x, mask)
+        elsa_vision.patch(mod)
+        out = mod(x, mask)
+    assert mod._elsa.delegated == 0 and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    elsa_vision.unpatch(mod)
+
+
+def test_instance_forward_wrapper_is_skipped():
+    mod = Attention(32, num_heads=2).eval()
+    inner = mod.forward
+    mod.forward = lambda x, **kw: inner(x, **kw) * 2
+    report = elsa_vision.patch(mod)
+    assert report.num_patched == 0 and "replaced on the instance" in str(report)
+    x = _x(1, 5, 32)
+    assert torch.equal(mod(x), inner(x) * 2)
+
+
+def test_saved_patched_model_loads_patched(tmp_path):
+    import io
+    model = torch.nn.Sequential(Attention(32, num_heads=2), Attention(32, num_heads=2)).eval()
+    elsa_vision.patch(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = _x(1, 5, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert all(m._elsa.calls == 1 for m in loaded) and loaded[0].forward.module is loaded[0]
+    assert elsa_vision.unpatch(loaded) == 2
+    with torch.no_grad():
+        ref = loaded(x)
+    assert torch.allclose(ref, model(x), atol=1e-5)
+
+
 def _rope(n, d, seed=0):
     """[n, 2·d]: sin | cos halves, the layout apply_rot_embed_cat takes (any angles will do)."""
     ang = torch.rand(n, d, generator=torch.Generator().manual_seed(seed)) * 6
