@@ -91,8 +91,15 @@ def make_synthetic(root: Path, classes: int, per_class: int, val_per_class: int,
         raise ValueError(f"--classes must be in [2, {len(SHAPES)}], got {classes}")
     spec = {"classes": classes, "per_class": per_class, "val_per_class": val_per_class, "size": size, "seed": seed}
     marker = root / "synthetic.json"
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return root
+    if marker.exists():
+        if json.loads(marker.read_text()) == spec:
+            return root
+        import shutil  # made here with other settings: start over, so no stale class folder stays
+        for split in ("train", "val"):
+            shutil.rmtree(root / split, ignore_errors=True)
+        marker.unlink()
+    elif root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise SystemExit(f"--synthetic {root} exists and was not made by this script; name a new or empty folder")
     from tqdm import tqdm
     rng = np.random.default_rng(seed)
     jobs = [(split, s, i) for split, n in (("train", per_class), ("val", val_per_class))
@@ -140,8 +147,15 @@ def build_model(a, num_classes: int, elsa: bool):
     import elsa_vision
     torch.manual_seed(a.seed)  # identical initial weights for every run
     kw = dict(json.loads(a.model_kwargs)) if a.model_kwargs else {}
-    model = timm.create_model(a.model, pretrained=a.pretrained, num_classes=num_classes, img_size=a.img_size,
-                              drop_path_rate=a.drop_path, **kw).to(a.device)
+    try:
+        model = timm.create_model(a.model, pretrained=a.pretrained, num_classes=num_classes, img_size=a.img_size,
+                                  drop_path_rate=a.drop_path, **kw)
+    except (OSError, RuntimeError) as e:
+        if not a.pretrained:
+            raise
+        raise SystemExit(f"{a.model}: pretrained weights could not be loaded ({type(e).__name__}); offline? "
+                         "Drop --pretrained, or fetch them once online (they are cached).") from None
+    model = model.to(a.device)
     if elsa:
         report = elsa_vision.patch(model, precision=a.precision, backend=a.backend)
         print(report)
@@ -198,8 +212,10 @@ def train_run(a, tag: str, elsa: bool, root: Path, out: Path) -> dict:
         acc = evaluate(model, vl, a.device, amp)
         hist["val_acc"].append(acc)
         print(f"{tag} epoch {epoch + 1}: train loss {np.mean(hist['loss'][-steps_per_epoch:]):.4f}, val acc {acc:.3f}")
+        # plain types only (paths as strings), so torch.load's default weights_only mode reads it
+        args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}
         ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch + 1, "val_acc": acc,
-                "classes": classes, "args": vars(a)}
+                "classes": classes, "args": args}
         torch.save(ckpt, out / f"{tag}_last.pt")
         if acc > best:
             best = acc
@@ -232,9 +248,65 @@ def plot_curves(hists: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def check_args(a, ap) -> None:
+    """Argument errors (exit 2) before any data is made or read."""
+    import os
+    import timm
+    from elsa_vision.api import PRECISIONS
+    from elsa_vision.dispatch import BACKENDS
+    for name, lo in (("batch", 1), ("epochs", 1), ("max_steps", 0), ("workers", 0), ("per_class", 1),
+                     ("val_per_class", 1), ("img_size", 32)):
+        if getattr(a, name) < lo:
+            ap.error(f"--{name.replace('_', '-')} must be ≥ {lo}, got {getattr(a, name)}")
+    if a.synthetic is not None and not 2 <= a.classes <= len(SHAPES):
+        ap.error(f"--classes must be in [2, {len(SHAPES)}], got {a.classes}")
+    if not a.lr > 0:
+        ap.error(f"--lr must be > 0, got {a.lr}")
+    if a.precision not in PRECISIONS:
+        ap.error(f"--precision must be one of {', '.join(PRECISIONS)}, got {a.precision!r}")
+    backends = ["auto", *(b.name for b in BACKENDS)]
+    if a.backend not in backends:
+        ap.error(f"--backend must be one of {', '.join(backends)}, got {a.backend!r}")
+    try:
+        dev = torch.device(a.device)
+    except RuntimeError:
+        ap.error(f"--device {a.device!r} is not a torch device (e.g. cuda, cuda:1, cpu)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU here; use --device cpu")
+    if a.backend == "triton" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--backend triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's CPU interpreter: slow)")
+    if a.model_kwargs:
+        try:
+            if not isinstance(json.loads(a.model_kwargs), dict):
+                raise ValueError
+        except ValueError:
+            ap.error(f"--model-kwargs must be a JSON object, e.g. '{{\"depths\": [2, 2]}}', got {a.model_kwargs!r}")
+    if not timm.is_model(a.model):
+        ap.error(f"--model {a.model!r} is not a timm model name (e.g. swin_tiny_patch4_window7_224, "
+                 "swinv2_tiny_window8_256)")
+
+
+def check_data(root: Path, ap) -> None:
+    """An ImageFolder layout with at least two classes (train/ and val/, or one class-folder root)."""
+    from torchvision import datasets
+    if not root.is_dir():
+        ap.error(f"--data {root} is not a directory")
+    has_train, has_val = (root / "train").is_dir(), (root / "val").is_dir()
+    if has_train != has_val:
+        ap.error(f"--data {root} has {'train/' if has_train else 'val/'} but no {'val/' if has_train else 'train/'}: "
+                 "give both, or a root whose sub-folders are the classes (split 90/10 here)")
+    for d in ([root / "train", root / "val"] if has_train else [root]):
+        try:
+            found = datasets.ImageFolder(d)
+        except (FileNotFoundError, RuntimeError) as e:
+            ap.error(f"--data: {d} is not an image folder ({str(e).splitlines()[0]}); expected "
+                     f"{d}/<class>/<image files>")
+        if len(found.classes) < 2:
+            ap.error(f"--data: {d} has {len(found.classes)} class folder(s); classification needs at least 2")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=Path, help="ImageFolder root (train/ and val/ inside, or one folder)")
     src.add_argument("--synthetic", type=Path, help="generate coloured shapes here (offline) and train on them")
@@ -258,17 +330,19 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="checkpoints, history.json, loss_curves.png (default out/finetune_<model>)")
     a = ap.parse_args(argv)
+    check_args(a, ap)
     a.amp = a.amp or ("bf16" if a.device.startswith("cuda") else "fp32")
     out = a.out or Path("out") / f"finetune_{a.model}"
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out} is a file; name a folder")
     if a.synthetic is not None:
         root = make_synthetic(a.synthetic, a.classes, a.per_class, a.val_per_class, a.img_size, a.seed)
     else:
         root = a.data
-        if not root.is_dir():
-            raise SystemExit(f"--data {root} is not a directory")
+        check_data(root, ap)
+    out.mkdir(parents=True, exist_ok=True)
     runs = [("elsa", True)] + ([("native", False)] if a.compare_native else [])
     hists = [train_run(a, tag, elsa, root, out) for tag, elsa in runs]
     (out / "history.json").write_text(json.dumps(hists))

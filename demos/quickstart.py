@@ -90,8 +90,17 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, help="override the batch size")
     ap.add_argument("--rounds", type=int, help="timed rounds per variant (default 20 on GPU, 3 on CPU)")
     a = ap.parse_args(argv)
+    for name in ("batch", "rounds"):  # argument errors exit 2; exit 1 means a check failed
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            ap.error(f"--{name} must be ≥ 1, got {getattr(a, name)}")
+    try:
+        kind = torch.device(a.device).type
+    except RuntimeError:
+        ap.error(f"--device {a.device!r} is not a torch device (e.g. cuda, cpu)")
+    if kind == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU here; use --device cpu")
     dev = a.device
-    gpu = dev.startswith("cuda")
+    gpu = kind == "cuda"
     if gpu:
         # native fp32 is true fp32 here, so ELSA runs its fp32-accurate 3xTF32 mode ("auto" → tf32x3)
         torch.set_float32_matmul_precision("highest")
