@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,12 @@ class DemoError(Exception):
     """A problem the user can fix; printed without a traceback."""
 
 
+QUIET = False  # --quiet: no progress bars at all
+
+
 def _tqdm(iterable=None, **kw):
+    if QUIET:
+        kw["disable"] = True
     try:
         from tqdm.auto import tqdm
     except ImportError:  # progress bars are a nicety
@@ -156,12 +162,22 @@ def load_model(args):
         torch.manual_seed(args.seed)
         return VGGT(enable_track=False), "random"
     w = Path(args.weights).expanduser()
+    if not w.is_file() and (w.suffix in (".pt", ".pth", ".bin", ".safetensors") or w.is_absolute()
+                            or str(args.weights).startswith((".", "~"))):
+        raise DemoError(f"--weights {args.weights}: no such file (or give a Hugging Face repo id, "
+                        "e.g. facebook/VGGT-1B)")
     if w.is_file():
-        if w.suffix == ".safetensors":
-            from safetensors.torch import load_file
-            state = load_file(str(w))
-        else:
-            state = torch.load(str(w), map_location="cpu", weights_only=True)
+        try:
+            if w.suffix == ".safetensors":
+                from safetensors.torch import load_file
+                state = load_file(str(w))
+            else:
+                state = torch.load(str(w), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - pickle, zip and safetensors errors differ
+            raise DemoError(f"{w} is not a readable checkpoint ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+        if not isinstance(state, dict):
+            raise DemoError(f"{w} holds a {type(state).__name__}, not a VGGT state dict")
         model = VGGT(enable_track=False)
         missing, unexpected = model.load_state_dict(state, strict=False)
         real_missing = [k for k in missing if not k.startswith("track_head.")]
@@ -313,6 +329,8 @@ def save_outputs(out: Path, images: torch.Tensor, preds: dict, labels: list[str]
 
     ddir = out / "depth"
     ddir.mkdir(exist_ok=True)
+    for old in ddir.glob("depth_*.png"):  # a previous run's maps (maybe of more frames) would mislead
+        old.unlink()
     np.savez(ddir / "depth.npz", depth=depth.astype(np.float16), confidence=depth_conf.astype(np.float16))
     for i in _tqdm(range(S), desc="writing depth maps", unit="map"):
         cv2.imwrite(str(ddir / f"depth_{i:04d}.png"), cv2.cvtColor(colourise(depth[i]), cv2.COLOR_RGB2BGR))
@@ -363,7 +381,7 @@ def _preview(path: Path, rgb, depth, pts, cols, centres) -> None:
 # ------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", type=Path, help="folder of images or a video file")
     p.add_argument("--frames", type=int, default=100, help="frames to sample uniformly (default 100)")
@@ -406,18 +424,30 @@ def parse_args(argv=None):
         p.error("--merge RATIO must be in [0, 1]")
     if not 0.0 <= args.conf_percentile < 100.0:
         p.error("--conf-percentile must be in [0, 100)")
+    if args.max_points < 1:
+        p.error("--max-points must be >= 1")
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} is a file; name a folder")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device!r} is not a torch device (e.g. cuda, cuda:1, cpu)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA GPU is available; pass --device cpu")
+    if args.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--backend triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's CPU interpreter: slow)")
     return args
 
 
 def main(argv=None) -> dict:
+    global QUIET
     args = parse_args(argv)
+    QUIET = args.quiet
     frames, labels = read_frames(args.input, args.frames)
     images = preprocess(frames, args.width)
     S, _, H, W = images.shape
     print(f"{S} frames at {H}x{W} from {args.input}")
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DemoError("--device cuda but no CUDA GPU is available; pass --device cpu")
 
     t0 = time.perf_counter()
     model, weights = load_model(args)
