@@ -166,6 +166,10 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
     if unknown:
         raise TypeError(f"patch() got unknown option(s) {unknown}; the options adapters read are "
                         f"precision, token_merging, include, exclude and {sorted(known)}")
+    from ..dispatch import BACKENDS
+    backends = ["auto", *(b.name for b in BACKENDS)]
+    if options.get("backend", "auto") not in backends:
+        raise ValueError(f"patch: backend must be one of {backends}, got {options['backend']!r}")
     opts = dict(options, precision=precision, token_merging=token_merging)
     report = PatchReport()
     for name, mod in model.named_modules():

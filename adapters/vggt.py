@@ -104,7 +104,7 @@ class TokenMerging:
     similarity_dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
-        if not (isinstance(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0):
+        if isinstance(self.ratio, bool) or not (isinstance(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0):
             raise ValueError(f"TokenMerging.ratio must be in [0, 1], got {self.ratio!r}")
         if not (isinstance(self.protect, (int, float)) and 0.0 <= self.protect <= 1.0):
             raise ValueError(f"TokenMerging.protect must be in [0, 1], got {self.protect!r}")
@@ -396,8 +396,8 @@ def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
     """When q/k norm and RoPE can run as one kernel (kernels/rope.py): the RoPE (cos, sin) tables
     [P, D/2] float32, () without RoPE; None when they go through the modules themselves — with
     gradients, hooks on them, or modules other than LayerNorm / Identity and vggt's RoPE."""
-    if torch.is_grad_enabled() or not (x.is_cuda or _rope_kernel.INTERPRET):
-        return None
+    if torch.is_grad_enabled() or not (x.is_cuda or _rope_kernel.INTERPRET) or x.dtype == torch.float64:
+        return None  # (the kernel computes in float32)
     D = module.head_dim
     qn, kn, rope = module.q_norm, module.k_norm, module.rope
     norms = [type(m) for m in (qn, kn)]
@@ -503,8 +503,13 @@ def _unsupported(module, kind: "_Kind", x, pos, attn_bias, merging) -> Optional[
         return "MemEffAttention given pos"
     if module.rope is not None and pos is None:
         return "rope without positions"
-    if module.training and module.attn_drop.p > 0:
+    drop = module.attn_drop
+    if drop.p > 0 and (module.training or drop.training):  # (the unfused path follows attn_drop's own mode)
         return "attention dropout in training"
+    if drop._forward_hooks or drop._forward_pre_hooks:
+        return "hooks on attn_drop, which ELSA's forward does not call"
+    if module.head_dim > 256:
+        return f"head dim {module.head_dim} > 256"
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         return "input is not [B, N, C]"
     if kind.fork and merging is not None and getattr(sys.modules.get(type(module).__module__), "vis_attn_map", False):
@@ -538,7 +543,7 @@ def _elsa_attention(module, state: PatchState, x, pos, kind: "_Kind", merging=No
     call to the original forward, which raises as SDPA does)."""
     opts = state.options
     B, N, C = x.shape
-    chunk = int(opts.get("lean_chunk", 1 << 16)) if opts.get("lean_memory") else None
+    chunk = int(opts.get("lean_chunk", 1 << 16)) if _lean(opts) is not None else None
     call = None if kind.fork else _merge_call(module)
     plan = unmerge_fn = side = None
     if call is not None:
@@ -661,6 +666,13 @@ class LeanLayerList(list):
         return super().__getitem__(i)
 
 
+def _lean(options: dict):
+    """The lean_memory option when requested (True, or a sequence of layers — an empty one keeps
+    only the last layer), else None."""
+    lean = options.get("lean_memory")
+    return None if lean is None or lean is False else lean
+
+
 def _kept_layers(depth: int, lean) -> frozenset:
     if lean is True:
         wanted = [i for i in HEAD_LAYERS if i < depth]
@@ -675,9 +687,16 @@ def _kept_layers(depth: int, lean) -> frozenset:
     return frozenset({i % depth for i in wanted} | {depth - 1})
 
 
+def _watched(module) -> bool:
+    """Whether running ``module``'s parts in pieces could be seen: hooks anywhere in its subtree or
+    global ones, or a forward replaced on the instance (another library's wrapper)."""
+    return "forward" in module.__dict__ or any(_observed(m) for m in module.modules())
+
+
 def _run_block(block, x, pos, per_frame: bool, chunk: int, block_classes: tuple):
-    """One aggregator block in eval mode with bounded transient memory (same values as block(x, pos=pos))."""
-    if type(block) not in block_classes or block.training:
+    """One aggregator block in eval mode with bounded transient memory (same values as block(x, pos=pos)).
+    A watched block (see _watched) runs whole: hooks see the calls they would see unpatched."""
+    if type(block) not in block_classes or block.training or _watched(block):
         return block(x, pos=pos)
     if per_frame:  # frames are independent: run the whole block a few frames at a time
         n_frames, P = x.shape[:2]
@@ -691,8 +710,6 @@ def _run_block(block, x, pos, per_frame: bool, chunk: int, block_classes: tuple)
                 out = y.new_empty((n_frames, *y.shape[1:]))
             out[f0:f0 + step] = y
         return out
-    if block._forward_hooks or block._forward_pre_hooks:  # hooks expect a call of the block itself
-        return block(x, pos=pos)
     # one long sequence: attention sees every token; the MLP residual is per token, so run it in chunks
     x = x + block.ls1(_block_attention(block, x, pos))
     N = x.shape[1]
@@ -737,7 +754,8 @@ class _PatchEmbedOnce:
 
     def __call__(self, images, *args, **kwargs):
         out = self.module(images, *args, **kwargs)
-        if not _observed(self.module):
+        # nothing is freed that a hook (anywhere in the patch embedding) or autograd may hold
+        if not torch.is_grad_enabled() and not _watched(self.module):
             tokens = out["x_norm_patchtokens"] if isinstance(out, dict) else out
             self.dead = [t for t in (images, tokens) if isinstance(t, torch.Tensor)]
         return out
@@ -758,8 +776,9 @@ def _lean_process(agg, kind: str, keep: frozenset, chunk: int, host: Optional[di
     drops the intermediates of layers not in ``keep`` and runs blocks with bounded memory.
 
     ``host`` (lean_offload): a dict shared by the frame and the global replacement. For the kept
-    layers other than the last, the frame half waits in it (as a GPU tensor) until the global half
-    exists; the pair then goes to host memory (see _to_host) and its intermediates are zero-width.
+    layers other than the last, the half that runs first (by aa_order) waits in it (as a GPU tensor)
+    until the other exists; the pair then goes to host memory (see _to_host) and its intermediates
+    are zero-width.
     ``embed``: released when the first frame block starts (the token sequence exists by then)."""
     blocks = agg.frame_blocks if kind == "frame" else agg.global_blocks
     block_classes = _block_classes()
@@ -778,8 +797,13 @@ def _lean_process(agg, kind: str, keep: frozenset, chunk: int, host: Optional[di
             tokens = _run_block(blocks[idx], tokens, pos, kind == "frame", chunk, block_classes)
             out = tokens.view(B, S, P, C)
             offload = host is not None and idx in keep and idx != last
-            if offload:
-                host[idx] = out if kind == "frame" else _to_host(host[idx], out, max(1, chunk // max(P, 1)))
+            if offload:  # the first half (frame or global, by aa_order) waits for the other one
+                other = host.get(idx)
+                if other is None:
+                    host[idx] = out
+                else:
+                    pair = (out, other) if kind == "frame" else (other, out)
+                    host[idx] = _to_host(*pair, max(1, chunk // max(P, 1)))
             # a zero-width tensor keeps the aggregator's concatenation working at no memory cost
             intermediates.append(out if idx in keep and not offload else tokens.new_empty((B, S, P, 0)))
             idx += 1
@@ -812,11 +836,11 @@ class VGGTAggregatorAdapter(Adapter):
         return tuple(dict.fromkeys([*super().classes(), *_EXTRA["aggregator"]]))
 
     def skip_reason(self, module, options):
-        tm, lean = options.get("token_merging"), options.get("lean_memory")
+        tm, lean = options.get("token_merging"), _lean(options)
         offload = options.get("lean_offload", False)
         if not isinstance(offload, bool):
             raise TypeError(f"lean_offload must be True or False, got {offload!r}")
-        if offload and not lean:
+        if offload and lean is None:
             raise ValueError("lean_offload=True moves the layers lean_memory keeps to host memory: "
                              "pass lean_memory=True (or a list of layers) with it")
         if tm is not None and not isinstance(tm, TokenMerging):
@@ -824,14 +848,14 @@ class VGGTAggregatorAdapter(Adapter):
         chunk = options.get("lean_chunk", 1 << 16)
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"lean_chunk must be a positive int (tokens), got {chunk!r}")
-        if not lean and tm is None:
+        if lean is None and tm is None:
             return "nothing to change (lean_memory and token_merging not requested)"
         if _is_fork_aggregator(type(module)):
             if tm is not None:
                 raise ValueError("token_merging=TokenMerging(...) is for upstream VGGT; the FastVGGT fork merges "
                                  "tokens itself (its `merging` setting): patch it without token_merging")
             return "FastVGGT fork aggregator: already keeps only the layers its heads read"
-        if lean:
+        if lean is not None:
             _kept_layers(module.depth, lean)  # validate now
         return None
 
@@ -842,7 +866,7 @@ class VGGTAggregatorAdapter(Adapter):
         if not isinstance(images, torch.Tensor) or images.dim() != 5:
             return state.delegate(images, *args, reason="images not [B, S, 3, H, W]", **kwargs)
         opts = state.options
-        cfg, lean = opts.get("token_merging"), opts.get("lean_memory")
+        cfg, lean = opts.get("token_merging"), _lean(opts)
         token = None
         if cfg is not None:
             grid = (images.shape[-2] // agg.patch_size, images.shape[-1] // agg.patch_size)
@@ -851,7 +875,7 @@ class VGGTAggregatorAdapter(Adapter):
             # later would wait for the GPU to drain its queue
             pattern = tuple(t.to(images.device) for t in _pattern(images.shape[1], grid, agg.patch_start_idx, cfg))
             token = _MERGING.set(_AggregatorCall(cfg, images.shape[1], grid, agg.patch_start_idx, layers, pattern))
-        keep = _kept_layers(agg.depth, lean) if lean else None
+        keep = _kept_layers(agg.depth, lean) if lean is not None else None
         host = {} if keep is not None and opts.get("lean_offload") else None
         if keep is not None:
             chunk = opts.get("lean_chunk", 1 << 16)
@@ -898,7 +922,7 @@ class VGGTDPTHeadAdapter(Adapter):
         chunk = options.get("head_chunk")
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"head_chunk must be a positive int (frames) or None, got {chunk!r}")
-        return None if options.get("lean_memory") else "only used with lean_memory"
+        return None if _lean(options) is not None else "only used with lean_memory"
 
     def forward(self, head, state: PatchState, *args, **kwargs):
         try:  # the head's own defaults (vggt: frames_chunk_size=8)

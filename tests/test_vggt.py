@@ -273,6 +273,84 @@ def test_lean_memory_frees_the_aggregators_dead_inputs(standin, monkeypatch, hoo
     assert "patch_embed" not in m.aggregator.__dict__ and isinstance(m.aggregator.patch_embed, torch.nn.Module)
 
 
+def test_lean_memory_respects_hooks_grads_and_block_wrappers(standin):
+    """What lean memory runs in pieces or frees must not be observable: a hook deep in the patch
+    embedding keeps its output intact, a grad-enabled call can still backpropagate, hooks on an
+    aggregator block see the one whole call they would see unpatched."""
+    m = make_standin()
+    x = frames()
+    kept = []
+    h = m.aggregator.patch_embed.norm.register_forward_hook(lambda mod, i, o: kept.append(o))
+    with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3)):
+        run(m, x)
+    h.remove()
+    assert kept and kept[0].untyped_storage().size() > 0 and torch.isfinite(kept[0]).all()
+    with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3)):
+        xg = x.clone().requires_grad_()
+        m(xg)["depth"].sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()
+    seen = []
+    h = m.aggregator.frame_blocks[1].register_forward_hook(lambda mod, i, o: seen.append(tuple(o.shape)))
+    with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3), lean_chunk=7):
+        run(m, x)
+    h.remove()
+    assert seen == [(3, 20, 64)]
+
+
+def test_lean_offload_with_global_attention_first(standin):
+    m = make_standin()
+    m.aggregator.aa_order = ["global", "frame"]
+    x = frames()
+    with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3)):
+        lean = run(m, x)
+    with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3), lean_offload=True):
+        assert_equal(run(m, x), lean)
+
+
+def test_attention_delegations_and_option_checks(standin):
+    """MC dropout (attn_drop in train under an eval model) and hooks on attn_drop go to the original
+    forward; an empty lean_memory list keeps the last layer only; bad options raise at patch time."""
+    mod = V.Attention(64, num_heads=2, attn_drop=0.5, fused_attn=False).eval()
+    mod.attn_drop.train()
+    x = torch.randn(2, 9, 64)
+    elsa_vision.patch(mod)
+    torch.manual_seed(0)
+    out = mod(x)
+    assert mod._elsa.delegated == 1
+    elsa_vision.unpatch(mod)
+    torch.manual_seed(0)
+    assert torch.equal(out, mod(x))
+    mod.attn_drop.eval()
+    mod.attn_drop.register_forward_hook(lambda *a: None)
+    elsa_vision.patch(mod)
+    mod(x)
+    assert "hooks on attn_drop" in " ".join(mod._elsa.delegate_reasons)
+    elsa_vision.unpatch(mod)
+    m = make_standin()
+    with elsa_vision.patched(m, lean_memory=[]) as report:
+        assert report.num_patched > len(STANDIN_ATTN)
+        with torch.no_grad():
+            layers, _ = m.aggregator(frames())
+        assert layers.kept == frozenset({3}) and layers[-1].shape[-1] > 0
+        with pytest.raises(LookupError, match="dropped by lean_memory"):
+            layers[0]
+    with pytest.raises(ValueError, match="backend"):
+        elsa_vision.patch(m, backend="bogus")
+    wide = V.Attention(1024, num_heads=2).eval()  # head dim 512: beyond ELSA's 256, SDPA's call
+    xw = torch.randn(1, 5, 1024)
+    with torch.no_grad(), elsa_vision.patched(wide):
+        assert torch.equal(wide(xw), wide._elsa.original(xw)) and wide._elsa.delegated == 1
+    # float64: the fused q/k norm + RoPE kernel (float32 inside) is not used
+    mod = V.Attention(64, 2, qk_norm=True, rope=V.RotaryPositionEmbedding2D()).double().eval()
+    x, pos = torch.randn(2, 11, 64, dtype=torch.float64), _positions(2, (2, 3))
+    with torch.no_grad():
+        ref = mod(x, pos=pos)
+        with elsa_vision.patched(mod, backend="reference"):
+            assert (mod(x, pos=pos) - ref).abs().max() < 1e-12
+    with pytest.raises(ValueError, match="ratio"):
+        A.TokenMerging(ratio=True)
+
+
 def test_lean_memory_chunks_follow_the_tolerance_rule(standin):
     m = make_standin()
     x = frames()
