@@ -250,10 +250,9 @@ def plot_curves(hists: list[dict], path: Path) -> None:
 
 def check_args(a, ap) -> None:
     """Argument errors (exit 2) before any data is made or read."""
-    import os
     import timm
     from elsa_vision.api import PRECISIONS
-    from elsa_vision.dispatch import BACKENDS
+    from elsa_vision.dispatch import device_problem
     for name, lo in (("batch", 1), ("epochs", 1), ("max_steps", 0), ("workers", 0), ("per_class", 1),
                      ("val_per_class", 1), ("img_size", 32)):
         if getattr(a, name) < lo:
@@ -264,17 +263,9 @@ def check_args(a, ap) -> None:
         ap.error(f"--lr must be > 0, got {a.lr}")
     if a.precision not in PRECISIONS:
         ap.error(f"--precision must be one of {', '.join(PRECISIONS)}, got {a.precision!r}")
-    backends = ["auto", *(b.name for b in BACKENDS)]
-    if a.backend not in backends:
-        ap.error(f"--backend must be one of {', '.join(backends)}, got {a.backend!r}")
-    try:
-        dev = torch.device(a.device)
-    except RuntimeError:
-        ap.error(f"--device {a.device!r} is not a torch device (e.g. cuda, cuda:1, cpu)")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA GPU here; use --device cpu")
-    if a.backend == "triton" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        ap.error("--backend triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's CPU interpreter: slow)")
+    why = device_problem(a.device, a.backend)
+    if why:
+        ap.error(f"--device / --backend: {why}")
     if a.model_kwargs:
         try:
             if not isinstance(json.loads(a.model_kwargs), dict):

@@ -93,14 +93,12 @@ def main(argv=None) -> int:
     for name in ("batch", "rounds"):  # argument errors exit 2; exit 1 means a check failed
         if getattr(a, name) is not None and getattr(a, name) < 1:
             ap.error(f"--{name} must be ≥ 1, got {getattr(a, name)}")
-    try:
-        kind = torch.device(a.device).type
-    except RuntimeError:
-        ap.error(f"--device {a.device!r} is not a torch device (e.g. cuda, cpu)")
-    if kind == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA GPU here; use --device cpu")
+    from elsa_vision.dispatch import device_problem
+    why = device_problem(a.device)
+    if why:
+        ap.error(f"--device: {why}")
     dev = a.device
-    gpu = kind == "cuda"
+    gpu = torch.device(dev).type == "cuda"
     if gpu:
         # native fp32 is true fp32 here, so ELSA runs its fp32-accurate 3xTF32 mode ("auto" → tf32x3)
         torch.set_float32_matmul_precision("highest")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -428,14 +427,10 @@ def parse_args(argv=None):
         p.error("--max-points must be >= 1")
     if args.out.exists() and not args.out.is_dir():
         p.error(f"--out {args.out} is a file; name a folder")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        p.error(f"--device {args.device!r} is not a torch device (e.g. cuda, cuda:1, cpu)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but no CUDA GPU is available; pass --device cpu")
-    if args.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        p.error("--backend triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's CPU interpreter: slow)")
+    from elsa_vision.dispatch import device_problem
+    why = device_problem(args.device, args.backend)
+    if why:
+        p.error(f"--device / --backend: {why}")
     return args
 
 

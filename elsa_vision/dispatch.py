@@ -169,3 +169,25 @@ def select(p: Problem, backend: str = "auto") -> Backend:
         refusals.append(f"  {b.name}: " + "; ".join(reasons or [f"no {p.op} entry point"]))
     what = f"{p.op} with dtype={p.dtype}, device={p.device}, head_dim={p.head_dim}, causal={p.causal}, bias={p.has_bias}"
     raise NotSupportedError(f"no backend can run {what}:\n" + "\n".join(refusals))
+
+
+def device_problem(device: str, backend: str = "auto") -> Optional[str]:
+    """Why a command-line tool cannot run on ``device`` with ``backend`` here (None when it can):
+    an unparsable device, CUDA without a GPU, an unknown backend, or one that does not serve the
+    device (Triton without CUDA or its CPU interpreter)."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        return f"{device!r} is not a torch device (e.g. cuda, cuda:1, cpu)"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return f"device {device!r}: no CUDA GPU here; use cpu"
+    names = [b.name for b in BACKENDS]
+    if backend != "auto" and backend not in names:
+        return f"unknown backend {backend!r}; choose one of {['auto', *names]}"
+    for b in BACKENDS:
+        if b.name == backend:
+            why = b.available()
+            devices = b.devices() if callable(b.devices) else b.devices
+            if why or kind not in devices:
+                return f"backend {backend!r} cannot run on {kind}: " + (why or f"it runs on {', '.join(devices)}{b.devices_note}")
+    return None
