@@ -688,15 +688,17 @@ def _kept_layers(depth: int, lean) -> frozenset:
 
 
 def _watched(module) -> bool:
-    """Whether running ``module``'s parts in pieces could be seen: hooks anywhere in its subtree or
-    global ones, or a forward replaced on the instance (another library's wrapper)."""
+    """Whether anything could hold or see what ``module`` computes: hooks anywhere in its subtree
+    or global ones, or a forward replaced on the instance (another library's wrapper)."""
     return "forward" in module.__dict__ or any(_observed(m) for m in module.modules())
 
 
 def _run_block(block, x, pos, per_frame: bool, chunk: int, block_classes: tuple):
     """One aggregator block in eval mode with bounded transient memory (same values as block(x, pos=pos)).
-    A watched block (see _watched) runs whole: hooks see the calls they would see unpatched."""
-    if type(block) not in block_classes or block.training or _watched(block):
+    A block with hooks of its own or a wrapped forward runs whole (they expect one call of the block);
+    hooks inside it (a progress bar on ls1, say) see one call per chunk, as lean mode documents."""
+    if (type(block) not in block_classes or block.training or "forward" in block.__dict__
+            or block._forward_hooks or block._forward_pre_hooks):
         return block(x, pos=pos)
     if per_frame:  # frames are independent: run the whole block a few frames at a time
         n_frames, P = x.shape[:2]

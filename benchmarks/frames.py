@@ -262,9 +262,9 @@ REHEARSAL_VARIANTS = ("elsa", "elsa-lean", "elsa-lean-offload")
 
 
 def rehearse_attention():
-    """Replace the Triton attention forward by its allocations alone — the output and the row
-    statistics, the only device memory it takes when the key range is not split, as at these sizes
-    (B·H·Nq/block_m programs fill the GPU) — and return the undo. Everything else runs as is, so a
+    """Replace the Triton attention forward by its allocations alone — the output, the row
+    statistics and, for a split launch, the phase-1 summaries, as ``forward`` plans them — and
+    return the undo. Everything else runs as is, so a
     call's peak memory is the real run's, in minutes instead of the hours of attention arithmetic at
     thousands of frames. Outputs are garbage: only the memory column means anything. Variants
     whose shapes depend on values (token merging) or that run SDPA (native) are not rehearsed."""
@@ -273,12 +273,19 @@ def rehearse_attention():
 
     def allocations_only(q, k, v, bias, scale, causal, precision, partitions=None, summaries=None, config=None):
         B, H, Nq, D = q.shape
-        cfg = K.fwd_config(q.dtype, K._pow2(D), precision, k.shape[2], bias is not None)
-        n_part, _ = K.plan_partitions(B * H, Nq, k.shape[2], cfg.block_m, cfg.block_n, q.device, partitions)
-        if n_part > 1:
-            raise RuntimeError("memory rehearsal: this call would split its keys (summary buffers); "
-                               "rehearse larger frame counts only")
-        return K._out_like(q), torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
+        Nk, d_pad = k.shape[2], K._pow2(D)
+        cfg = K.fwd_config(q.dtype, d_pad, precision, Nk, bias is not None)
+        n_part, part_len = K.plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
+        if cfg.chunk and n_part > 1 and part_len > K._PLAIN_KEYS:  # as forward() re-plans these
+            cfg = K.Config(32, 32, 4, 2)
+            n_part, _ = K.plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
+        out = K._out_like(q)
+        stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
+        if n_part > 1:  # the phase-1 summaries live until phase 2 has merged them
+            summaries = [torch.empty((B * H, n_part, Nq, *tail), device=q.device, dtype=torch.float32)
+                         for tail in ((), (), (d_pad,))]
+            del summaries
+        return out, stats
 
     K.forward = allocations_only
     return lambda: setattr(K, "forward", real)
@@ -412,7 +419,8 @@ def capacity(rows, total_bytes) -> list[dict]:
     keys = {(r["part"], r["dtype"], r["variant"]) for r in rows}
     for part, dname, v in sorted(keys):
         pts = sorted((r["frames"], r["peak_gib"] * 2**30) for r in rows
-                     if (r["part"], r["dtype"], r["variant"]) == (part, dname, v) and r.get("status") == "ok")
+                     if (r["part"], r["dtype"], r["variant"]) == (part, dname, v)
+                     and r.get("status") in ("ok", "memory rehearsal"))
         if len(pts) < 2 or pts[-1][0] == pts[0][0]:
             continue
         (s0, m0), (s1, m1) = pts[0], pts[-1]
@@ -559,7 +567,7 @@ def main():
     cols = ["part", "dtype", "frames", "variant", "seconds", "peak_gib", "speedup_vs_native", "memory_vs_native",
             "depth_rel_err", "points_rel_err", "pose_max_abs_diff", "status"]
     print("\n" + fmt_table(rows, cols))
-    cap = capacity(ok, total)
+    cap = capacity(ok + [r for r in rows if r.get("status") == "memory rehearsal"], total)
     if cap:
         print("\nlargest frame count predicted by the peak-memory trend on this GPU:")
         print(fmt_table(cap, ["part", "dtype", "variant", "gib_per_frame", "estimated_max_frames"]))

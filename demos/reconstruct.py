@@ -161,9 +161,9 @@ def load_model(args):
         torch.manual_seed(args.seed)
         return VGGT(enable_track=False), "random"
     w = Path(args.weights).expanduser()
-    if not w.is_file() and (w.suffix in (".pt", ".pth", ".bin", ".safetensors") or w.is_absolute()
-                            or str(args.weights).startswith((".", "~"))):
-        raise DemoError(f"--weights {args.weights}: no such file (or give a Hugging Face repo id, "
+    if not w.exists() and (w.suffix in (".pt", ".pth", ".bin", ".safetensors") or w.is_absolute()
+                           or str(args.weights).startswith((".", "~"))):
+        raise DemoError(f"--weights {args.weights}: no such file or folder (or give a Hugging Face repo id, "
                         "e.g. facebook/VGGT-1B)")
     if w.is_file():
         try:
@@ -184,7 +184,7 @@ def load_model(args):
             raise DemoError(f"{w} is not a VGGT checkpoint: {len(real_missing)} missing keys, e.g. {real_missing[:3]}")
         return model, str(w)
     try:
-        model = VGGT.from_pretrained(args.weights, enable_track=False)
+        model = VGGT.from_pretrained(str(w) if w.is_dir() else args.weights, enable_track=False)
     except Exception as e:  # noqa: BLE001 - hub errors come in many types (offline, 404, gated, auth)
         raise DemoError(f"could not load weights {args.weights!r}: {type(e).__name__}: {str(e).splitlines()[0][:200]}\n"
                         "  offline? download model.pt once and pass --weights /path/to/model.pt, "
