@@ -166,10 +166,8 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
     if unknown:
         raise TypeError(f"patch() got unknown option(s) {unknown}; the options adapters read are "
                         f"precision, token_merging, include, exclude and {sorted(known)}")
-    from ..dispatch import BACKENDS
-    backends = ["auto", *(b.name for b in BACKENDS)]
-    if options.get("backend", "auto") not in backends:
-        raise ValueError(f"patch: backend must be one of {backends}, got {options['backend']!r}")
+    from ..dispatch import check_backend_name
+    check_backend_name(options.get("backend", "auto"))
     opts = dict(options, precision=precision, token_merging=token_merging)
     report = PatchReport()
     for name, mod in model.named_modules():
@@ -198,6 +196,21 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
         _bind(mod, adapter, opts)
         report.patched.setdefault(adapter.name, []).append(name)
     return report
+
+
+def bypass_reason(module: torch.nn.Module, skipped: Sequence[str] = ("attn_drop",)) -> Optional[str]:
+    """Why a call must run the original forward because of what an ELSA forward does not run (None
+    if nothing): attention dropout that would be active — fused SDPA paths follow module.training,
+    unfused ones the dropout module's own mode (kept in train for MC dropout) — or hooks on one of
+    the ``skipped`` children (attention-map extraction hooks softmax or attn_drop)."""
+    drop = getattr(module, "attn_drop", None)
+    if drop is not None and getattr(drop, "p", 0.0) > 0 and (module.training or drop.training):
+        return "attention dropout in training"
+    for name in skipped:
+        child = getattr(module, name, None)
+        if isinstance(child, torch.nn.Module) and (child._forward_hooks or child._forward_pre_hooks):
+            return f"hooks on {name}, which ELSA's forward does not call"
+    return None
 
 
 class _PatchedForward:

@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .registry import Adapter, PatchState, register
+from .registry import Adapter, PatchState, bypass_reason, register
 
 MIN_TIMM = (1, 0, 20)
 
@@ -69,12 +69,7 @@ def _backend(state: PatchState) -> str:
 
 
 def _check_common(module: torch.nn.Module, options: dict, head_dim: int) -> Optional[str]:
-    """Shared skip reasons (None if the module can be patched); a bad option raises."""
-    from ..dispatch import BACKENDS
-    backend = options.get("backend", "auto")
-    names = ["auto", *(b.name for b in BACKENDS)]
-    if backend not in names:
-        raise ValueError(f"patch: backend must be one of {names}, got {backend!r}")
+    """Shared skip reasons (None if the module can be patched); patch() has checked the options."""
     ver = _timm_version()
     if ver is not None and ver < MIN_TIMM:
         return f"timm {'.'.join(map(str, ver))} is older than 1.0.20; upgrade timm (pip install -U timm)"
@@ -83,23 +78,9 @@ def _check_common(module: torch.nn.Module, options: dict, head_dim: int) -> Opti
     return None
 
 
-# children of timm's attention modules that ELSA's forward never calls
-_BYPASSED = ("attn_drop", "softmax")
-
-
 def _bypass_reason(module: torch.nn.Module) -> Optional[str]:
-    """Why this call must run the original forward because of what ELSA's forward skips (None if
-    nothing): attention dropout that would be active — timm's fused path follows module.training,
-    its unfused path the dropout module's own mode (kept in train for MC dropout) — or hooks on a
-    skipped child (attention-map extraction hooks softmax or attn_drop)."""
-    drop = getattr(module, "attn_drop", None)
-    if drop is not None and getattr(drop, "p", 0.0) > 0 and (module.training or drop.training):
-        return "attention dropout in training"
-    for name in _BYPASSED:
-        child = getattr(module, name, None)
-        if isinstance(child, torch.nn.Module) and (child._forward_hooks or child._forward_pre_hooks):
-            return f"hooks on {name}, which ELSA's forward does not call"
-    return None
+    # softmax and attn_drop: the children of timm's attention modules ELSA's forward never calls
+    return bypass_reason(module, ("attn_drop", "softmax"))
 
 
 def _biased_qkv(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

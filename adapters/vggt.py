@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from ..api import attention
 from ..kernels import nearest as _nearest_kernel
 from ..kernels import rope as _rope_kernel
-from .registry import Adapter, PatchState, register
+from .registry import Adapter, PatchState, bypass_reason, register
 
 # --------------------------------------------------------------------------------------------
 # Token merging configuration
@@ -503,11 +503,9 @@ def _unsupported(module, kind: "_Kind", x, pos, attn_bias, merging) -> Optional[
         return "MemEffAttention given pos"
     if module.rope is not None and pos is None:
         return "rope without positions"
-    drop = module.attn_drop
-    if drop.p > 0 and (module.training or drop.training):  # (the unfused path follows attn_drop's own mode)
-        return "attention dropout in training"
-    if drop._forward_hooks or drop._forward_pre_hooks:
-        return "hooks on attn_drop, which ELSA's forward does not call"
+    why = bypass_reason(module)
+    if why:
+        return why
     if module.head_dim > 256:
         return f"head dim {module.head_dim} > 256"
     if not isinstance(x, torch.Tensor) or x.dim() != 3:

@@ -273,18 +273,13 @@ def rehearse_attention():
 
     def allocations_only(q, k, v, bias, scale, causal, precision, partitions=None, summaries=None, config=None):
         B, H, Nq, D = q.shape
-        Nk, d_pad = k.shape[2], K._pow2(D)
-        cfg = K.fwd_config(q.dtype, d_pad, precision, Nk, bias is not None)
-        n_part, part_len = K.plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
-        if cfg.chunk and n_part > 1 and part_len > K._PLAIN_KEYS:  # as forward() re-plans these
-            cfg = K.Config(32, 32, 4, 2)
-            n_part, _ = K.plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
+        _, n_part, _ = K.launch_plan(q, k, bias, precision, partitions, config)
         out = K._out_like(q)
         stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
         if n_part > 1:  # the phase-1 summaries live until phase 2 has merged them
-            summaries = [torch.empty((B * H, n_part, Nq, *tail), device=q.device, dtype=torch.float32)
-                         for tail in ((), (), (d_pad,))]
-            del summaries
+            parts = [torch.empty((B * H, n_part, Nq, *tail), device=q.device, dtype=torch.float32)  # noqa: F841
+                     for tail in ((), (), (K._pow2(D),))]
+            del parts
         return out, stats
 
     K.forward = allocations_only

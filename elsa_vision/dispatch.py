@@ -155,11 +155,16 @@ REFERENCE = Backend(
 BACKENDS: list[Backend] = [TRITON, REFERENCE]
 
 
+def check_backend_name(backend) -> None:
+    """ValueError unless ``backend`` is "auto" or the name of one of BACKENDS."""
+    names = ["auto", *(b.name for b in BACKENDS)]
+    if backend not in names:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {names}")
+
+
 def select(p: Problem, backend: str = "auto") -> Backend:
     """The backend that runs ``p``: the named one, or the first that fits. Raises NotSupportedError."""
-    names = [b.name for b in BACKENDS]
-    if backend != "auto" and backend not in names:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {['auto', *names]}")
+    check_backend_name(backend)
     candidates = BACKENDS if backend == "auto" else [b for b in BACKENDS if b.name == backend]
     refusals = []
     for b in candidates:
@@ -181,9 +186,10 @@ def device_problem(device: str, backend: str = "auto") -> Optional[str]:
         return f"{device!r} is not a torch device (e.g. cuda, cuda:1, cpu)"
     if kind == "cuda" and not torch.cuda.is_available():
         return f"device {device!r}: no CUDA GPU here; use cpu"
-    names = [b.name for b in BACKENDS]
-    if backend != "auto" and backend not in names:
-        return f"unknown backend {backend!r}; choose one of {['auto', *names]}"
+    try:
+        check_backend_name(backend)
+    except ValueError as e:
+        return str(e)
     for b in BACKENDS:
         if b.name == backend:
             why = b.available()

@@ -846,6 +846,20 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
     return torch.empty((B, Nq, H, D), device=q.device, dtype=q.dtype).transpose(1, 2)
 
 
+def launch_plan(q, k, bias, precision: str, partitions: Optional[int] = None,
+                config: Optional[Config] = None) -> tuple[Config, int, int]:
+    """(tile config, n_part, part_len) of the forward launch for these inputs (see forward)."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    cfg = config or fwd_config(q.dtype, _pow2(D), precision, Nk, bias is not None)
+    n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
+    if config is None and cfg.chunk and n_part > 1 and part_len > _PLAIN_KEYS:
+        # a split program folds its partition in one running sum (no chunks): compensate it instead
+        cfg = Config(32, 32, 4, 2)
+        n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
+    return cfg, n_part, part_len
+
+
 def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
             summaries: Optional[dict] = None, config: Optional[Config] = None):
     """Launch phase 1 (and phase 2 when split). Returns (out [B,H,Nq,D], stats [B,H,2,Nq] float32): the
@@ -859,12 +873,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = _pow2(D)
-    cfg = config or fwd_config(q.dtype, d_pad, precision, Nk, bias is not None)
-    n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
-    if config is None and cfg.chunk and n_part > 1 and part_len > _PLAIN_KEYS:
-        # a split program folds its partition in one running sum (no chunks): compensate it instead
-        cfg = Config(32, 32, 4, 2)
-        n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
+    cfg, n_part, part_len = launch_plan(q, k, bias, precision, partitions, config)
     out = _out_like(q)
     stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
     split = n_part > 1
