@@ -42,7 +42,7 @@ Patch options (keywords of ``elsa_vision.patch``):
   outputs instead of concatenating a list of chunks (``head_chunk`` frames per chunk, default the
   head's own 8). Inference only: an aggregator in training mode runs its original forward.
 * ``lean_offload`` (with ``lean_memory``): the kept layers other than the last — those only the DPT
-  heads read — go to (pinned) host memory as the aggregator produces them, concatenated a few frames
+  heads read — go to host memory (see _host_buffer) as the aggregator produces them, concatenated a few frames
   at a time on the device; the heads copy back the frames of each chunk. The device then holds one
   [B, S, P, 2C] layer instead of five (at 392×518, 3.4 GB float32 per 400 frames each), for the
   price of one device-to-host and one host-to-device pass over them. Values are unchanged (copies).
@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import math
 import operator
 import sys
 from dataclasses import dataclass
@@ -812,12 +813,30 @@ def _lean_process(agg, kind: str, keep: frozenset, chunk: int, host: Optional[di
     return run
 
 
+# Pinned buffers come from torch's caching host allocator, which rounds a request up to a power of
+# two and keeps freed blocks: three 17 GB layers (3000 frames) would pin over 100 GB and fail. Larger
+# layers use pageable memory (the copies then run synchronously) instead.
+_PIN_LIMIT = 1 << 30
+
+
+def _host_buffer(shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An empty host tensor, pinned when ``pin`` and at most _PIN_LIMIT bytes and the pinned
+    allocation succeeds; pageable otherwise."""
+    if pin and math.prod(shape) * dtype.itemsize <= _PIN_LIMIT:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError as e:  # page-locked memory exhausted (ulimit -l, cgroup): pageable works
+            if "out of memory" not in str(e).lower():
+                raise
+    return torch.empty(shape, dtype=dtype)
+
+
 def _to_host(frame: torch.Tensor, glob: torch.Tensor, step: int) -> torch.Tensor:
-    """cat([frame, glob], -1) [B, S, P, 2C] in (pinned, when on CUDA) host memory, formed on the device
-    ``step`` frames at a time so that the full-size concatenation never exists on the device. The
-    copies are asynchronous on the current stream (the aggregator synchronizes before returning)."""
+    """cat([frame, glob], -1) [B, S, P, 2C] in host memory (see _host_buffer), formed on the device
+    ``step`` frames at a time so that the full-size concatenation never exists on the device. Copies to
+    pinned memory are asynchronous on the current stream (the aggregator synchronizes before returning)."""
     B, S, P, C = glob.shape
-    out = torch.empty((B, S, P, 2 * C), dtype=glob.dtype, pin_memory=glob.is_cuda)
+    out = _host_buffer((B, S, P, 2 * C), glob.dtype, glob.is_cuda)
     for b in range(B):
         for s0 in range(0, S, step):
             out[b, s0:s0 + step].copy_(torch.cat([frame[b, s0:s0 + step], glob[b, s0:s0 + step]], -1),

@@ -109,6 +109,17 @@ def free_memory():
         torch.cuda.empty_cache()
 
 
+def out_of_memory(e: BaseException):
+    """The status of a row whose call raised ``e`` when it ran out of memory, else None. Besides the
+    device allocator's OutOfMemoryError, a failed page-locked host allocation (lean_offload) surfaces
+    as a plain CUDA error."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return "OOM"
+    if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
+        return "OOM (" + str(e).splitlines()[0][:60] + ")"
+    return None
+
+
 def timed_call(fn):
     """(output, ms, peak bytes above the allocation before the call) of one call."""
     free_memory()
@@ -185,15 +196,20 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
                             if (dname, part, v) in oom:
                                 continue
                             undo = apply(model, v, dtype)
+                            failed = None
                             try:
                                 out, ms, peak = timed_call(lambda: forward(model, part, x, dtype))
-                            except torch.OutOfMemoryError:
-                                oom.add((dname, part, v))
-                                best[v] = "OOM"
-                                free_memory()
-                                continue
+                            except RuntimeError as e:
+                                failed = out_of_memory(e)
+                                if not failed:
+                                    raise
                             finally:
                                 undo()
+                            if failed:  # out of the except block: its traceback no longer holds tensors
+                                oom.add((dname, part, v))
+                                best[v] = failed
+                                free_memory()
+                                continue
                             if best[v] is None or ms < best[v][0]:
                                 best[v] = (ms, peak)
                             outs[v] = out
@@ -203,8 +219,8 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
                                "repeats": repeats, "warm_up": bool(warmup)}
                         if r is None:
                             row["status"] = "skipped (OOM at fewer frames)"
-                        elif r == "OOM":
-                            row["status"] = "OOM"
+                        elif isinstance(r, str):
+                            row["status"] = r
                         elif rehearsal:
                             row.update(status="memory rehearsal", peak_gib=r[1] / 2**30)
                         else:
@@ -245,8 +261,10 @@ def profile_variants(model, variants: dict, apply, parts, dtypes, frames_by_dtyp
                     head = {"part": part, "dtype": dname, "frames": S, "variant": v}
                     try:
                         new, line = profile_rows(lambda: forward(model, part, x, dtype), head)
-                    except torch.OutOfMemoryError:
-                        new, line = [], "OOM"
+                    except RuntimeError as e:
+                        if not out_of_memory(e):
+                            raise
+                        new, line = [], out_of_memory(e)
                     finally:
                         undo()
                     rows += new

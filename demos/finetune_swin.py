@@ -16,7 +16,7 @@ logit_scale as in timm. Attention dropout (if set) delegates to timm's own forwa
 
 Outputs in --out (default out/finetune_<model>): checkpoints ``<run>_last.pt`` / ``<run>_best.pt``
 (model, optimizer, epoch, accuracy, args), ``history.json`` (per-step loss, per-epoch validation
-accuracy, time) and with --compare-native ``loss_curves.png``.
+accuracy, training-step seconds per epoch, total time) and with --compare-native ``loss_curves.png``.
 """
 from __future__ import annotations
 
@@ -190,11 +190,14 @@ def train_run(a, tag: str, elsa: bool, root: Path, out: Path) -> dict:
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
     amp = a.amp == "bf16"
     dev_type = a.device.split(":")[0]
-    hist = {"run": tag, "loss": [], "val_acc": [], "classes": classes}
+    # epoch_seconds: the training steps of each epoch alone (no evaluation or checkpoint), so the
+    # first epoch's one-time costs (kernel compiles, data-loader start, cold file cache) show apart
+    hist = {"run": tag, "loss": [], "val_acc": [], "epoch_seconds": [], "classes": classes}
     best = -1.0
     t0 = time.time()
     for epoch in range(a.epochs):
         model.train()
+        t_epoch = time.time()
         bar = tqdm(tl, total=steps_per_epoch, desc=f"{tag} epoch {epoch + 1}/{a.epochs}")
         for step, (x, y) in enumerate(bar):
             if step >= steps_per_epoch:
@@ -209,9 +212,11 @@ def train_run(a, tag: str, elsa: bool, root: Path, out: Path) -> dict:
             sched.step()
             hist["loss"].append(loss.item())
             bar.set_postfix(loss=f"{hist['loss'][-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+        hist["epoch_seconds"].append(time.time() - t_epoch)  # loss.item() synchronized every step
         acc = evaluate(model, vl, a.device, amp)
         hist["val_acc"].append(acc)
-        print(f"{tag} epoch {epoch + 1}: train loss {np.mean(hist['loss'][-steps_per_epoch:]):.4f}, val acc {acc:.3f}")
+        print(f"{tag} epoch {epoch + 1}: train loss {np.mean(hist['loss'][-steps_per_epoch:]):.4f}, val acc {acc:.3f}, "
+              f"steps {hist['epoch_seconds'][-1]:.1f} s")
         # plain types only (paths as strings), so torch.load's default weights_only mode reads it
         args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}
         ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch + 1, "val_acc": acc,
@@ -338,7 +343,9 @@ def main(argv=None) -> int:
     hists = [train_run(a, tag, elsa, root, out) for tag, elsa in runs]
     (out / "history.json").write_text(json.dumps(hists))
     for h in hists:
+        later = h["epoch_seconds"][1:]
         print(f"{h['run']}: final val acc {h['val_acc'][-1]:.3f}, {h['seconds']:.1f} s"
+              + (f" (training steps after the first epoch: {sum(later) / len(later):.2f} s per epoch)" if later else "")
               + (f", {h['delegated_calls']} delegated call(s)" if h.get("delegated_calls") else ""))
     if a.compare_native:
         e, n = hists

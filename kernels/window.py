@@ -49,12 +49,13 @@ sm_90 (registers, spills, shared memory; see :func:`make_plan`):
 
   B = 64   one 64×64 tile per window for N ≤ 64; larger windows fold 64-wide key tiles (N = 144: 192²
            work instead of 256²). Spill-free in every precision but 3xTF32 (which spills ~100 bytes
-           per thread when folding). The default for every N in float32.
+           per thread when folding). The "auto" block for N > 64 (see :func:`choose_block`).
   B = 128  N ≤ 64: as 64, with runs of ≥ 2 windows. 64 < N ≤ 128 in one tile; N > 128 folds two
            128-wide tiles (16-row query strips: a 64×128 float32 score tile spills).
-  B = 256  every N ≤ 256 in one tile of 16-row query strips: single pass, no rescale; k and v are
-           re-read (from L2) by each strip. Spill-free in half precision (the default there for
-           N > 64); 3xTF32 spills ~1 KB per thread.
+  B = 256  N ≤ 64: as 64, with runs of ≥ 4 windows (the "auto" block there). 64 < N ≤ 256 in
+           one tile of 16-row query strips: single pass, no rescale; k and v are re-read (from L2)
+           by each strip. Spill-free in half precision; 3xTF32 spills ~1 KB
+           per thread. At N = 256 (bf16, H200) 35% slower forward than B = 64 despite the single pass.
   The block does not change the backward's tiles (only "fused or tiled") nor memory: every block
   allocates the outputs, the row statistics (m, S) [BW, H, 2, N] float32 and, in the backward, the
   dbias partials and (tiled) delta [BW, H, N]; the tiled half-precision backward keeps the forward
@@ -480,16 +481,16 @@ def _win_bwd_dbias_kernel(
 
 
 def choose_block(n: int, dtype: torch.dtype, d: int = 32) -> int:
-    """``block="auto"``: the key tile for windows of ``n`` tokens.
+    """``block="auto"``: the key tile for windows of ``n`` tokens, from benchmarks/windows.py on an
+    H200 (2026-11-23, d = 32, every Swin-T and SwinV2-T stage, float32 and bf16).
 
-    Windows up to 64 tokens (Swin 7×7, SwinV2 8×8) are one 64-wide tile. Larger windows fold
-    64-wide tiles, except in half precision with head dims ≤ 64, where one 256-wide tile of 16-row
-    query strips fits the registers (ptxas, sm_90) and saves the running rescale; in float32 a
-    128- or 256-wide score tile spills (see :func:`make_plan`)."""
-    n_pad = _pow2(n)
-    if n_pad > 64 and dtype in (torch.float16, torch.bfloat16) and _pow2(d) <= 64:
-        return 256
-    return 64
+    Windows up to 64 tokens: 256. Every block gives them the same single tile; 256 only makes each
+    program run at least four windows: faster than one (64) in 24 of the 32 stage × dtype × pass
+    cases, by up to 18%, and at most 7% slower in the others. Larger windows: 64, folding 64-wide key tiles,
+    although 256 would be a single pass without rescaling: at N = 256 (SwinV2 16×16) 64 ran the
+    bf16 forward in 0.51 ms against 0.72 (256) and 0.84 (128), forward+backward 2.2 against 2.4, and
+    in float32 a 128- or 256-wide score tile spills (see :func:`make_plan`)."""
+    return 256 if _pow2(n) <= 64 else 64
 
 
 @dataclass(frozen=True)

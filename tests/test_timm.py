@@ -688,6 +688,7 @@ def test_finetune_swin_demo_smoke(tmp_path):
     assert [h["run"] for h in hists] == ["elsa", "native"]
     e, n = hists
     assert len(e["loss"]) == len(n["loss"]) == 2 and e.get("delegated_calls", 0) == 0
+    assert len(e["epoch_seconds"]) == 1 and 0 < e["epoch_seconds"][0] <= e["seconds"]
     assert max(abs(a - b) for a, b in zip(e["loss"], n["loss"])) < 1e-4  # same seed, same data order
     assert (out / "loss_curves.png").stat().st_size > 0
     ck = torch.load(out / "elsa_best.pt", weights_only=False)

@@ -389,6 +389,35 @@ def test_lean_offload_keeps_predictions(standin, lean_chunk):
         kept[2]
 
 
+def test_offload_buffer_pins_small_layers_only(monkeypatch):
+    """Layers over _PIN_LIMIT and failed pinned allocations get pageable host memory, not an error
+    (torch's pinned allocator rounds to a power of two: 3000-frame layers would pin over 100 GB)."""
+    calls = []
+    real_empty = torch.empty
+
+    def empty(*shape, pin_memory=False, **kw):
+        calls.append(pin_memory)
+        if pin_memory:
+            if fail:
+                raise RuntimeError("CUDA error: out of memory")
+            return real_empty(*shape, **kw)  # stands in for a pinned buffer on a CPU-only machine
+        return real_empty(*shape, **kw)
+
+    monkeypatch.setattr(A.torch, "empty", empty)
+    monkeypatch.setattr(A, "_PIN_LIMIT", 1024)
+    fail = False
+    assert A._host_buffer((2, 128), torch.float32, True).shape == (2, 128) and calls == [True]
+    calls.clear()
+    A._host_buffer((2, 129), torch.float32, True)  # 1032 bytes > the limit: never pinned
+    assert calls == [False]
+    calls.clear()
+    fail = True
+    assert A._host_buffer((4, 4), torch.bfloat16, True).dtype == torch.bfloat16 and calls == [True, False]
+    calls.clear()
+    A._host_buffer((4, 4), torch.float32, False)
+    assert calls == [False]
+
+
 def test_lean_offload_needs_lean_memory(standin):
     m = make_standin()
     with pytest.raises(ValueError, match="lean_memory"):
@@ -796,6 +825,35 @@ def test_frames_benchmark_logic_on_the_standin(standin, tmp_path, monkeypatch):
     assert {c["estimated_max_frames"] for c in cap} == {int(3 + (0.95 * 10 - 1.75) / 0.25)}
     FB.plot(rows, tmp_path / "frames.png")
     assert (tmp_path / "frames.png").stat().st_size > 0
+
+
+def test_frames_benchmark_records_out_of_memory(standin, monkeypatch):
+    """A variant that runs out of device or page-locked host memory (a plain CUDA error) becomes an
+    OOM row, is skipped at larger frame counts, and the sweep goes on with the others."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import frames as FB
+    monkeypatch.setattr(FB, "DEVICE", "cpu")
+    m = make_standin()
+    errors = {"elsa": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20 GiB"),
+              "elsa-lean": RuntimeError("CUDA error: out of memory"), "elsa-merge": RuntimeError("bad shape")}
+
+    def apply(model, variant, dtype):
+        def boom(*a, **k):
+            raise errors[variant]
+        if variant in errors:
+            model.aggregator.forward = boom
+        return lambda: model.aggregator.__dict__.pop("forward", None)
+
+    variants = {v: FB.VARIANTS[v] for v in ("native", "elsa", "elsa-lean")}
+    rows = FB.sweep(m, variants, apply, ["aggregator"], ["fp32"], {"fp32": [2, 3]}, 1, False, (42, 70),
+                    log=lambda s: None)
+    status = {(r["frames"], r["variant"]): r["status"] for r in rows}
+    assert status[2, "native"] == status[3, "native"] == "ok"
+    assert status[2, "elsa"] == "OOM" and status[2, "elsa-lean"] == "OOM (CUDA error: out of memory)"
+    assert status[3, "elsa"] == status[3, "elsa-lean"] == "skipped (OOM at fewer frames)"
+    with pytest.raises(RuntimeError, match="bad shape"):  # other errors are not hidden
+        FB.sweep(m, {"elsa-merge": None}, apply, ["aggregator"], ["fp32"], {"fp32": [2]}, 1, False, (42, 70),
+                 log=lambda s: None)
 
 
 def test_frames_memory_rehearsal(standin, monkeypatch):
