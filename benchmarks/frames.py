@@ -165,11 +165,11 @@ def accuracy(out, ref) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats, warmup, hw, log=print,
-          rehearsal=False):
+          rehearsal=False, rows=None):
     """Run every (dtype, frames, part, variant); ``apply(model, variant, dtype)`` sets the model up for
     a variant and returns an undo function. Returns CSV rows. ``rehearsal``: ELSA's attention only
     allocates (see rehearse_attention); rows then carry the peak memory alone."""
-    rows, oom = [], set()
+    rows, oom = ([] if rows is None else rows), set()  # a caller's list keeps the rows of a failed sweep
     P = 5 + (hw[0] // 14) * (hw[1] // 14)
     for dname in dtypes:
         dtype = DTYPES[dname]
@@ -548,9 +548,15 @@ def main():
           f"{'' if not args.weights else ' → ' + args.weights}) on {metadata()['device']}; "
           f"{hw[0]}x{hw[1]}, {5 + (hw[0] // 14) * (hw[1] // 14)} tokens per frame")
     undo = rehearse_attention() if args.memory_rehearsal else (lambda: None)
+    rows = []
     try:
-        rows = sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
-                     not args.no_warmup, hw, rehearsal=args.memory_rehearsal)
+        sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
+              not args.no_warmup, hw, rehearsal=args.memory_rehearsal, rows=rows)
+    except BaseException:
+        if rows:  # hours of GPU time: keep what was measured before the failure
+            print(f"\nsweep failed; wrote the rows measured so far to "
+                  f"{write_csv(rows, results_dir() / (args.name + '_partial.csv'))}")
+        raise
     finally:
         undo()
     prof_rows = profile_variants(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, hw) \

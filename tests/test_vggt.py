@@ -855,6 +855,23 @@ def test_frames_benchmark_records_out_of_memory(standin, monkeypatch):
         FB.sweep(m, {"elsa-merge": None}, apply, ["aggregator"], ["fp32"], {"fp32": [2]}, 1, False, (42, 70),
                  log=lambda s: None)
 
+    def apply_late_failure(model, variant, dtype):  # fails at the second frame count only
+        real = type(model.aggregator).forward
+
+        def fwd(self_or_x, *a, **k):
+            x = self_or_x
+            if x.shape[-4] == 3:
+                raise RuntimeError("bad shape")
+            return real(model.aggregator, x, *a, **k)
+        model.aggregator.forward = fwd
+        return lambda: model.aggregator.__dict__.pop("forward", None)
+
+    kept = []
+    with pytest.raises(RuntimeError, match="bad shape"):
+        FB.sweep(m, {"native": None}, apply_late_failure, ["aggregator"], ["fp32"], {"fp32": [2, 3]}, 1, False,
+                 (42, 70), log=lambda s: None, rows=kept)
+    assert [(r["frames"], r["status"]) for r in kept] == [(2, "ok")]  # what ran before the failure is kept
+
 
 def test_frames_memory_rehearsal(standin, monkeypatch):
     """frames.py --memory-rehearsal: the Triton forward only allocates (same output layout and
