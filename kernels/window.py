@@ -49,10 +49,10 @@ sm_90 (registers, spills, shared memory; see :func:`make_plan`):
 
   B = 64   one 64×64 tile per window for N ≤ 64; larger windows fold 64-wide key tiles (N = 144: 192²
            work instead of 256²). Spill-free in every precision but 3xTF32 (which spills ~100 bytes
-           per thread when folding). The "auto" block for N > 64 (see :func:`choose_block`).
+           per thread when folding). The "auto" block but for 33-64 tokens (see :func:`choose_block`).
   B = 128  N ≤ 64: as 64, with runs of ≥ 2 windows. 64 < N ≤ 128 in one tile; N > 128 folds two
            128-wide tiles (16-row query strips: a 64×128 float32 score tile spills).
-  B = 256  N ≤ 64: as 64, with runs of ≥ 4 windows (the "auto" block there). 64 < N ≤ 256 in
+  B = 256  N ≤ 64: as 64, with runs of ≥ 4 windows ("auto" for 33-64 tokens). 64 < N ≤ 256 in
            one tile of 16-row query strips: single pass, no rescale; k and v are re-read (from L2)
            by each strip. Spill-free in half precision; 3xTF32 spills ~1 KB
            per thread. At N = 256 (bf16, H200) 35% slower forward than B = 64 despite the single pass.
@@ -484,13 +484,15 @@ def choose_block(n: int, dtype: torch.dtype, d: int = 32) -> int:
     """``block="auto"``: the key tile for windows of ``n`` tokens, from benchmarks/windows.py on an
     H200 (2026-11-23, d = 32, every Swin-T and SwinV2-T stage, float32 and bf16).
 
-    Windows up to 64 tokens: 256. Every block gives them the same single tile; 256 only makes each
-    program run at least four windows: faster than one (64) in 24 of the 32 stage × dtype × pass
-    cases, by up to 18%, and at most 7% slower in the others. Larger windows: 64, folding 64-wide key tiles,
-    although 256 would be a single pass without rescaling: at N = 256 (SwinV2 16×16) 64 ran the
-    bf16 forward in 0.51 ms against 0.72 (256) and 0.84 (128), forward+backward 2.2 against 2.4, and
-    in float32 a 128- or 256-wide score tile spills (see :func:`make_plan`)."""
-    return 256 if _pow2(n) <= 64 else 64
+    Windows of 33-64 tokens (Swin 7×7, SwinV2 8×8): 256. Every block gives them the same single
+    tile; 256 only makes each program run at least four windows: faster than one (64) in 24 of the
+    32 stage × dtype × pass cases, by up to 18%, and at most 7% slower in the others. Smaller
+    windows keep 64 (not measured; 256 would mean runs of 8-16 windows, fewer programs). Larger
+    windows: 64, folding 64-wide key tiles, although 256 would be a single pass without
+    rescaling: at N = 256 (SwinV2 16×16) 64 ran the bf16 forward in 0.51 ms against 0.72 (256)
+    and 0.84 (128), forward+backward 2.2 against 2.4, and in float32 a 128- or 256-wide score tile
+    spills (see :func:`make_plan`)."""
+    return 256 if _pow2(n) == 64 else 64
 
 
 @dataclass(frozen=True)
