@@ -3,6 +3,7 @@
     python benchmarks/windows.py            # all shapes, fp32 + bf16, fwd and fwd+bwd, block sweep
     python benchmarks/windows.py --quick    # four shapes, no sweep (about a minute on an H100)
     python benchmarks/windows.py --tune --shapes swinT-s1,swinT-s4,v2w16-s1   # kernel tuning switches
+    python benchmarks/windows.py --quick --profile   # + CUDA time per kernel and host time per call
     → benchmarks/results/<device>/windows.csv and windows.png (windows_quick.* with --quick)
 
 Shapes: Swin-T at 224² and batch 64 — B·nW = 4096/1024/256/64 windows of N = 49 tokens, heads 3/6/12/24,
@@ -27,13 +28,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import fmt_table, measure, results_dir, write_csv  # noqa: E402
+from benchmarks.harness import cuda_breakdown, fmt_table, measure, results_dir, write_csv  # noqa: E402
 
 import elsa_vision  # noqa: E402
 
@@ -158,7 +160,11 @@ def variants(sweep: bool, generic: bool):
     return vs
 
 
-def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds):
+def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None):
+    """Rows of one (shape, dtype, mode): every variant timed interleaved. ``profile`` (a list): also
+    one profiled call per variant, its CUDA time per kernel and the host time of the call
+    (``host_ms``: wall time of the call without waiting for the GPU; above the kernels' total, the
+    GPU idles between launches)."""
     dtype = DT[dtype_name]
     qkv, bias, mask = make_inputs(BW, nW, H, N, dtype, bwd)
     leaves = (qkv, bias)
@@ -178,6 +184,25 @@ def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds):
         return f
 
     res = measure({n: wrap(fn) for n, fn in vs.items()}, rounds=rounds)
+    if profile is not None:
+        sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+        for n, fn in vs.items():
+            if res[n].ms is None:
+                continue
+            f = wrap(fn)
+            host = []
+            for _ in range(5):
+                sync()
+                t = time.perf_counter()
+                f()
+                host.append((time.perf_counter() - t) * 1e3)
+            sync()
+            _, kernels = cuda_breakdown(f, top=8, device=DEVICE)  # on CPU (--smoke): operator self time
+            head = {"shape": name, "dtype": dtype_name, "mode": "fwd+bwd" if bwd else "fwd", "variant": n,
+                    "ms": res[n].ms, "host_ms": sorted(host)[2]}
+            profile += [{**head, **k} for k in kernels] or [head]
+            print(f"  profile {n}: {res[n].ms:.3f} ms, host {head['host_ms']:.3f} ms; "
+                  + ", ".join(f"{k['kernel'][:40]} {k['cuda_ms']:.3f}" for k in kernels[:5]), flush=True)
     base = [res[b] for b in BASELINES if res[b].ms is not None]
     best = min(base, key=lambda r: r.ms) if base else None
     rows = []
@@ -238,6 +263,8 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true",
                     help="also run elsa with kernels/window.py's tuning switches varied (programs per SM, "
                          "bias in registers, pipeline stages) → windows_tune.*")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one call per variant: CUDA time per kernel and host time → <stem>_profile.csv")
     ap.add_argument("--smoke", action="store_true",
                     help="check this script on CPU (TRITON_INTERPRET=1): one window per image, one head, 1 round")
     a = ap.parse_args(argv)
@@ -255,11 +282,11 @@ def main(argv=None):
     if a.tune:
         vs.update({f"elsa-{n}": elsa_tuned(**kn) for n, kn in TUNE.items()})
     rounds = 1 if a.smoke else 5 if a.quick else 15
-    rows = []
+    rows, prof = [], ([] if a.profile else None)
     for dtype_name in a.dtypes.split(","):
         for bwd in ([False] if a.no_bwd else [False, True]):
             for name, BW, nW, H, N in shapes:
-                rows += run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds)
+                rows += run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, prof)
                 done = [r for r in rows if r["shape"] == name and r["dtype"] == dtype_name and r["mode"] == ("fwd+bwd" if bwd else "fwd")]
                 print(fmt_table(done, ["shape", "dtype", "mode", "variant", "ms", "peak_mib", "speedup", "mem_ratio", "error"]), flush=True)
     outdir = Path(a.out) if a.out else results_dir()
@@ -269,6 +296,8 @@ def main(argv=None):
     csv = write_csv(rows, outdir / f"{stem}.csv")
     plot(rows, outdir / f"{stem}.png")
     print(f"\nwrote {csv} and {outdir / (stem + '.png')}")
+    if prof:
+        print(f"wrote {write_csv(prof, outdir / (stem + '_profile.csv'))}")
     elsa = [r for r in rows if r["variant"] == "elsa" and r["shape"].startswith("swinT")]
     if elsa:
         print("\nSwin-T stages, elsa (auto) vs best timm path (floor: fwd+bwd speedup ≥ 1.5, mem_ratio < 1):")

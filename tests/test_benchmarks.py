@@ -36,7 +36,7 @@ def test_measure_records_a_failing_variant():
     assert res["ok"].ms is not None and res["bad"].ms is None and "not supported here" in res["bad"].error
 
 
-@pytest.mark.parametrize("args", [["--smoke", "--shapes", "swinT-s3", "--dtypes", "fp32"]])
+@pytest.mark.parametrize("args", [["--smoke", "--shapes", "swinT-s3", "--dtypes", "fp32", "--profile"]])
 def test_windows_benchmark_smoke(tmp_path, args):
     from benchmarks import windows
     import csv
@@ -45,3 +45,6 @@ def test_windows_benchmark_smoke(tmp_path, args):
     assert {r["variant"] for r in rows} >= {"timm-sdpa", "timm-math", "elsa", "elsa-b64", "elsa-b256"}
     assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"}
     assert all(r["ms"] and not r["error"] for r in rows), [r for r in rows if r["error"]]
+    prof = list(csv.DictReader(open(tmp_path / "windows_profile.csv")))
+    assert {(r["variant"], r["mode"]) for r in prof} == {(r["variant"], r["mode"]) for r in rows}
+    assert all(float(r["host_ms"]) > 0 for r in prof) and any(r.get("kernel") for r in prof)
