@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -19,9 +19,9 @@ class NotSupportedError(ValueError):
     """No backend can run this problem; the message lists each backend's reasons."""
 
 
-@dataclass(frozen=True)
-class Problem:
-    """What a backend needs to know to accept or refuse a call."""
+class Problem(NamedTuple):
+    """What a backend needs to know to accept or refuse a call. (A NamedTuple: built on every
+    call, in half a frozen dataclass's time, and hashable for :func:`select`'s memo.)"""
     op: str                      # "attention" or "window_attention"
     device: str                  # torch device type
     dtype: torch.dtype
@@ -162,14 +162,24 @@ def check_backend_name(backend) -> None:
         raise ValueError(f"unknown backend {backend!r}; choose one of {names}")
 
 
+# (problem, backend name, interpreter on, the backends) → the Backend chosen. A call repeats the
+# same few problems; deciding again costs microseconds of host time that small kernels notice.
+_CHOSEN: dict = {}
+
+
 def select(p: Problem, backend: str = "auto") -> Backend:
     """The backend that runs ``p``: the named one, or the first that fits. Raises NotSupportedError."""
+    key = (p, backend, _interpret(), tuple(map(id, BACKENDS)))
+    chosen = _CHOSEN.get(key)
+    if chosen is not None:
+        return chosen
     check_backend_name(backend)
     candidates = BACKENDS if backend == "auto" else [b for b in BACKENDS if b.name == backend]
     refusals = []
     for b in candidates:
         reasons = b.not_supported_reasons(p)
         if not reasons and p.op in b.run:
+            _CHOSEN[key] = b
             return b
         refusals.append(f"  {b.name}: " + "; ".join(reasons or [f"no {p.op} entry point"]))
     what = f"{p.op} with dtype={p.dtype}, device={p.device}, head_dim={p.head_dim}, causal={p.causal}, bias={p.has_bias}"

@@ -252,6 +252,20 @@ def test_dispatch_explains_refusals():
         elsa_vision.attention(q, k, v, backend="flash")
 
 
+def test_dispatch_memo_follows_the_interpreter_flag_and_never_hides_a_refusal(monkeypatch):
+    from elsa_vision import dispatch
+    p = dispatch.Problem(op="attention", device="cpu", dtype=torch.float32, head_dim=32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.select(p).name == "triton" and dispatch.select(p).name == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the Triton backend no longer serves CPU tensors
+    assert dispatch.select(p).name == "reference"
+    for _ in range(2):
+        with pytest.raises(NotSupportedError, match="device 'cpu' not supported"):
+            dispatch.select(p, "triton")
+    with pytest.raises(ValueError, match="unknown backend"):
+        dispatch.select(p, "flash")
+
+
 @pytest.mark.parametrize("make,err,msg", [
     (lambda q, k, v: (q[0], k, v, {}), ValueError, "must be 4-D"),
     (lambda q, k, v: (q, k.half(), v, {}), TypeError, "share a dtype"),
