@@ -90,6 +90,9 @@ BWD_PROGRAMS_PER_SM = 4
 # instead of re-reading it (an L1 hit) per window; pipelining depth of the window loop.
 BIAS_IN_REGISTERS = False
 STAGES = 2
+# No register cap (ptx .maxnreg): ptxas gives most of these kernels 255 registers (sm_90, Triton 3.6),
+# two 4-warp programs per SM, but capping at 168 or 128 spills 150-950 bytes per thread in every
+# kernel except the bf16 forward (N = 49 and 256, d = 32; benchmarks/window_compile.py).
 # float32 dq kernel: widest window (N_pad) whose whole row is one key tile (see _win_bwd_dq_kernel)
 ONE_TILE_DQ_MAX = 64
 
