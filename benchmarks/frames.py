@@ -262,9 +262,9 @@ def profile_variants(model, variants: dict, apply, parts, dtypes, frames_by_dtyp
                     try:
                         new, line = profile_rows(lambda: forward(model, part, x, dtype), head)
                     except RuntimeError as e:
-                        if not out_of_memory(e):
-                            raise
                         new, line = [], out_of_memory(e)
+                        if not line:
+                            raise
                     finally:
                         undo()
                     rows += new

@@ -43,7 +43,7 @@ def results_dir(name: Optional[str] = None) -> Path:
     return d
 
 
-def _sync():
+def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -68,12 +68,12 @@ def peak_memory(fn: Callable[[], object]) -> Optional[int]:
     if not torch.cuda.is_available():
         return None
     gc.collect()
-    _sync()
+    sync()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
-    _sync()
+    sync()
     return torch.cuda.max_memory_allocated() - base
 
 
@@ -100,7 +100,7 @@ def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, round
         try:
             for _ in range(warmup):
                 fn()
-            _sync()
+            sync()
             peaks[name] = peak_memory(fn) if memory else None
         except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
             errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
@@ -186,10 +186,10 @@ def cuda_breakdown(fn: Callable[[], object], top: int = 12, device: str = "cuda"
     ``device="cpu"`` breaks down CPU operator time instead (self time, no GPU needed)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device == "cuda"
-    _sync()
+    sync()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         fn()
-        _sync()
+        sync()
     kernels: dict[str, float] = {}
     for ev in prof.events():
         us = ev.device_time_total if cuda else ev.self_cpu_time_total

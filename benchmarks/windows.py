@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import cuda_breakdown, fmt_table, measure, results_dir, write_csv  # noqa: E402
+from benchmarks.harness import cuda_breakdown, fmt_table, measure, results_dir, sync, write_csv  # noqa: E402
 
 import elsa_vision  # noqa: E402
 
@@ -185,7 +185,6 @@ def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None):
 
     res = measure({n: wrap(fn) for n, fn in vs.items()}, rounds=rounds)
     if profile is not None:
-        sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
         for n, fn in vs.items():
             if res[n].ms is None:
                 continue

@@ -483,7 +483,7 @@ def _win_bwd_dbias_kernel(
 # host side
 
 
-def choose_block(n: int, dtype: torch.dtype, d: int = 32) -> int:
+def choose_block(n: int) -> int:
     """``block="auto"``: the key tile for windows of ``n`` tokens, from benchmarks/windows.py on an
     H200 (2026-11-23, d = 32, every Swin-T and SwinV2-T stage, float32 and bf16).
 
@@ -545,13 +545,14 @@ def _precision_class(dtype: torch.dtype, precision: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "native") -> Plan:
-    """Tile shapes for windows of ``n`` tokens, head dim ``d``, key tile ``block``.
+    """Tile shapes for windows of ``n`` tokens, head dim ``d``, key tile ``block`` (0: :func:`choose_block`).
 
     Chosen from ptxas reports for sm_90 (registers, spills, shared memory): a float32 [BM, BN] tile
     costs BM·BN / (32·warps) registers per thread. The forward's single tile is [min(N_pad, 64), N_pad]
     up to N_pad = 128 and [16, 256] for N_pad = 256 (a 64×256 score tile spills). The single-kernel
     backward (five dots on [N_pad, N_pad] tiles) fits registers for half precision and TF32 with
     N_pad ≤ 64; otherwise the backward runs as three kernels with the tiles of ``_BWD_TILES``."""
+    block = block or choose_block(n)
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
     n_pad = _pow2(n)
@@ -646,10 +647,6 @@ def _tables(bias, mask, n: int, like: torch.Tensor):
     return bt, sb_h, mt, nr
 
 
-def _resolve_block(block: int, n: int, dtype, d: int = 32) -> int:
-    return choose_block(n, dtype, d) if not block else int(block)
-
-
 def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
             windows_per_program: Optional[int] = None, tables=None):
     """q/k/v [BW,H,N,D]; bias [H,N,N] or None; mask [nW,N,N] float or None; ``block`` 0 = auto.
@@ -658,7 +655,7 @@ def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
     ``tables``: :func:`_tables` of (bias, mask), when the caller already has them."""
     BW, H, N, D = q.shape
     nW = mask.shape[0] if mask is not None else 1
-    pl = make_plan(N, D, q.dtype, _resolve_block(block, N, q.dtype, D), precision)
+    pl = make_plan(N, D, q.dtype, block, precision)
     out = _bnhd_empty(BW, H, N, D, q)
     stats = torch.empty((BW, H, 2, N), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
@@ -684,7 +681,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     ``out`` is read only when ``make_plan(...).reads_out`` (may be None otherwise)."""
     BW, H, N, D = q.shape
     nW = mask.shape[0] if mask is not None else 1
-    pl = make_plan(N, D, q.dtype, _resolve_block(block, N, q.dtype, D), precision)
+    pl = make_plan(N, D, q.dtype, block, precision)
     prec = _PREC[precision]
     dq = _bnhd_empty(BW, H, N, D, q)
     dk = _bnhd_empty(BW, H, N, D, k)
@@ -786,7 +783,7 @@ def _setup_fwd(ctx, inputs, output):
     q, k, v, bias, mask, scale, precision, block, wpp = inputs
     out, stats = output
     N = q.shape[2]
-    keep_out = make_plan(N, q.shape[3], q.dtype, _resolve_block(block, N, q.dtype, q.shape[3]), precision).reads_out
+    keep_out = make_plan(N, q.shape[3], q.dtype, block, precision).reads_out
     ctx.save_for_backward(q, k, v, bias, mask, out if keep_out else None, stats)
     ctx.args = (scale, precision, block, wpp)
 
@@ -821,8 +818,7 @@ class _WindowAttention(torch.autograd.Function):
         N = q.shape[2]
         tables = _tables(bias, mask, N, q) if q.numel() else None
         out, stats = forward(q, k, v, bias, mask, scale, precision, block, wpp, tables)
-        keep_out = make_plan(N, q.shape[3], q.dtype, _resolve_block(block, N, q.dtype, q.shape[3]),
-                             precision).reads_out
+        keep_out = make_plan(N, q.shape[3], q.dtype, block, precision).reads_out
         ctx.save_for_backward(q, k, v, bias, mask, out if keep_out else None, stats)
         ctx.args = (scale, precision, block)
         ctx.wpp = wpp
