@@ -21,7 +21,10 @@ A training step is forward + backward + SGD step. fp32 runs with ``torch.set_flo
 peak memory above the weights (MiB) per variant, ``speedup_vs_<baseline>`` = baseline ms / ELSA ms
 (> 1: ELSA faster), ``mem_vs_<baseline>`` = ELSA MiB / baseline MiB, and for forward cases
 ``max_diff`` = max |ELSA − fused (or unfused)| of the outputs. A variant that runs out of memory
-is recorded with its error and the others still run.
+is recorded with its error and the others still run. ``--graphs`` adds each variant replayed from a
+CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<baseline>``): a training step of a small
+model launches many small kernels, and eagerly the host's launch work can set the pace;
+replayed, the GPU does (what a captured step or ``torch.compile(mode="reduce-overhead")`` gets).
 
 Writes benchmarks/results/<device>/<name>.csv and <name>.png (speedups per case).
 """
@@ -40,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import fmt_table, measure, profile_rows, results_dir, write_csv  # noqa: E402
+from benchmarks.harness import fmt_table, measure, measure_graphed, profile_rows, results_dir, write_csv  # noqa: E402
 
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters.registry import patched_modules  # noqa: E402
@@ -144,9 +147,10 @@ def make_fn(model, x, case: Case, fused=None):
 
 
 def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0,
-             profile: Optional[list] = None) -> dict:
+             profile: Optional[list] = None, graphs: bool = False) -> dict:
     """Time one case (ELSA vs timm's paths, interleaved); with ``profile`` (a list), also append one
-    profiled call per variant: CUDA time per kernel category and the top kernels."""
+    profiled call per variant: CUDA time per kernel category and the top kernels; with ``graphs``,
+    also time each variant replayed from a CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<b>``)."""
     row = {"model": case.model, "size": case.size, "batch": case.batch, "mode": case.mode, "dtype": case.dtype}
     try:
         torch.manual_seed(0)
@@ -177,6 +181,18 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
             row[f"speedup_vs_{b}"] = r.ms / e.ms
         if r is not None and r.peak_bytes and e.peak_bytes:
             row[f"mem_vs_{b}"] = e.peak_bytes / r.peak_bytes
+    if graphs and device == "cuda":
+        gres = measure_graphed({n: f for n, f in variants.items() if res[n].ms is not None},
+                               rounds=rounds, budget_ms=budget_ms)
+        for name, r in gres.items():
+            row[f"{name}_graph_ms"] = r.ms
+            if r.error:
+                row[f"{name}_graph_error"] = r.error
+        ge = gres.get("elsa")
+        for b in BASELINES:
+            r = gres.get(b)
+            if r is not None and r.ms and ge is not None and ge.ms:
+                row[f"graph_speedup_vs_{b}"] = r.ms / ge.ms
     if case.mode == "fwd" and e.ms:
         base = next((b for b in BASELINES if res.get(b) is not None and res[b].ms), None)
         if base:
@@ -255,6 +271,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one call per variant: CUDA time per kernel category → <name>_profile.csv")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time each variant replayed from a CUDA graph (no host launch work): "
+                         "<variant>_graph_ms, graph_speedup_vs_<baseline>")
     a = ap.parse_args(argv)
     if a.device == "cpu":
         print("note: no GPU; this runs on the CPU (reference backend unless TRITON_INTERPRET=1) — "
@@ -279,10 +298,12 @@ def main(argv=None) -> int:
             break
         print(f"[{i + 1}/{len(cases)}] {c.label}", flush=True)
         rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision, 1e3 * a.budget_s,
-                             prof_rows if a.profile else None))
+                             prof_rows if a.profile else None, a.graphs))
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
             "speedup_vs_unfused", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
+    if a.graphs:
+        cols += ["elsa_graph_ms", "graph_speedup_vs_fused", "graph_speedup_vs_unfused"]
     print(fmt_table(rows, cols))
     errs = [(r, k) for r in rows for k in r if k.endswith("error")]
     for r, k in errs:

@@ -5,6 +5,7 @@
     python demos/reconstruct.py walk.mp4 --frames 2000 --lean --offload     # longest: layers in host memory
     python demos/reconstruct.py path/to/images/ --baseline                   # native attention, to compare
     python demos/reconstruct.py path/to/images/ --random-weights --device cpu --width 140   # offline smoke run
+    python demos/reconstruct.py /tmp/scene --synthetic --frames 400 --random-weights --lean  # offline timing run
 
 Input: a folder of images (sorted by name) or a video (OpenCV); N frames are sampled uniformly.
 Frames are resized like vggt's ``load_and_preprocess_images(mode="crop")`` (width 518 → 392×518 for
@@ -127,6 +128,24 @@ def read_frames(source: Path, n: int) -> tuple[list[np.ndarray], list[str]]:
     if not frames:
         raise DemoError(f"no frames could be decoded from {source}")
     return frames, labels
+
+
+def write_synthetic_scene(folder: Path, n: int, seed: int = 0) -> None:
+    """``n`` 700×500 PNG frames of a textured plane (400 random rectangles on a 2400×600 canvas) seen by
+    a camera sliding sideways: an offline input of any length for timing runs (``--synthetic``)."""
+    import cv2
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    H, W = 600, 2400
+    world = np.zeros((H, W, 3), np.uint8)
+    for _ in range(400):
+        x, y = rng.integers(0, W - 60), rng.integers(0, H - 60)
+        w, h = rng.integers(10, 120, 2)
+        colour = tuple(int(c) for c in rng.integers(0, 255, 3))
+        cv2.rectangle(world, (int(x), int(y)), (int(x + w), int(y + h)), colour, -1)
+    for i in range(n):
+        x0 = int((W - 700) * i / max(1, n - 1))
+        cv2.imwrite(str(folder / f"{i:05d}.png"), world[50:550, x0:x0 + 700])
 
 
 def preprocess(frames: list[np.ndarray], width: int = 518) -> torch.Tensor:
@@ -383,6 +402,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", type=Path, help="folder of images or a video file")
+    p.add_argument("--synthetic", action="store_true",
+                   help="first write --frames frames of a synthetic textured scene into INPUT (a new or empty "
+                        "folder): offline timing runs at any frame count")
     p.add_argument("--frames", type=int, default=100, help="frames to sample uniformly (default 100)")
     p.add_argument("--out", type=Path, default=Path("out/reconstruction"), help="output folder")
     p.add_argument("--weights", default="facebook/VGGT-1B",
@@ -425,8 +447,17 @@ def parse_args(argv=None):
         p.error("--conf-percentile must be in [0, 100)")
     if args.max_points < 1:
         p.error("--max-points must be >= 1")
+    if args.synthetic and args.input.exists() and (not args.input.is_dir() or any(args.input.iterdir())):
+        p.error(f"--synthetic writes frames into INPUT, but {args.input} is a file or a non-empty folder; "
+                "name a new folder")
     if args.out.exists() and not args.out.is_dir():
         p.error(f"--out {args.out} is a file; name a folder")
+    # Checked before the model runs: a missing writer found after minutes of inference loses the result.
+    import importlib.util
+    missing = [m for m in ("cv2", "trimesh", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        p.error(f"missing module(s) to write the results: {', '.join(missing)}; "
+                "install them with pip install 'elsa-vision[demo]'")
     from elsa_vision.dispatch import device_problem
     why = device_problem(args.device, args.backend)
     if why:
@@ -438,6 +469,8 @@ def main(argv=None) -> dict:
     global QUIET
     args = parse_args(argv)
     QUIET = args.quiet
+    if args.synthetic:
+        write_synthetic_scene(args.input, args.frames)
     frames, labels = read_frames(args.input, args.frames)
     images = preprocess(frames, args.width)
     S, _, H, W = images.shape

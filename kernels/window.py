@@ -488,13 +488,15 @@ def choose_block(n: int) -> int:
     H200 (2026-11-23, d = 32, every Swin-T and SwinV2-T stage, float32 and bf16).
 
     Windows of 33-64 tokens (Swin 7×7, SwinV2 8×8): 256. Every block gives them the same single
-    tile; 256 only makes each program run at least four windows: faster than one (64) in 24 of the
-    32 stage × dtype × pass cases, by up to 18%, and at most 7% slower in the others. Smaller
-    windows keep 64 (not measured; 256 would mean runs of 8-16 windows, fewer programs). Larger
-    windows: 64, folding 64-wide key tiles, although 256 would be a single pass without
-    rescaling: at N = 256 (SwinV2 16×16) 64 ran the bf16 forward in 0.51 ms against 0.72 (256)
-    and 0.84 (128), forward+backward 2.2 against 2.4, and in float32 a 128- or 256-wide score tile
-    spills (see :func:`make_plan`)."""
+    tile; 256 only makes each program run at least four windows. A first sweep had 256 faster than
+    64 in 24 of the 32 stage × dtype × pass cases; the rerun with the variant order shuffled each
+    round (the first followed a slow neighbour, see benchmarks/harness.py) puts them within
+    -14%/+11% of each other, 256 ahead in 15 of 32 eagerly and 17 of 32 replayed from CUDA graphs:
+    a tie. Smaller windows keep 64 (not measured; 256 would mean runs of 8-16 windows, fewer
+    programs). Larger windows: 64, folding 64-wide key tiles, although 256 would be a single pass
+    without rescaling: at N = 256 (SwinV2 16×16, stage 1, graph-replayed) 64 ran the bf16 forward
+    in 0.39 ms against 0.59 (256) and 0.71 (128), forward+backward 1.9 against 2.1 and 2.2, and in
+    float32 a 128- or 256-wide score tile spills (see :func:`make_plan`)."""
     return 256 if _pow2(n) == 64 else 64
 
 

@@ -53,7 +53,16 @@ def test_folder_and_video_inputs(tmp_path):
     assert tuple(images.shape) == (3, 3, 56, 70) and 0.0 <= float(images.min()) <= float(images.max()) <= 1.0
 
 
-def test_clear_errors(tmp_path, monkeypatch):
+def test_synthetic_scene(tmp_path):
+    R.write_synthetic_scene(tmp_path / "scene", 5)
+    frames, labels = R.read_frames(tmp_path / "scene", 5)
+    assert labels == [f"{i:05d}.png" for i in range(5)] and frames[0].shape == (500, 700, 3)
+    assert not np.array_equal(frames[0], frames[4]) and frames[2].std() > 10  # textured, and the camera moves
+    with pytest.raises(SystemExit):  # never writes into a folder that holds something
+        R.parse_args([str(tmp_path / "scene"), "--synthetic"])
+
+
+def test_clear_errors(tmp_path, monkeypatch, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(R.DemoError, match="no images found"):
@@ -72,6 +81,10 @@ def test_clear_errors(tmp_path, monkeypatch):
         R.parse_args([str(tmp_path), "--baseline", "--lean"])
     with pytest.raises(SystemExit):
         R.parse_args([str(tmp_path), "--offload"])
+    monkeypatch.setitem(sys.modules, "trimesh", None)  # a writer missing: refused before the model runs
+    with pytest.raises(SystemExit):
+        R.parse_args([str(tmp_path), "--random-weights"])
+    assert "trimesh" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not HAS_VGGT, reason="vggt is not installed")
