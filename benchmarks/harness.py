@@ -135,8 +135,8 @@ def graphed(fn: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
 
     Timing the replay leaves out the host's work (Python, argument checks, dispatch, kernel
     launches): what a captured training step or ``torch.compile(mode="reduce-overhead")`` runs.
-    A call whose host work takes longer than its kernels (a late Swin stage: 0.1-0.3 ms of GPU work
-    behind 0.5-1 ms of autograd and launches) is measured eagerly at the host's speed; replayed, at
+    A call whose host work takes longer than its kernels (a late Swin stage: 0.1-0.4 ms of GPU work
+    behind 0.5-1.3 ms of autograd and launches) is measured eagerly at the host's speed; replayed, at
     the GPU's. ``fn`` must not synchronise with the host. The warm-up runs on a side stream, as
     capture requires (it also initialises autograd's streams)."""
     side = torch.cuda.Stream()
