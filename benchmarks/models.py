@@ -86,9 +86,11 @@ def fits(model: str, size: int) -> bool:
 
 
 def quick_cases() -> list[Case]:
-    """The cases the performance goals name: ViT-T fp32 forward at 768/1024 px, Swin-T and SwinV2-T
-    training steps in bf16 and fp32, plus one bf16 ViT forward."""
+    """The cases the performance goals name: ViT-T fp32 forward at 768/1024 px and training step at
+    768 px (batch 16), ViT-B fp32 forward at 1024 px (batch 4), Swin-T and SwinV2-T training steps in
+    bf16 and fp32, plus one bf16 ViT forward."""
     cs = [Case("ViT-T", s, 8, "fwd", "fp32") for s in (768, 1024)]
+    cs += [Case("ViT-T", 768, 16, "train", "fp32"), Case("ViT-B", 1024, 4, "fwd", "fp32")]
     cs.append(Case("ViT-S", 224, 64, "fwd", "bf16"))
     native = {"Swin-T": 224, "SwinV2-T": 256}  # each model's own resolution
     cs += [Case(m, native[m], 64, "train", dt) for m in SWIN for dt in ("bf16", "fp32")]
