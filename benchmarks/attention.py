@@ -146,10 +146,13 @@ def few_queries(d=64, nq=16, nk=131072, H=16):
 
 
 # Tile shapes tried by --tune: (block_m, block_n, num_warps, num_stages) per (pass, dtype, precision, d).
-# Kept short: each candidate is a separate compile.
+# Kept short: each candidate is a separate compile. A seventh entry True keeps the loop-invariant MMA
+# operands in registers (Config.reg_operands; "-reg" in the results).
 CANDIDATES = {
-    ("fwd", "bf16", "native", 64): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3), (128, 32, 4, 4)],
-    ("fwd", "bf16", "native", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2)],
+    ("fwd", "bf16", "native", 64): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3), (128, 32, 4, 4),
+                                   (128, 64, 8, 3, True, 0, True), (128, 64, 4, 3, True, 0, True), (128, 128, 8, 3, True, 0, True)],
+    ("fwd", "bf16", "native", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2),
+                                    (64, 64, 4, 3, True, 0, True), (128, 64, 8, 3, True, 0, True)],
     ("fwd", "bf16", "native", 32): [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)],
     ("fwd", "fp32", "tf32x3", 64): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4)],
     ("fwd", "fp32", "tf32x3", 128): [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
@@ -162,16 +165,19 @@ CANDIDATES = {
     ("fwd", "fp32", "ieee", 128): [(64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2, False)],
     ("fwd", "fp32", "tf32", 64): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
     ("bwd", "bf16", "native", 64): [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
-                                   (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 1), (64, 32, 4, 3)],
+                                   (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 1), (64, 32, 4, 3),
+                                   (64, 32, 4, 3, True, 0, True), (64, 64, 4, 3, True, 0, True), (128, 64, 8, 2, True, 0, True)],
     ("bwd", "bf16", "native", 128): [(64, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
     ("bwd", "fp32", "tf32x3", 64): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
                                      (64, 128, 8, 2), (128, 32, 8, 2), (64, 64, 4, 1)],
     ("bwd", "fp32", "tf32x3", 128): [(32, 32, 4, 1), (64, 32, 4, 2), (64, 64, 8, 2)],
     # the dK/dV kernel alone (the dQ kernel keeps bwd_config's tile): (query rows, keys, warps, stages)
     ("bwdkv", "bf16", "native", 64): [(32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 128, 4, 2),
-                                      (16, 128, 4, 4), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
+                                      (16, 128, 4, 4), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2),
+                                      (32, 128, 4, 4, True, 0, True), (32, 128, 8, 3, True, 0, True), (64, 128, 8, 2, True, 0, True), (64, 64, 4, 3, True, 0, True),
+                                      (32, 64, 4, 4, True, 0, True)],
     ("bwdkv", "bf16", "native", 128): [(32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 2),
-                                       (16, 128, 8, 3)],
+                                       (16, 128, 8, 3), (64, 64, 4, 2, True, 0, True), (32, 128, 8, 2, True, 0, True)],
     ("bwdkv", "fp32", "tf32x3", 64): [(64, 128, 8, 2), (32, 128, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
                                       (64, 128, 8, 1), (16, 128, 8, 2)],
 }
@@ -188,7 +194,7 @@ def tune(kinds=("fwd", "bwd"), N=16384, only=None):
         for cand in cands:
             cfg = K.Config(*cand)
             name = "{}x{}w{}s{}".format(*cand) + ("" if cfg.kahan else "-nokahan") + \
-                (f"-chunk{cfg.chunk}" if cfg.chunk else "")
+                (f"-chunk{cfg.chunk}" if cfg.chunk else "") + ("-reg" if cfg.reg_operands else "")
             if kind == "fwd":
                 fns[name] = lambda cfg=cfg: K.forward(q, k, v, None, d ** -0.5, False, prec, 1, config=cfg)
             else:

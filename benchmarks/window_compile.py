@@ -80,6 +80,14 @@ def ptxas_report(kern) -> tuple[int, int]:
     return regs, spill
 
 
+def mma_operands(kern) -> str:
+    """Warpgroup MMAs by where operand A comes from: "smem" ones are re-read from shared memory by every
+    MMA (a tile that comes straight from a load), "regs" ones are register operands (a computed tile)."""
+    found = re.findall(r"wgmma\.mma_async\.sync\.aligned\.[\w.]+\s+\{[^}]*\},\s*(\{|%rd)", kern.asm["ptx"])
+    regs = sum(a == "{" for a in found)
+    return f"wgmma A: {regs} regs / {len(found) - regs} smem" if found else ""
+
+
 def replication(kern) -> float:
     """How many times over the warps of the worst dot cover its tile (1 = no replicated work)."""
     ttgir = kern.asm["ttgir"]
@@ -136,8 +144,9 @@ def _cells() -> str:
         smem, rep = kern.metadata.shared, replication(kern)
         flags = ("  SPILL" if spill else "") + ("  SMEM>227K" if smem > 232448 else "") + \
                 (f"  REPLICATED×{rep:g}" if rep > 1 else "")
+        ops = mma_operands(kern)
         cells.append(f"{name.replace('_win_', '').replace('_kernel', '')}: {kern.metadata.num_warps}w "
-                     f"{regs}r {spill}B-spill {smem // 1024}K-smem{flags}")
+                     f"{regs}r {spill}B-spill {smem // 1024}K-smem{flags}" + (f" ({ops})" if ops else ""))
     return " | ".join(cells)
 
 

@@ -110,6 +110,20 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _as_register_operand(x):
+    """x, computed (x + 0 turns −0 into +0 and nothing else). On Hopper, Triton feeds a warpgroup MMA
+    operand A that comes straight from a load through shared memory, and every MMA of the loop
+    re-reads it there; a computed A stays in registers. For the tiles a program loads once and
+    multiplies in every step (q in the forward and the dQ kernel, k and v in the dK/dV kernel) that
+    trades their shared-memory reads for registers: sm_90 compiles of the bf16 kernels at d = 64
+    (Triton 3.6) turn every A operand into a register one without spills (forward 116 → 128
+    registers, dQ 91 → 106, dK/dV stays at 255); at d = 128 the 64×64 dK/dV tile spills 124 bytes
+    (12 without). Float32 modes are unaffected: their tf32 operands are split in registers anyway.
+    Off in every default config until measured (benchmarks/attention.py --tune: the "-reg" rows)."""
+    return x + 0.0
+
+
+@triton.jit
 def _round_tf32(x):
     """float32 → nearest tf32 value (10 mantissa bits), ties away from zero, still stored as float32."""
     return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
@@ -236,7 +250,7 @@ def _fwd_kernel(
     H, Nq, Nk, part_len, n_part, scale, qk_scale2,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-    KAHAN: tl.constexpr, CHUNK: tl.constexpr,
+    KAHAN: tl.constexpr, CHUNK: tl.constexpr, REG_A: tl.constexpr,
 ):
     """Phase 1 (and, unsplit, its epilogue). CHUNK > 0 (float32, unsplit): the interior key tiles
     are folded CHUNK keys at a time into a fresh state, and each chunk's state is merged with the
@@ -254,6 +268,8 @@ def _fwd_kernel(
     offs_d = tl.arange(0, D_PAD)
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
                 mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
+    if REG_A:
+        q = _as_register_operand(q)
     q_lo = q
     if PREC == 3 and _SPLIT3:
         q, q_lo = _split_tf32(q)  # once per program: q is reused by every key tile
@@ -444,7 +460,7 @@ def _bwd_dkdv_kernel(
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr, REG_A: tl.constexpr,
 ):
     """One key tile per program; loops over the query tiles that can see it. Everything is formed
     transposed — Sᵀ = k·qᵀ [BLOCK_N, BLOCK_M] — so that all four products have the key tile as their
@@ -460,6 +476,9 @@ def _bwd_dkdv_kernel(
     kv_mask = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
     k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
     v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
+    if REG_A:
+        k = _as_register_operand(k)
+        v = _as_register_operand(v)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     m_lo = 0
@@ -591,7 +610,7 @@ def _bwd_dq_kernel(
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr, REG_A: tl.constexpr,
 ):
     """One query tile per program; loops over the key tiles it can see."""
     pid_m = tl.program_id(0)
@@ -599,6 +618,9 @@ def _bwd_dq_kernel(
     b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r = _query_tile(
         Q, dOut, Stats, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
         D, D_PAD, BLOCK_M, HAS_BIAS, EXACT)
+    if REG_A:
+        q = _as_register_operand(q)
+        do = _as_register_operand(do)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     k_hi = Nk
     if CAUSAL:
@@ -669,6 +691,7 @@ class Config:
     num_stages: int
     kahan: bool = True  # strict float32 only: compensated tile-to-tile sums
     chunk: int = 0      # float32 forward: keys per chunk of the in-program two-level scan (0 = off)
+    reg_operands: bool = False  # the loop-invariant MMA operands in registers (see _as_register_operand)
 
 
 def _pow2(d: int) -> int:
@@ -893,7 +916,8 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split, PREC=_PREC[precision],
-        KAHAN=cfg.kahan and not chunk, CHUNK=chunk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KAHAN=cfg.kahan and not chunk, CHUNK=chunk, REG_A=cfg.reg_operands, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split:
         phase2(ms, ss, ws, out, stats, bias is not None)
@@ -943,12 +967,13 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
             out, do, delta, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0)
     launch(_bwd_dq_kernel, (_cdiv(Nq, cfg.block_m), B * H),
         q, k, v, bias_arg, do, stats, delta, dq, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, **common)
+        HAS_BIAS=bias is not None, REG_A=cfg.reg_operands, **common)
     kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
     launch(_bwd_dkdv_kernel, (_cdiv(Nk, kv.block_n), B * H),
         q, k, v, bias_arg, do, stats, delta, dk, dv, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n,
-                                      "num_warps": kv.num_warps, "num_stages": kv.num_stages})
+        HAS_BIAS=bias is not None, REG_A=kv.reg_operands,
+        **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n, "num_warps": kv.num_warps,
+           "num_stages": kv.num_stages})
     dbias = None
     if bias_grad:
         b1, h1 = bias.shape[0] == 1, bias.shape[1] == 1

@@ -354,6 +354,24 @@ def test_chunked_scan(nq, nk, causal, bias_shape, chunk):
         assert not out[:, :, : nq - nk].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_register_operands_change_nothing(dtype):
+    """Config.reg_operands (the loop-invariant MMA operands made register operands) is a scheduling
+    choice: the same outputs, statistics and gradients bit for bit, a bias gradient included."""
+    from elsa_vision.kernels import attention as K
+    q, k, v = (t.to(dtype) for t in qkv(1, 2, 70, 90, 32, seed=11))
+    bias = rand(1, 2, 70, 90, seed=12)
+    do = rand(1, 2, 70, 32, seed=13).to(dtype)
+    runs = []
+    for reg in (False, True):
+        cfg = K.Config(32, 32, 1, 1, reg_operands=reg)
+        out, st = K.forward(q, k, v, bias, 32 ** -0.5, True, "tf32x3", 1, config=cfg)
+        grads = K.backward(do, q, k, v, bias, out, st, 32 ** -0.5, True, "tf32x3", True, config=cfg, kv=cfg)
+        runs.append((out, st, *grads))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_large_logits_cosine_attention(backend):
     """Swin v2 at its clamp: unit q/k times τ = 100 plus a bias gives logits of ±100, where a

@@ -131,6 +131,29 @@ def test_cuda_graph_capture_gpu(nq, nk, dtype):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_register_operands_bitwise_gpu(d, dtype):
+    """Config.reg_operands moves operands between shared memory and registers, not the arithmetic:
+    the same MMAs in the same order, so outputs and gradients are bitwise those of the default tiles
+    (partial tiles, causal, a bias with its gradient)."""
+    import dataclasses
+    from elsa_vision.kernels import attention as K
+    q, k, v = qkv(1, 4, 1041, 1041, d, dtype, seed=5)
+    bias = torch.randn(1, 4, 1041, 1041, device="cuda")
+    do = torch.randn_like(q)
+    runs = []
+    for reg in (False, True):
+        fwd = dataclasses.replace(K.fwd_config(dtype, d, "native"), reg_operands=reg)
+        bwd = dataclasses.replace(K.bwd_config(dtype, d, "native"), reg_operands=reg)
+        kv = dataclasses.replace(K.kv_config(dtype, d, "native", bwd), reg_operands=reg)
+        out, st = K.forward(q, k, v, bias, d ** -0.5, True, "native", 1, config=fwd)
+        runs.append((out, st, *K.backward(do, q, k, v, bias, out, st, d ** -0.5, True, "native", True,
+                                          config=bwd, kv=kv)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_compile_training_step_gpu():
     q, k, v = (t.requires_grad_() for t in qkv(2, 8, 1000, 1000, 64, torch.bfloat16))
 
