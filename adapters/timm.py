@@ -253,6 +253,13 @@ class _SwinBase(Adapter):
         """→ (q, k, scale or None, bias [H, N, N])."""
         raise NotImplementedError
 
+    def _attend(self, module, state, qkv, mask):
+        """qkv [B·nW, N, 3·H·D] → [B·nW, H, N, D]."""
+        q, k, v = _split_heads(qkv, module.num_heads)
+        q, k, scale, bias = self._prepare(module, q, k)
+        return window_core(q, k, v, bias, mask, scale, precision=state.options.get("precision", "auto"),
+                           backend=_backend(state))
+
     def forward(self, module, state, x, mask=None):
         Bw, N, C = x.shape
         why = _bypass_reason(module)
@@ -262,10 +269,7 @@ class _SwinBase(Adapter):
             return state.delegate(x, mask=mask, reason="mask is not [nW, N, N] with nW dividing the window batch")
         if mask is not None and not mask.is_floating_point():
             mask = mask.float()  # timm adds a bool / integer mask as numbers (True = +1), not as a keep-mask
-        q, k, v = _split_heads(self._qkv(module, x), module.num_heads)
-        q, k, scale, bias = self._prepare(module, q, k)
-        o = window_core(q, k, v, bias, mask, scale, precision=state.options.get("precision", "auto"),
-                        backend=_backend(state))
+        o = self._attend(module, state, self._qkv(module, x), mask)
         x = o.transpose(1, 2).reshape(Bw, N, -1)
         x = module.proj(x)
         return module.proj_drop(x)
@@ -286,6 +290,17 @@ class SwinWindowAttention(_SwinBase):
         bias = module._get_rel_pos_bias()[0]  # [H, N, N]
         scale = None if getattr(module, "fused_attn", False) else float(module.scale)
         return q, k, scale, bias
+
+    def _attend(self, module, state, qkv, mask):
+        # q, k, v are the projection's own slices here: the packed call gets qkv's gradient written in
+        # one piece (see elsa_vision.window_attention_packed)
+        ev = _api()
+        if _backend(state) != "auto" or not hasattr(ev, "window_attention_packed"):
+            return super()._attend(module, state, qkv, mask)
+        Bw, N, _ = qkv.shape
+        _, _, scale, bias = self._prepare(module, None, None)
+        return ev.window_attention_packed(qkv.reshape(Bw, N, 3, module.num_heads, -1), bias=bias, mask=mask,
+                                          scale=scale, precision=state.options.get("precision", "auto"))
 
 
 class SwinV2WindowAttention(_SwinBase):

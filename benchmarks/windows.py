@@ -16,6 +16,9 @@ relative-position bias [H, N, N] as a leaf that requires grad, and the mask [nW,
   timm-math   timm's unfused path: q·scale @ kᵀ + bias + mask (broadcast by window), softmax, @ v
   elsa-generic  elsa_vision.attention with the same expanded [B·nW, H, N, N] bias (for reference)
   elsa        elsa_vision.window_attention, block="auto"; elsa-b64/128/256 the block sweep
+  elsa-qkv    elsa_vision.window_attention_packed on the qkv leaf (the Swin v1 adapter's call): one
+              gradient for qkv written by the kernels, where every other variant's three view
+              gradients are stacked by autograd
 fp32 runs under torch's default matmul precision ("highest": timm's matmuls are IEEE float32 and ELSA
 runs 3xTF32). fwd+bwd computes dq, dk, dv and dbias.
 
@@ -124,6 +127,15 @@ def elsa_window(block):
     return f
 
 
+def elsa_packed(block):
+    """elsa_vision.window_attention_packed on the qkv leaf itself (what the Swin v1 adapter calls):
+    the gradient of qkv comes out of the kernels in one piece, not as three view gradients stacked."""
+    def f(qkv, bias, mask, dtype):
+        return elsa_vision.window_attention_packed(qkv, bias=bias, mask=mask, block=block, backend="triton")
+    f.packed = True
+    return f
+
+
 def elsa_tuned(**knobs):
     """elsa (auto) with kernels/window.py's tuning switches set for the call (see --tune)."""
     from elsa_vision.kernels import window as W
@@ -158,6 +170,7 @@ def variants(sweep: bool, generic: bool):
     if generic:
         vs["elsa-generic"] = elsa_generic
     vs["elsa"] = elsa_window("auto")
+    vs["elsa-qkv"] = elsa_packed("auto")
     if sweep:
         for b in (64, 128, 256):
             vs[f"elsa-b{b}"] = elsa_window(b)
@@ -174,17 +187,20 @@ def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None):
     leaves = (qkv, bias)
     grad_out = torch.randn(BW, H, N, HEAD_DIM, device=DEVICE, dtype=dtype)
 
+    def call(fn):
+        if getattr(fn, "packed", False):
+            return fn(qkv, bias, mask, dtype)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # timm's strided q, k, v views
+        return fn(q, k, v, bias, mask, dtype)
+
     def wrap(fn):
         if not bwd:
             def f():
                 with torch.no_grad():
-                    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # timm's strided q, k, v views
-                    return fn(q, k, v, bias, mask, dtype)
+                    return call(fn)
         else:
             def f():
-                q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-                out = fn(q, k, v, bias, mask, dtype)
-                return torch.autograd.grad(out, leaves, grad_out)
+                return torch.autograd.grad(call(fn), leaves, grad_out)
         return f
 
     res = measure({n: wrap(fn) for n, fn in vs.items()}, rounds=rounds)
@@ -314,11 +330,11 @@ def main(argv=None):
     print(f"\nwrote {csv} and {outdir / (stem + '.png')}")
     if prof:
         print(f"wrote {write_csv(prof, outdir / (stem + '_profile.csv'))}")
-    elsa = [r for r in rows if r["variant"] == "elsa" and r["shape"].startswith("swinT")]
+    elsa = [r for r in rows if r["variant"] in ("elsa", "elsa-qkv") and r["shape"].startswith("swinT")]
     if elsa:
         print("\nSwin-T stages, elsa (auto) vs best timm path (floor: fwd+bwd speedup ≥ 1.5, mem_ratio < 1):")
-        print(fmt_table(elsa, ["shape", "dtype", "mode", "ms", "best_timm", "speedup", "mem_ratio", "graph_ms",
-                               "graph_best_timm", "graph_speedup"]))
+        print(fmt_table(elsa, ["shape", "dtype", "mode", "variant", "ms", "best_timm", "speedup", "mem_ratio",
+                               "graph_ms", "graph_best_timm", "graph_speedup"]))
 
 
 if __name__ == "__main__":

@@ -276,7 +276,40 @@ def window_attention(
     The [B·nW, H, N, N] tensor of bias + mask that timm builds is never materialised, in the forward
     or the backward. Under ``torch.autocast`` q, k, v and bias are cast to the autocast dtype, as SDPA does.
     """
-    fn = "window_attention"
+    return _window_attention(q, k, v, None, bias, mask, scale, block, precision, backend, "window_attention")
+
+
+def window_attention_packed(
+    qkv: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    block="auto",
+    precision: str = "auto",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`window_attention` on the packed projection: qkv [B·nW, N, 3, H, D] → [B·nW, H, N, D].
+
+    qkv is Swin's ``qkv(x).reshape(B·nW, N, 3, H, D)``; q, k, v are ``qkv[:, :, i].transpose(1, 2)``
+    and every other argument is as in :func:`window_attention`, with the same results. The
+    difference is the backward: on the Triton backend the kernels write the gradient of qkv as one
+    tensor, where q, k, v passed as views would get three gradients that autograd then stacks (a copy
+    the size of qkv: at Swin-T's first stage as long as the attention kernels themselves).
+    """
+    fn = "window_attention_packed"
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"{fn}: qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"{fn}: qkv must be [B·nW, N, 3, H, D], got shape {tuple(qkv.shape)}; "
+                         "reshape the projection output with .reshape(B·nW, N, 3, H, D)")
+    qkv, bias = _autocast(qkv, bias)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # the views kernels.window.unpack gives
+    return _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn)
+
+
+def _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn: str) -> torch.Tensor:
+    """Both window entry points: checks, dispatch, the call (``qkv``: the packed tensor q/k/v view)."""
     q, k, v, bias = _autocast(q, k, v, bias)
     _check_qkv(q, k, v, fn)
     BW, H, N, D = q.shape
@@ -289,14 +322,14 @@ def window_attention(
     if block not in WINDOW_BLOCKS or isinstance(block, bool):
         raise ValueError(f"{fn}: block must be one of {WINDOW_BLOCKS}, got {block!r}")
     prec = resolve_precision(precision, q.dtype)
-    p = Problem(op=fn, device=q.device.type, dtype=q.dtype, head_dim=D, has_bias=bias is not None,
+    p = Problem(op="window_attention", device=q.device.type, dtype=q.dtype, head_dim=D, has_bias=bias is not None,
                 has_mask=mask is not None, window_tokens=N, precision=prec)
-    run = select(p, backend).run[fn]  # before the shortcut below: an unfit call raises either way
+    run = select(p, backend).run["window_attention"]  # before the shortcut below: an unfit call raises either way
     if q.numel() == 0:
         # no window or no token: nothing to attend (empty sums keep the graph connected for autograd)
         empty = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device) + empty
-    return run(q, k, v, bias, mask, scale, prec, 0 if block == "auto" else int(block))
+    return run(q, k, v, bias, mask, scale, prec, 0 if block == "auto" else int(block), qkv=qkv)
 
 
 def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None,

@@ -111,15 +111,17 @@ def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions
     return reference.attention(q, k, v, bias, scale, causal, return_lse=True)
 
 
-# Window entry points take (q, k, v, bias3, mask3, scale, precision, block) and return out [BW,H,N,D]:
-# bias3 [H,N,N] or None, mask3 [nW,N,N] additive float or None, block 0 = auto.
+# Window entry points take (q, k, v, bias3, mask3, scale, precision, block, qkv=) and return out
+# [BW,H,N,D]: bias3 [H,N,N] or None, mask3 [nW,N,N] additive float or None, block 0 = auto; qkv the
+# packed [BW,N,3,H,D] tensor q, k, v are views of, or None.
 
-def _run_triton_window(q, k, v, bias, mask, scale, precision, block):
+def _run_triton_window(q, k, v, bias, mask, scale, precision, block, qkv=None):
     from .kernels import window  # noqa: F401  (registers the custom ops)
-    return window.window_attention(q, k, v, bias, mask, scale, precision, block)
+    return window.window_attention(q, k, v, bias, mask, scale, precision, block, qkv=qkv)
 
 
-def _run_reference_window(q, k, v, bias, mask, scale, precision, block):
+def _run_reference_window(q, k, v, bias, mask, scale, precision, block, qkv=None):
+    # autograd carries the gradients of the q, k, v views back to qkv
     from .kernels import reference
     return reference.window_attention(q, k, v, bias, mask, scale)
 

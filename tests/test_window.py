@@ -251,6 +251,38 @@ def test_autocast_and_custom_op():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("N,dp", [(49, BF16), (50, F32X3), (144, F32)], ids=["fused-bf16", "tiled-tf32x3", "folded-ieee"])
+def test_packed_qkv_matches_views(backend, N, dp):
+    """window_attention_packed(qkv) = window_attention on qkv's q, k, v views, bit for bit: the same
+    output, the gradient of qkv equal to the stacked view gradients, the same bias gradient."""
+    if backend == "triton" and not INTERP:
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    dtype, precision = dp
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(8, N, 3, 2, 32, generator=g).to(dtype)
+    bias = torch.randn(2, N, N, generator=g)
+    mask = _swin_mask(4, N, "timm", g)
+    go = torch.randn(8, 2, N, 32, generator=g).to(dtype)
+    res = []
+    for packed in (True, False):
+        x = qkv.clone().requires_grad_(True)
+        b = bias.clone().requires_grad_(True)
+        kw = dict(bias=b, mask=mask, precision=precision, backend=backend)
+        if packed:
+            out = elsa_vision.window_attention_packed(x, **kw)
+            if backend == "triton":  # qkv itself is the Function's input: no UnbindBackward stacks the gradients
+                assert type(out.grad_fn).__name__ == "_PackedWindowAttentionBackward"
+        else:
+            q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
+            out = elsa_vision.window_attention(q, k, v, **kw)
+        res.append((out, *torch.autograd.grad(out, (x, b), go)))
+    for a, c in zip(*res):
+        assert torch.equal(a, c)
+    with pytest.raises(ValueError, match=r"\[B·nW, N, 3, H, D\]"):
+        elsa_vision.window_attention_packed(qkv[:, :, :2], backend=backend)
+
+
 def test_mask_table_follows_every_write():
     """The padded [nW, NR, NR] table of a shift mask is made from the mask as it is at each call —
     also after writes that bypass the version counter (through .data, or NumPy-shared memory) —
@@ -460,6 +492,30 @@ def test_gpu_deterministic_and_memory(dtype):
     extra = torch.cuda.max_memory_allocated() - base - needed
     expanded = BW * H * N * N * 4
     assert extra < expanded / 2, f"working memory {extra / 2**20:.1f} MiB vs expanded mask {expanded / 2**20:.1f} MiB"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("N", [49, 144])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_packed_qkv_matches_views(N, dtype):
+    """window_attention_packed at Swin sizes: output, qkv gradient and bias gradient bitwise those
+    of window_attention on the q, k, v views."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(512, N, 3, 3, 32, device="cuda", generator=g).to(dtype)
+    bias = torch.randn(3, N, N, device="cuda", generator=g)
+    mask = _swin_mask(64, N).cuda()
+    go = torch.randn(512, 3, N, 32, device="cuda", generator=g).to(dtype)
+    res = []
+    for packed in (True, False):
+        x, b = qkv.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+        if packed:
+            out = elsa_vision.window_attention_packed(x, bias=b, mask=mask, backend="triton")
+        else:
+            out = elsa_vision.window_attention(*x.permute(2, 0, 3, 1, 4).unbind(0), bias=b, mask=mask, backend="triton")
+        res.append((out, *torch.autograd.grad(out, (x, b), go)))
+    for a, c in zip(*res):
+        assert torch.equal(a, c)
 
 
 @gpu
