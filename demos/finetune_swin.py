@@ -9,6 +9,10 @@
     # the same run twice from one seed — ELSA and timm's native attention — and both loss curves in one plot
     python demos/finetune_swin.py --synthetic out/shapes --epochs 5 --compare-native
 
+    # each training step captured once in a CUDA graph and replayed (GPU): the host launches one graph
+    # per step instead of every kernel, so the step runs at the GPU's pace
+    python demos/finetune_swin.py --synthetic out/shapes --epochs 5 --compare-native --cuda-graph
+
 ``elsa_vision.patch(model)`` is the only change to an ordinary timm training loop: the Swin window
 attention (relative-position bias, shift mask; v2's cosine attention and continuous position bias)
 runs on ELSA forward and backward, and its gradients reach qkv, the bias table / cpb_mlp and
@@ -177,12 +181,68 @@ def evaluate(model, loader, device, amp: bool) -> float:
     return correct / max(total, 1)
 
 
+def _train_step(model, opt, x, y, amp: bool, dev_type: str) -> torch.Tensor:
+    """Forward, backward, gradient clipping, AdamW step; returns the loss (not synchronised)."""
+    with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=amp):
+        loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+    opt.step()
+    return loss.detach()
+
+
+class CapturedStep:
+    """:func:`_train_step` captured once in a CUDA graph and replayed on static input buffers.
+
+    Capture needs a few eager warm-up steps (on a side stream); their updates are undone in place
+    (parameters restored, AdamW's moments and step counts zeroed — the graph keeps these tensors'
+    addresses), so the run starts from the same weights as an eager one. The optimizer must be
+    AdamW(capturable=True) with a tensor learning rate, which the scheduler updates in place."""
+
+    def __init__(self, model, opt, x, y, amp: bool, dev_type: str, warmup: int = 3):
+        self.x, self.y = x.clone(), y.clone()
+        params = [p for p in model.parameters() if p.requires_grad]
+        saved = [p.detach().clone() for p in params]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                opt.zero_grad(set_to_none=True)
+                _train_step(model, opt, self.x, self.y, amp, dev_type)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+            for state in opt.state.values():
+                for v in state.values():
+                    if torch.is_tensor(v):
+                        v.zero_()
+        opt.zero_grad(set_to_none=True)  # the captured backward then writes (not adds) the gradients
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.loss = _train_step(model, opt, self.x, self.y, amp, dev_type)
+        except RuntimeError as e:
+            raise SystemExit(f"--cuda-graph: the training step could not be captured ({str(e).splitlines()[0]}); "
+                             "run without --cuda-graph") from None
+
+    def __call__(self, x, y) -> torch.Tensor:
+        self.x.copy_(x, non_blocking=True)
+        self.y.copy_(y, non_blocking=True)
+        self.graph.replay()
+        return self.loss
+
+
 def train_run(a, tag: str, elsa: bool, root: Path, out: Path) -> dict:
     """One training run; returns its history {"loss": [...], "val_acc": [...], "seconds": s}."""
     from tqdm import tqdm
     tl, vl, classes = loaders(root, a.img_size, a.batch, a.workers, a.seed)
     model = build_model(a, len(classes), elsa)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.05)
+    if a.cuda_graph:  # the step reads the learning rate from a tensor the scheduler updates in place
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(a.lr, device=a.device), weight_decay=0.05,
+                                capturable=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.05)
     steps_per_epoch = len(tl) if not a.max_steps else min(len(tl), a.max_steps)
     total = max(1, steps_per_epoch * a.epochs)
     warm = max(1, total // 20)
@@ -194,6 +254,7 @@ def train_run(a, tag: str, elsa: bool, root: Path, out: Path) -> dict:
     # first epoch's one-time costs (kernel compiles, data-loader start, cold file cache) show apart
     hist = {"run": tag, "loss": [], "val_acc": [], "epoch_seconds": [], "classes": classes}
     best = -1.0
+    step_fn = None
     t0 = time.time()
     for epoch in range(a.epochs):
         model.train()
@@ -203,12 +264,13 @@ def train_run(a, tag: str, elsa: bool, root: Path, out: Path) -> dict:
             if step >= steps_per_epoch:
                 break
             x, y = x.to(a.device, non_blocking=True), y.to(a.device, non_blocking=True)
-            with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=amp):
-                loss = F.cross_entropy(model(x).float(), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if a.cuda_graph:
+                if step_fn is None:
+                    step_fn = CapturedStep(model, opt, x, y, amp, dev_type)
+                loss = step_fn(x, y)
+            else:
+                loss = _train_step(model, opt, x, y, amp, dev_type)
+                opt.zero_grad(set_to_none=True)
             sched.step()
             hist["loss"].append(loss.item())
             bar.set_postfix(loss=f"{hist['loss'][-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
@@ -271,6 +333,8 @@ def check_args(a, ap) -> None:
     why = device_problem(a.device, a.backend)
     if why:
         ap.error(f"--device / --backend: {why}")
+    if a.cuda_graph and not a.device.startswith("cuda"):
+        ap.error(f"--cuda-graph captures the training step in a CUDA graph: it needs a CUDA --device, got {a.device!r}")
     if a.model_kwargs:
         try:
             if not isinstance(json.loads(a.model_kwargs), dict):
@@ -327,6 +391,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, help="checkpoints, history.json, loss_curves.png (default out/finetune_<model>)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="capture the training step once in a CUDA graph and replay it (CUDA only; AdamW runs "
+                         "capturable; the warm-up steps capture needs are undone)")
     a = ap.parse_args(argv)
     check_args(a, ap)
     a.amp = a.amp or ("bf16" if a.device.startswith("cuda") else "fp32")
