@@ -162,6 +162,7 @@ def measure_graphed(variants: dict[str, Callable[[], object]], *, rounds: int = 
             replays[name] = graphed(fn)
         except Exception as e:  # noqa: BLE001 - an uncapturable variant is a result, not a crash
             errors[name] = f"graph capture: {type(e).__name__}: {str(e).splitlines()[0][:140] if str(e) else ''}"
+            torch.cuda.set_stream(torch.cuda.default_stream())  # a failed capture can leave its stream current
             torch.cuda.synchronize()
     out = measure(replays, warmup=1, rounds=rounds, budget_ms=budget_ms, memory=False)
     out.update({n: Result(n, None, None, e) for n, e in errors.items()})

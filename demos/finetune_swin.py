@@ -200,6 +200,10 @@ class CapturedStep:
     AdamW(capturable=True) with a tensor learning rate, which the scheduler updates in place."""
 
     def __init__(self, model, opt, x, y, amp: bool, dev_type: str, warmup: int = 3):
+        with torch.cuda.device(x.device):  # streams and capture on the model's GPU, not the current one
+            self._capture(model, opt, x, y, amp, dev_type, warmup)
+
+    def _capture(self, model, opt, x, y, amp, dev_type, warmup):
         self.x, self.y = x.clone(), y.clone()
         params = [p for p in model.parameters() if p.requires_grad]
         saved = [p.detach().clone() for p in params]
@@ -220,16 +224,19 @@ class CapturedStep:
         opt.zero_grad(set_to_none=True)  # the captured backward then writes (not adds) the gradients
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph):
+            # thread_local: the DataLoader's pin-memory thread keeps allocating pinned host memory
+            # while the step is captured, which the default (global) mode forbids
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.loss = _train_step(model, opt, self.x, self.y, amp, dev_type)
         except RuntimeError as e:
             raise SystemExit(f"--cuda-graph: the training step could not be captured ({str(e).splitlines()[0]}); "
                              "run without --cuda-graph") from None
 
     def __call__(self, x, y) -> torch.Tensor:
-        self.x.copy_(x, non_blocking=True)
-        self.y.copy_(y, non_blocking=True)
-        self.graph.replay()
+        with torch.cuda.device(self.x.device):
+            self.x.copy_(x, non_blocking=True)
+            self.y.copy_(y, non_blocking=True)
+            self.graph.replay()
         return self.loss
 
 
@@ -413,7 +420,9 @@ def main(argv=None) -> int:
         later = h["epoch_seconds"][1:]
         print(f"{h['run']}: final val acc {h['val_acc'][-1]:.3f}, {h['seconds']:.1f} s"
               + (f" (training steps after the first epoch: {sum(later) / len(later):.2f} s per epoch)" if later else "")
-              + (f", {h['delegated_calls']} delegated call(s)" if h.get("delegated_calls") else ""))
+              + (f", {h['delegated_calls']} delegated call(s)" if h.get("delegated_calls") else "")
+              + (" (counted while capturing: each replay repeats them)" if h.get("delegated_calls") and a.cuda_graph
+                 else ""))
     if a.compare_native:
         e, n = hists
         k = min(len(e["loss"]), len(n["loss"]))

@@ -329,7 +329,8 @@ def _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend
         # no window or no token: nothing to attend (empty sums keep the graph connected for autograd)
         empty = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device) + empty
-    return run(q, k, v, bias, mask, scale, prec, 0 if block == "auto" else int(block), qkv=qkv)
+    block = 0 if block == "auto" else int(block)
+    return run(q, k, v, bias, mask, scale, prec, block) if qkv is None else run(q, k, v, bias, mask, scale, prec, block, qkv=qkv)
 
 
 def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None,

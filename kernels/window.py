@@ -697,7 +697,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q)
     qkv_do = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     g3 = dq.stride()[:3]  # dq, dk, dv share one layout
-    if dk.stride()[:3] != g3 or dv.stride()[:3] != g3 or dq.stride(3) != 1:
+    if dk.stride()[:3] != g3 or dv.stride()[:3] != g3 or any(t.stride(3) != 1 for t in (dq, dk, dv)):
         raise ValueError("window backward: dq, dk, dv must share strides, with unit stride along D")
     rest = (BW, H, N, nr, nW)
     common = dict(D=D, D_PAD=_pow2(D), HAS_MASK=has_mask, PREC=prec, EXACT=q.dtype == torch.float32,
