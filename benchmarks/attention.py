@@ -147,14 +147,17 @@ def few_queries(d=64, nq=16, nk=131072, H=16):
 
 # Tile shapes tried by --tune: (block_m, block_n, num_warps, num_stages) per (pass, dtype, precision, d).
 # Kept short: each candidate is a separate compile. A seventh entry True keeps the loop-invariant MMA
-# operands in registers (Config.reg_operands; "-reg" in the results).
+# operands in registers (Config.reg_operands; "-reg" in the results); an eighth, the tf32x3 forward
+# reading k and v unsplit (Config.trunc_b; "-truncb").
 CANDIDATES = {
     ("fwd", "bf16", "native", 64): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3), (128, 32, 4, 4),
                                    (128, 64, 8, 3, True, 0, True), (128, 64, 4, 3, True, 0, True), (128, 128, 8, 3, True, 0, True)],
     ("fwd", "bf16", "native", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2),
                                     (64, 64, 4, 3, True, 0, True), (128, 64, 8, 3, True, 0, True)],
     ("fwd", "bf16", "native", 32): [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)],
-    ("fwd", "fp32", "tf32x3", 64): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4)],
+    ("fwd", "fp32", "tf32x3", 64): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4),
+                                    (128, 64, 8, 3, True, 0, False, True), (128, 64, 8, 4, True, 0, False, True),
+                                    (64, 64, 4, 3, True, 0, False, True)],
     ("fwd", "fp32", "tf32x3", 128): [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
     ("fwd", "fp32", "tf32x3", 32): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
     # a fifth entry False turns off the Kahan compensation of the strict-fp32 running sums; a sixth
@@ -194,7 +197,8 @@ def tune(kinds=("fwd", "bwd"), N=16384, only=None):
         for cand in cands:
             cfg = K.Config(*cand)
             name = "{}x{}w{}s{}".format(*cand) + ("" if cfg.kahan else "-nokahan") + \
-                (f"-chunk{cfg.chunk}" if cfg.chunk else "") + ("-reg" if cfg.reg_operands else "")
+                (f"-chunk{cfg.chunk}" if cfg.chunk else "") + ("-reg" if cfg.reg_operands else "") + \
+                ("-truncb" if cfg.trunc_b else "")
             if kind == "fwd":
                 fns[name] = lambda cfg=cfg: K.forward(q, k, v, None, d ** -0.5, False, prec, 1, config=cfg)
             else:

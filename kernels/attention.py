@@ -61,7 +61,8 @@ LN2 = 0.6931471805599453
 
 # Precision codes shared by every kernel of this file. "tf32x3" (code 3) splits each operand into
 # tf32 hi + lo parts itself, so an operand that is reused across the loop (q in the forward) is split
-# once per program instead of once per dot; "tf32x3n" (code 1) is Triton's own per-dot 3xTF32.
+# once per program instead of once per dot; "tf32x3n" (code 1) is Triton's own per-dot 3xTF32. Code
+# 4 is code 3 with the forward's k and v unsplit (Config.trunc_b; see _dot3_trunc_b).
 _PREC = {"ieee": 0, "tf32x3n": 1, "tf32": 2, "native": 2, "tf32x3": 3}
 
 
@@ -100,7 +101,7 @@ def _dot(a, b, PREC: tl.constexpr):
         b = b.to(tl.float32)
     if PREC == 0:
         return tl.dot(a, b, input_precision="ieee")
-    elif PREC == 1 or PREC == 3:
+    elif PREC == 1 or PREC >= 3:
         return tl.dot(a, b, input_precision="tf32x3")
     elif a.dtype == tl.float32:
         # the tensor core truncates to tf32; rounding to nearest first halves the error (as cuBLAS does)
@@ -143,6 +144,17 @@ def _dot3(a_hi, a_lo, b_hi, b_lo):
 
 
 @triton.jit
+def _dot3_trunc_b(a_hi, a_lo, b):
+    """3xTF32 a·b with b unsplit: a tf32 tensor-core op reads a float32 operand truncated to tf32, so
+    b itself is b's high part and only the low part b − trunc(b) (rounded to tf32) is formed and
+    staged. Against :func:`_dot3` that saves forming, holding and storing b_hi — the forward's k and
+    v tiles, which Hopper MMAs read from shared memory as B operands. The dropped lo·lo term grows
+    from ≈2⁻²² to ≈2⁻²¹ of the product (b's low part is below one tf32 ulp instead of half of one)."""
+    b_lo = _round_tf32(b - (b.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True))
+    return tl.dot(a_hi, b, tl.dot(a_lo, b, tl.dot(a_hi, b_lo)))
+
+
+@triton.jit
 def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, scale,
             D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
             PREC: tl.constexpr):
@@ -161,6 +173,8 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
     if PREC == 3 and _SPLIT3:
         k_hi, k_lo = _split_tf32(k)
         s = _dot3(q, q_lo, k_hi, k_lo)
+    elif PREC == 4 and _SPLIT3:
+        s = _dot3_trunc_b(q, q_lo, k)
     else:
         s = _dot(q, k, PREC)
     if HAS_BIAS:
@@ -190,6 +204,9 @@ def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr, KAHAN: tl.const
         p_hi, p_lo = _split_tf32(p)
         v_hi, v_lo = _split_tf32(v)
         return acc * alpha[:, None] + _dot3(p_hi, p_lo, v_hi, v_lo), c_acc, s_i * alpha + tl.sum(p, 1), c_s
+    elif PREC == 4 and _SPLIT3:
+        p_hi, p_lo = _split_tf32(p)
+        return acc * alpha[:, None] + _dot3_trunc_b(p_hi, p_lo, v), c_acc, s_i * alpha + tl.sum(p, 1), c_s
     elif PREC == 0 and KAHAN:
         a = acc * alpha[:, None]
         y = _dot(p, v, PREC) - c_acc * alpha[:, None]
@@ -271,7 +288,7 @@ def _fwd_kernel(
     if REG_A:
         q = _as_register_operand(q)
     q_lo = q
-    if PREC == 3 and _SPLIT3:
+    if PREC >= 3 and _SPLIT3:
         q, q_lo = _split_tf32(q)  # once per program: q is reused by every key tile
     k_ptrs = K + b * sk_b + h * sk_h + offs_d[:, None] * sk_d
     v_ptrs = V + b * sv_b + h * sv_h + offs_d[None, :] * sv_d
@@ -692,6 +709,7 @@ class Config:
     kahan: bool = True  # strict float32 only: compensated tile-to-tile sums
     chunk: int = 0      # float32 forward: keys per chunk of the in-program two-level scan (0 = off)
     reg_operands: bool = False  # the loop-invariant MMA operands in registers (see _as_register_operand)
+    trunc_b: bool = False  # tf32x3 forward: k and v enter their MMAs unsplit (see _dot3_trunc_b)
 
 
 def _pow2(d: int) -> int:
@@ -915,7 +933,8 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_strides4(bias),
         H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split, PREC=_PREC[precision],
+        HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split,
+        PREC=4 if cfg.trunc_b and _PREC[precision] == 3 else _PREC[precision],
         KAHAN=cfg.kahan and not chunk, CHUNK=chunk, REG_A=cfg.reg_operands, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

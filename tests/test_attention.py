@@ -357,19 +357,22 @@ def test_chunked_scan(nq, nk, causal, bias_shape, chunk):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_register_operands_change_nothing(dtype):
     """Config.reg_operands (the loop-invariant MMA operands made register operands) is a scheduling
-    choice: the same outputs, statistics and gradients bit for bit, a bias gradient included."""
+    choice: the same outputs, statistics and gradients bit for bit, a bias gradient included. (The
+    run with Config.trunc_b checks its plumbing only: the interpreter's dots are plain float32, so
+    no 3xTF32 split is emulated there; tests/test_attention_gpu.py checks its accuracy.)"""
     from elsa_vision.kernels import attention as K
     q, k, v = (t.to(dtype) for t in qkv(1, 2, 70, 90, 32, seed=11))
     bias = rand(1, 2, 70, 90, seed=12)
     do = rand(1, 2, 70, 32, seed=13).to(dtype)
     runs = []
-    for reg in (False, True):
-        cfg = K.Config(32, 32, 1, 1, reg_operands=reg)
+    for reg, trunc in ((False, False), (True, False), (False, True)):
+        cfg = K.Config(32, 32, 1, 1, reg_operands=reg, trunc_b=trunc)
         out, st = K.forward(q, k, v, bias, 32 ** -0.5, True, "tf32x3", 1, config=cfg)
         grads = K.backward(do, q, k, v, bias, out, st, 32 ** -0.5, True, "tf32x3", True, config=cfg, kv=cfg)
         runs.append((out, st, *grads))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -65,6 +65,28 @@ def test_chunked_strict_fp32_long_rows(n, chunk):
     assert_close_to_oracle(out[:, :, idx], verify.oracle(qs, k, v), torch_same_dtype(qs, k, v), rel_l2=2e-6)
 
 
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("causal,with_bias", [(False, False), (True, True)])
+def test_tf32x3_trunc_b_forward(d, causal, with_bias):
+    """Config.trunc_b (k and v read unsplit by the tensor cores, only their low parts formed) under
+    the oracle rule, on the default tile of each head dim, with partial tiles."""
+    import dataclasses
+    from elsa_vision.kernels import attention as K
+    q, k, v = qkv(1, 8, 4097, 4097, d, torch.float32, seed=4)
+    bias = torch.randn(1, 8, 4097, 4097, device="cuda") if with_bias else None
+    cfg = dataclasses.replace(K.fwd_config(torch.float32, d, "tf32x3", 4097, with_bias), trunc_b=True)
+    out, _ = K.forward(q, k, v, bias, d ** -0.5, causal, "tf32x3", 1, config=cfg)
+    idx = torch.linspace(0, 4096, 64, device="cuda").long()
+    qs, bs = q[:, :, idx], (bias[:, :, idx] if with_bias else None)
+    ref = verify.oracle(qs, k, v, bias=bs, causal=False) if not causal else None
+    if causal:  # rows idx of a causal problem: the oracle of the full problem, sampled
+        ref = verify.oracle(q, k, v, bias=bias, causal=True)[:, :, idx]
+        same = torch_same_dtype(q, k, v, bias=bias, causal=True)[:, :, idx]
+    else:
+        same = torch_same_dtype(qs, k, v, bias=bs)
+    assert_close_to_oracle(out[:, :, idx], ref, same)
+
+
 @pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
 @pytest.mark.parametrize("nq,nk", [(1, 131072), (16, 131072), (64, 100000), (1041, 104100)])
 def test_few_queries_split(nq, nk, precision):
