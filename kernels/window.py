@@ -689,6 +689,8 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     prec = _PREC[precision]
     if grads is None:
         grads = (_bnhd_empty(BW, H, N, D, q), _bnhd_empty(BW, H, N, D, k), _bnhd_empty(BW, H, N, D, v))
+    elif len({t.stride()[:3] for t in grads}) != 1 or any(t.stride(3) != 1 for t in grads):
+        raise ValueError("window backward: dq, dk, dv must share strides, with unit stride along D")
     dq, dk, dv = grads
     if dq.numel() == 0:
         dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if bias_grad else None
@@ -697,8 +699,6 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q)
     qkv_do = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     g3 = dq.stride()[:3]  # dq, dk, dv share one layout
-    if dk.stride()[:3] != g3 or dv.stride()[:3] != g3 or any(t.stride(3) != 1 for t in (dq, dk, dv)):
-        raise ValueError("window backward: dq, dk, dv must share strides, with unit stride along D")
     rest = (BW, H, N, nr, nW)
     common = dict(D=D, D_PAD=_pow2(D), HAS_MASK=has_mask, PREC=prec, EXACT=q.dtype == torch.float32,
                   num_stages=pl.stages)

@@ -86,3 +86,24 @@ def check_case(q, k, v, *, bias=None, causal=False, precision="auto", backend="a
         for n, a, r, s_ in zip(["dq", "dk", "dv", "dbias"], ge, gr, gs):
             assert_close_to_oracle(a, r, s_, name=n, grad=True)
     return out
+
+
+def assert_graph_replay_matches_eager(step, refill):
+    """Capture ``step`` (no arguments; returns a tuple of tensors) once in a CUDA graph, call ``refill``
+    to write new values into its input buffers, replay, and check the captured outputs are bitwise
+    those of an eager ``step()`` on the new values. The warm-up runs on a side stream, as capture
+    requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        refill()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, step()):
+        assert torch.equal(got, want)

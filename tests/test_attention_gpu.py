@@ -5,7 +5,7 @@ import torch
 
 import elsa_vision
 from elsa_vision import verify
-from oracle_check import assert_close_to_oracle, check_case, torch_same_dtype
+from oracle_check import assert_close_to_oracle, assert_graph_replay_matches_eager, check_case, torch_same_dtype
 
 pytestmark = pytest.mark.gpu
 
@@ -77,13 +77,12 @@ def test_tf32x3_trunc_b_forward(d, causal, with_bias):
     cfg = dataclasses.replace(K.fwd_config(torch.float32, d, "tf32x3", 4097, with_bias), trunc_b=True)
     out, _ = K.forward(q, k, v, bias, d ** -0.5, causal, "tf32x3", 1, config=cfg)
     idx = torch.linspace(0, 4096, 64, device="cuda").long()
-    qs, bs = q[:, :, idx], (bias[:, :, idx] if with_bias else None)
-    ref = verify.oracle(qs, k, v, bias=bs, causal=False) if not causal else None
-    if causal:  # rows idx of a causal problem: the oracle of the full problem, sampled
+    if causal:  # rows idx of a causal problem: the full problem's references, sampled
         ref = verify.oracle(q, k, v, bias=bias, causal=True)[:, :, idx]
         same = torch_same_dtype(q, k, v, bias=bias, causal=True)[:, :, idx]
     else:
-        same = torch_same_dtype(qs, k, v, bias=bs)
+        qs, bs = q[:, :, idx], (bias[:, :, idx] if with_bias else None)
+        ref, same = verify.oracle(qs, k, v, bias=bs), torch_same_dtype(qs, k, v, bias=bs)
     assert_close_to_oracle(out[:, :, idx], ref, same)
 
 
@@ -136,21 +135,11 @@ def test_cuda_graph_capture_gpu(nq, nk, dtype):
         o = elsa_vision.attention(q, k, v, bias=bias)
         return (o, *torch.autograd.grad(o, (q, k, v, bias), go))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    with torch.no_grad():
+    def refill():
         for t in (q, k, v, bias, go):
             t.copy_(torch.randn_like(t))
-    graph.replay()
-    torch.cuda.synchronize()
-    for got, want in zip(captured, step()):
-        assert torch.equal(got, want)
+
+    assert_graph_replay_matches_eager(step, refill)
 
 
 @pytest.mark.parametrize("d", [64, 128])

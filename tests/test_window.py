@@ -16,7 +16,7 @@ import torch
 import elsa_vision
 from elsa_vision import dispatch
 from elsa_vision.verify import max_err, tolerance
-from oracle_check import tf32_operand
+from oracle_check import assert_graph_replay_matches_eager, tf32_operand
 
 INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 needs_interp = pytest.mark.skipif(not INTERP, reason="Triton on CPU needs TRITON_INTERPRET=1")
@@ -533,21 +533,11 @@ def test_gpu_cuda_graph_capture(dtype):
         out = elsa_vision.window_attention(q, k, v, bias=b, mask=m, backend="triton")
         return (out, *torch.autograd.grad(out, (q, k, v, b), go))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    with torch.no_grad():
+    def refill():
         for t in (q, k, v, b, m, go):
             t.copy_(torch.randn_like(t) if t is not m else t.flip(0))
-    graph.replay()
-    torch.cuda.synchronize()
-    for got, want in zip(captured, step()):
-        assert torch.equal(got, want)
+
+    assert_graph_replay_matches_eager(step, refill)
 
 
 def test_window_empty_input_still_checks_backend_and_nan_stays_nan():
