@@ -36,7 +36,8 @@ DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def modes(dtype: str):
     """(label, elsa precision) per dtype, and the SDPA baselines that run that dtype."""
     if dtype == "fp32":
-        return [("elsa-ieee", "ieee"), ("elsa-tf32x3", "tf32x3"), ("elsa-tf32", "tf32")], ["math", "mem_efficient"]
+        return [("elsa-ieee", "ieee"), ("elsa-tf32x3", "tf32x3"), ("elsa-fp16x3", "fp16x3"), ("elsa-tf32", "tf32")], \
+            ["math", "mem_efficient"]
     return [("elsa", "auto")], ["math", "mem_efficient", "flash", "cudnn"]
 
 
@@ -146,20 +147,18 @@ def few_queries(d=64, nq=16, nk=131072, H=16):
 
 
 # Tile shapes tried by --tune: (block_m, block_n, num_warps, num_stages) per (pass, dtype, precision, d).
-# Kept short: each candidate is a separate compile. A seventh entry True keeps the loop-invariant MMA
-# operands in registers (Config.reg_operands; "-reg" in the results); an eighth, the tf32x3 forward
-# reading k and v unsplit (Config.trunc_b; "-truncb").
+# Kept short: each candidate is a separate compile.
 CANDIDATES = {
-    ("fwd", "bf16", "native", 64): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3), (128, 32, 4, 4),
-                                   (128, 64, 8, 3, True, 0, True), (128, 64, 4, 3, True, 0, True), (128, 128, 8, 3, True, 0, True)],
-    ("fwd", "bf16", "native", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2),
-                                    (64, 64, 4, 3, True, 0, True), (128, 64, 8, 3, True, 0, True)],
+    ("fwd", "bf16", "native", 64): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3), (128, 32, 4, 4)],
+    ("fwd", "bf16", "native", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2)],
     ("fwd", "bf16", "native", 32): [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)],
-    ("fwd", "fp32", "tf32x3", 64): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4),
-                                    (128, 64, 8, 3, True, 0, False, True), (128, 64, 8, 4, True, 0, False, True),
-                                    (64, 64, 4, 3, True, 0, False, True)],
+    ("fwd", "fp32", "tf32x3", 64): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4)],
     ("fwd", "fp32", "tf32x3", 128): [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
     ("fwd", "fp32", "tf32x3", 32): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
+    ("fwd", "fp32", "fp16x3", 64): [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3),
+                                    (128, 64, 8, 2), (128, 32, 8, 4)],
+    ("fwd", "fp32", "fp16x3", 128): [(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 3)],
+    ("fwd", "fp32", "fp16x3", 32): [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)],
     # a fifth entry False turns off the Kahan compensation of the strict-fp32 running sums; a sixth
     # folds the keys a chunk at a time (Config.chunk), the other way to bound that rounding
     ("fwd", "fp32", "ieee", 64): [(64, 64, 4, 2), (64, 64, 4, 2, False), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2),
@@ -168,19 +167,16 @@ CANDIDATES = {
     ("fwd", "fp32", "ieee", 128): [(64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2, False)],
     ("fwd", "fp32", "tf32", 64): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
     ("bwd", "bf16", "native", 64): [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
-                                   (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 1), (64, 32, 4, 3),
-                                   (64, 32, 4, 3, True, 0, True), (64, 64, 4, 3, True, 0, True), (128, 64, 8, 2, True, 0, True)],
+                                   (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 1), (64, 32, 4, 3)],
     ("bwd", "bf16", "native", 128): [(64, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
     ("bwd", "fp32", "tf32x3", 64): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
                                      (64, 128, 8, 2), (128, 32, 8, 2), (64, 64, 4, 1)],
     ("bwd", "fp32", "tf32x3", 128): [(32, 32, 4, 1), (64, 32, 4, 2), (64, 64, 8, 2)],
     # the dK/dV kernel alone (the dQ kernel keeps bwd_config's tile): (query rows, keys, warps, stages)
     ("bwdkv", "bf16", "native", 64): [(32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 128, 4, 2),
-                                      (16, 128, 4, 4), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2),
-                                      (32, 128, 4, 4, True, 0, True), (32, 128, 8, 3, True, 0, True), (64, 128, 8, 2, True, 0, True), (64, 64, 4, 3, True, 0, True),
-                                      (32, 64, 4, 4, True, 0, True)],
+                                      (16, 128, 4, 4), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
     ("bwdkv", "bf16", "native", 128): [(32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 2),
-                                       (16, 128, 8, 3), (64, 64, 4, 2, True, 0, True), (32, 128, 8, 2, True, 0, True)],
+                                       (16, 128, 8, 3)],
     ("bwdkv", "fp32", "tf32x3", 64): [(64, 128, 8, 2), (32, 128, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
                                       (64, 128, 8, 1), (16, 128, 8, 2)],
 }
@@ -197,8 +193,7 @@ def tune(kinds=("fwd", "bwd"), N=16384, only=None):
         for cand in cands:
             cfg = K.Config(*cand)
             name = "{}x{}w{}s{}".format(*cand) + ("" if cfg.kahan else "-nokahan") + \
-                (f"-chunk{cfg.chunk}" if cfg.chunk else "") + ("-reg" if cfg.reg_operands else "") + \
-                ("-truncb" if cfg.trunc_b else "")
+                (f"-chunk{cfg.chunk}" if cfg.chunk else "")
             if kind == "fwd":
                 fns[name] = lambda cfg=cfg: K.forward(q, k, v, None, d ** -0.5, False, prec, 1, config=cfg)
             else:

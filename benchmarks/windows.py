@@ -165,18 +165,6 @@ TUNE = {
 }
 
 
-def _kv_tiles(kv):
-    """kernels/window.py's backward tile table with the float32 dk/dv tile replaced by ``kv``."""
-    from elsa_vision.kernels import window as W
-    return {c: (t[0], kv, t[2]) if c in ("tf32", "tf32x3") else t for c, t in W._BWD_TILES.items()}
-
-
-# float32 dk/dv tiles (query rows per step, keys per program, warps) that compile without spills for
-# N_pad = 64, d = 32 (sm_90): all 64 keys of a window in one program (wgmma for dK/dV) at the cost of
-# the separate dbias kernel, against the table's 16 keys per program (mma.sync, q/dO read 4 times)
-TUNE.update({"kv16x64": dict(_BWD_TILES=_kv_tiles((16, 64, 4))), "kv16x64w8": dict(_BWD_TILES=_kv_tiles((16, 64, 8)))})
-
-
 def variants(sweep: bool, generic: bool):
     vs = {"timm-sdpa": timm_sdpa, "timm-math": timm_math}
     if generic:

@@ -10,7 +10,7 @@ import torch
 
 from .dispatch import HALF, Problem, select
 
-PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
+PRECISIONS = ("auto", "ieee", "tf32x3", "fp16x3", "tf32")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -23,8 +23,9 @@ def _fp32_matmul_precision() -> str:
 def resolve_precision(precision: str, dtype: torch.dtype) -> str:
     """The float32 matmul mode a call runs in.
 
-    ``"auto"`` follows PyTorch: ``torch.get_float32_matmul_precision() == "highest"`` → ``"tf32x3"``
-    (float32-class accuracy on tensor cores), otherwise ``"tf32"``. Half-precision inputs always use
+    ``"auto"`` follows PyTorch: ``torch.get_float32_matmul_precision() == "highest"`` → ``"fp16x3"``
+    (float32-class accuracy on tensor cores: float16 parts in the forward, tf32 parts in the
+    backward), otherwise ``"tf32"``. Half-precision inputs always use
     their own tensor-core dot with float32 accumulation (``"native"``), whatever ``precision`` says.
     """
     if precision not in PRECISIONS:
@@ -32,7 +33,7 @@ def resolve_precision(precision: str, dtype: torch.dtype) -> str:
     if dtype in HALF:
         return "native"
     if precision == "auto":
-        return "tf32x3" if _fp32_matmul_precision() == "highest" else "tf32"
+        return "fp16x3" if _fp32_matmul_precision() == "highest" else "tf32"
     return precision
 
 
@@ -164,7 +165,9 @@ def attention(
 
             Rows that see no key (Nq > Nk, or a bias of −inf everywhere) return 0.
         precision: float32 only — ``"ieee"`` (strict FMA), ``"tf32x3"`` (3xTF32, float32-class
-            accuracy on tensor cores), ``"tf32"`` (fast), ``"auto"`` (PyTorch's matmul precision).
+            accuracy on tensor cores), ``"fp16x3"`` (the same accuracy from float16 hi/lo parts of
+            power-of-two-scaled operands, on float16 MMAs; forward only, its backward is tf32x3's),
+            ``"tf32"`` (fast), ``"auto"`` (PyTorch's matmul precision).
         backend: ``"triton"``, ``"reference"`` or ``"auto"`` (first that fits; see dispatch.BACKENDS).
         partitions: force the number of key partitions of phase 1 (testing / structure proofs).
         return_lse: also return the rows' natural-log log-sum-exp [B, H, Nq] (float32, +inf for

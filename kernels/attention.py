@@ -61,9 +61,12 @@ LN2 = 0.6931471805599453
 
 # Precision codes shared by every kernel of this file. "tf32x3" (code 3) splits each operand into
 # tf32 hi + lo parts itself, so an operand that is reused across the loop (q in the forward) is split
-# once per program instead of once per dot; "tf32x3n" (code 1) is Triton's own per-dot 3xTF32. Code
-# 4 is code 3 with the forward's k and v unsplit (Config.trunc_b; see _dot3_trunc_b).
-_PREC = {"ieee": 0, "tf32x3n": 1, "tf32": 2, "native": 2, "tf32x3": 3}
+# once per program instead of once per dot; "tf32x3n" (code 1) is Triton's own per-dot 3xTF32.
+# "fp16x3" (code 4, forward; its backward is tf32x3's) splits each operand into float16 hi + lo parts
+# after scaling it by a power of two (see _f16_scales_kernel): the same 22 significant bits as a tf32
+# pair, on MMAs of twice tf32's rate, with operands of half the size.
+_PREC = {"ieee": 0, "tf32x3n": 1, "tf32": 2, "native": 2, "tf32x3": 3, "fp16x3": 4}
+
 
 
 # Triton's CPU interpreter multiplies bfloat16 operands as raw bits; there, half operands are widened
@@ -111,20 +114,6 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _as_register_operand(x):
-    """x, computed (x + 0 turns −0 into +0 and nothing else). On Hopper, Triton feeds a warpgroup MMA
-    operand A that comes straight from a load through shared memory, and every MMA of the loop
-    re-reads it there; a computed A stays in registers. For the tiles a program loads once and
-    multiplies in every step (q in the forward and the dQ kernel, k and v in the dK/dV kernel) that
-    trades their shared-memory reads for registers: sm_90 compiles of the bf16 kernels at d = 64
-    (Triton 3.6) turn every A operand into a register one without spills (forward 116 → 128
-    registers, dQ 91 → 106, dK/dV stays at 255); at d = 128 the 64×64 dK/dV tile spills 124 bytes
-    (12 without). Float32 modes are unaffected: their tf32 operands are split in registers anyway.
-    Off in every default config until measured (benchmarks/attention.py --tune: the "-reg" rows)."""
-    return x + 0.0
-
-
-@triton.jit
 def _round_tf32(x):
     """float32 → nearest tf32 value (10 mantissa bits), ties away from zero, still stored as float32."""
     return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
@@ -138,24 +127,26 @@ def _split_tf32(x):
 
 
 @triton.jit
+def _split_f16(x):
+    """x = hi + lo, both float16, hi the nearest float16 value. For |x| ≥ 2⁻² the pair holds x to
+    2⁻²² relative (as a tf32 pair does); below, lo is subnormal and the pair holds x to 2⁻²⁵
+    absolute. x is pre-scaled so that its tensor's largest magnitude lies in [2^13, 2^14): every
+    element within 2⁻¹⁵ of it keeps float32-class precision, the rest an absolute error 2⁻³⁸ of it."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def _dot3(a_hi, a_lo, b_hi, b_lo):
-    """3xTF32 product of pre-split operands; the small cross terms first, a_lo·b_lo dropped (≈2⁻²²)."""
+    """3-pass product of pre-split operands (tf32 or float16 parts); the small cross terms first,
+    a_lo·b_lo dropped (≈2⁻²²)."""
+    if _WIDEN_HALF and a_hi.dtype == tl.float16:
+        a_hi, a_lo, b_hi, b_lo = a_hi.to(tl.float32), a_lo.to(tl.float32), b_hi.to(tl.float32), b_lo.to(tl.float32)
     return tl.dot(a_hi, b_hi, tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo)))
 
 
 @triton.jit
-def _dot3_trunc_b(a_hi, a_lo, b):
-    """3xTF32 a·b with b unsplit: a tf32 tensor-core op reads a float32 operand truncated to tf32, so
-    b itself is b's high part and only the low part b − trunc(b) (rounded to tf32) is formed and
-    staged. Against :func:`_dot3` that saves forming, holding and storing b_hi — the forward's k and
-    v tiles, which Hopper MMAs read from shared memory as B operands. The dropped lo·lo term grows
-    from ≈2⁻²² to ≈2⁻²¹ of the product (b's low part is below one tf32 ulp instead of half of one)."""
-    b_lo = _round_tf32(b - (b.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True))
-    return tl.dot(a_hi, b, tl.dot(a_lo, b, tl.dot(a_hi, b_lo)))
-
-
-@triton.jit
-def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, scale,
+def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, scale, ck,
             D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
             PREC: tl.constexpr):
     """Scores [BM, BN] of a query tile against the key tile at offs_n, −inf where invisible.
@@ -173,8 +164,9 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
     if PREC == 3 and _SPLIT3:
         k_hi, k_lo = _split_tf32(k)
         s = _dot3(q, q_lo, k_hi, k_lo)
-    elif PREC == 4 and _SPLIT3:
-        s = _dot3_trunc_b(q, q_lo, k)
+    elif PREC == 4:
+        k_hi, k_lo = _split_f16(k * ck)
+        s = _dot3(q, q_lo, k_hi, k_lo)
     else:
         s = _dot(q, k, PREC)
     if HAS_BIAS:
@@ -189,7 +181,7 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
 
 
 @triton.jit
-def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr, KAHAN: tl.constexpr):
+def _fold(p, v, acc, c_acc, s_i, c_s, alpha, cv, PREC: tl.constexpr, KAHAN: tl.constexpr):
     """Fold one tile into the running state: (acc·α + p·v, S·α + Σp). p [BM, BN] float32, v [BN, D_PAD].
 
     With half-precision v the probabilities are rounded to v's dtype for the dot and S sums them
@@ -204,9 +196,10 @@ def _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC: tl.constexpr, KAHAN: tl.const
         p_hi, p_lo = _split_tf32(p)
         v_hi, v_lo = _split_tf32(v)
         return acc * alpha[:, None] + _dot3(p_hi, p_lo, v_hi, v_lo), c_acc, s_i * alpha + tl.sum(p, 1), c_s
-    elif PREC == 4 and _SPLIT3:
-        p_hi, p_lo = _split_tf32(p)
-        return acc * alpha[:, None] + _dot3_trunc_b(p_hi, p_lo, v), c_acc, s_i * alpha + tl.sum(p, 1), c_s
+    elif PREC == 4:  # acc in units of 2^14·cv (see _fwd_kernel's epilogue)
+        p_hi, p_lo = _split_f16(p * 16384.0)
+        v_hi, v_lo = _split_f16(v * cv[None, :])
+        return acc * alpha[:, None] + _dot3(p_hi, p_lo, v_hi, v_lo), c_acc, s_i * alpha + tl.sum(p, 1), c_s
     elif PREC == 0 and KAHAN:
         a = acc * alpha[:, None]
         y = _dot(p, v, PREC) - c_acc * alpha[:, None]
@@ -244,30 +237,30 @@ def _softmax_step(s, m_i, qk_scale2, HAS_BIAS: tl.constexpr, MASK: tl.constexpr)
 
 @triton.jit
 def _scan_tile(q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sv_n, sb_n,
-               scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+               scale, qk_scale2, ck, cv, m_i, s_i, c_s, acc, c_acc, D: tl.constexpr, HAS_BIAS: tl.constexpr,
                CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, KAHAN: tl.constexpr):
     """Merge the key tile at offs_n into the running monoid state (m_i, s_i, acc) of a query tile
     (c_s, c_acc: compensation terms, used in strict float32 only)."""
-    s = _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, scale,
+    s = _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, sk_n, sb_n, scale, ck,
                 D, HAS_BIAS, CAUSAL, MASK, PREC)
     m_new, alpha, p = _softmax_step(s, m_i, qk_scale2, HAS_BIAS, MASK)
     if MASK:
         v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=(offs_n[:, None] < k_end) & (offs_d[None, :] < D), other=0.0)
     else:
         v = tl.load(v_ptrs + offs_n[:, None] * sv_n, mask=offs_d[None, :] < D, other=0.0)
-    acc, c_acc, s_i, c_s = _fold(p, v, acc, c_acc, s_i, c_s, alpha, PREC, KAHAN)
+    acc, c_acc, s_i, c_s = _fold(p, v, acc, c_acc, s_i, c_s, alpha, cv, PREC, KAHAN)
     return m_new, s_i, c_s, acc, c_acc
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Bias, Out, Stats, Ms, Ss, Ws,
+    Q, K, V, Bias, Out, Stats, Ms, Ss, Ws, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     so_b, so_h, so_m, so_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, part_len, n_part, scale, qk_scale2,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-    KAHAN: tl.constexpr, CHUNK: tl.constexpr, REG_A: tl.constexpr,
+    KAHAN: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Phase 1 (and, unsplit, its epilogue). CHUNK > 0 (float32, unsplit): the interior key tiles
     are folded CHUNK keys at a time into a fresh state, and each chunk's state is merged with the
@@ -285,11 +278,19 @@ def _fwd_kernel(
     offs_d = tl.arange(0, D_PAD)
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
                 mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
-    if REG_A:
-        q = _as_register_operand(q)
     q_lo = q
-    if PREC >= 3 and _SPLIT3:
+    ck = 1.0
+    cv = 1.0
+    if PREC == 3 and _SPLIT3:
         q, q_lo = _split_tf32(q)  # once per program: q is reused by every key tile
+    elif PREC == 4:
+        cs = Scales + bh.to(tl.int64) * (2 + D_PAD)
+        cq = tl.load(cs)
+        ck = tl.load(cs + 1)
+        cv = tl.load(cs + 2 + offs_d)  # per feature column
+        q, q_lo = _split_f16(q * cq)
+        scale = scale / cq / ck  # powers of two: the logits round as unscaled ones would
+        qk_scale2 = qk_scale2 / cq / ck
     k_ptrs = K + b * sk_b + h * sk_h + offs_d[:, None] * sk_d
     v_ptrs = V + b * sv_b + h * sv_h + offs_d[None, :] * sv_d
     bias_ptrs = Bias + b * sb_b + h * sb_h + offs_m[:, None] * sb_m
@@ -324,8 +325,8 @@ def _fwd_kernel(
             for start in range(c0, tl.minimum(c0 + CHUNK, full_end), BLOCK_N):
                 m_i, s_i, c_s, acc, c_acc = _scan_tile(
                     q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n,
-                    sv_n, sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC,
-                    KAHAN)
+                    sv_n, sb_n, scale, qk_scale2, ck, cv, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False,
+                    PREC, KAHAN)
             w_t = tl.load(o_ptrs, mask=o_mask & (c0 > k_lo), other=0.0)
             m_t, s_t, w_t = _combine(m_t, s_t, w_t, m_i, s_i, acc, HAS_BIAS)
             tl.store(o_ptrs, w_t, mask=o_mask)
@@ -337,17 +338,21 @@ def _fwd_kernel(
         for start in range(k_lo, full_end, BLOCK_N):
             m_i, s_i, c_s, acc, c_acc = _scan_tile(
                 q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
-                sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
+                sb_n, scale, qk_scale2, ck, cv, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
     for start in range(full_end, k_hi, BLOCK_N):
         m_i, s_i, c_s, acc, c_acc = _scan_tile(
             q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
-            sb_n, scale, qk_scale2, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
+            sb_n, scale, qk_scale2, ck, cv, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
     if CHUNK > 0:  # the tail joins the chunks' running state
         w_t = tl.load(o_ptrs, mask=o_mask & (full_end > k_lo), other=0.0)
         m_i, s_i, acc = _combine(m_t, s_t, w_t, m_i, s_i, acc, HAS_BIAS)
     if PREC == 0 and KAHAN:
         acc -= c_acc
         s_i -= c_s
+    if PREC == 4:
+        # reloaded rather than kept live across the loop in the accumulator's layout
+        cv_o = tl.load(Scales + bh.to(tl.int64) * (2 + D_PAD) + 2 + offs_d)
+        acc = acc * (1.0 / 16384.0) * (1.0 / cv_o)[None, :]
 
     row_ok = offs_m < Nq
     if SPLIT:
@@ -362,6 +367,44 @@ def _fwd_kernel(
         tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
                  _to(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
         _store_stats(Stats, bh, offs_m, row_ok, Nq, m_i, s_i, nonempty)
+
+
+@triton.jit
+def _f16_scales_kernel(Q, K, V, Scales, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+                       H, Nq, Nk, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Scales [BH, 2 + D_PAD] float32: per batch·head the powers of two c_q, c_k, then c_v per
+    feature column, that put the largest |q|, |k| of the head and the largest |v| of each column into
+    [2^13, 2^14) for the float16 split (_split_f16; P, in [0, 1], is scaled by 2^14 in the kernel).
+    v's per-column scale is undone on each output column, so an outlier feature costs the other
+    features nothing; q and k meet in one logit and share one scale per head. The logits' factor
+    1/(c_q·c_k) must stay a normal float32 next to the softmax scale, so c_q and c_k stop at 2^60
+    (heads whose every |x| < 2⁻⁴⁷ keep less precision); c_v stops at 2^113. Powers of two scale
+    exactly."""
+    bh = tl.program_id(0)
+    which = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    if which == 0:
+        base, s_n, s_d, n = Q + b * sq_b + h * sq_h, sq_m, sq_d, Nq
+    elif which == 1:
+        base, s_n, s_d, n = K + b * sk_b + h * sk_h, sk_n, sk_d, Nk
+    else:
+        base, s_n, s_d, n = V + b * sv_b + h * sv_h, sv_n, sv_d, Nk
+    offs_r = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, D_PAD)
+    col = tl.zeros([D_PAD], tl.float32)
+    for start in range(0, n, BLOCK):
+        rows = start + offs_r
+        x = tl.load(base + rows[:, None] * s_n + offs_d[None, :] * s_d,
+                    mask=(rows[:, None] < n) & (offs_d[None, :] < D), other=0.0)
+        col = tl.maximum(col, tl.max(tl.abs(x.to(tl.float32)), 0))
+    per_col = which == 2
+    top = tl.where(per_col, col, tl.max(col, 0))
+    # floor(log2 top) from the exponent bits (NaN/inf: 128); a zero column takes the lowest scale
+    e = tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, tl.where(per_col, -100, -47))
+    slot = tl.where(per_col, 2 + offs_d, which)
+    tl.store(Scales + bh.to(tl.int64) * (2 + D_PAD) + slot, ((140 - e) << 23).to(tl.float32, bitcast=True),
+             mask=per_col | (offs_d == 0))
 
 
 @triton.jit
@@ -477,7 +520,7 @@ def _bwd_dkdv_kernel(
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr, REG_A: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """One key tile per program; loops over the query tiles that can see it. Everything is formed
     transposed — Sᵀ = k·qᵀ [BLOCK_N, BLOCK_M] — so that all four products have the key tile as their
@@ -493,9 +536,6 @@ def _bwd_dkdv_kernel(
     kv_mask = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
     k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
     v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
-    if REG_A:
-        k = _as_register_operand(k)
-        v = _as_register_operand(v)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     m_lo = 0
@@ -627,7 +667,7 @@ def _bwd_dq_kernel(
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr, REG_A: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """One query tile per program; loops over the key tiles it can see."""
     pid_m = tl.program_id(0)
@@ -635,9 +675,6 @@ def _bwd_dq_kernel(
     b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r = _query_tile(
         Q, dOut, Stats, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
         D, D_PAD, BLOCK_M, HAS_BIAS, EXACT)
-    if REG_A:
-        q = _as_register_operand(q)
-        do = _as_register_operand(do)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     k_hi = Nk
     if CAUSAL:
@@ -708,8 +745,6 @@ class Config:
     num_stages: int
     kahan: bool = True  # strict float32 only: compensated tile-to-tile sums
     chunk: int = 0      # float32 forward: keys per chunk of the in-program two-level scan (0 = off)
-    reg_operands: bool = False  # the loop-invariant MMA operands in registers (see _as_register_operand)
-    trunc_b: bool = False  # tf32x3 forward: k and v enter their MMAs unsplit (see _dot3_trunc_b)
 
 
 def _pow2(d: int) -> int:
@@ -786,6 +821,8 @@ def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_
         if d_pad <= 64:
             return Config(64, 64, 4, 2, kahan=False, chunk=0 if nk <= _PLAIN_KEYS else 2048)
         return Config(32, 32, 4, 2) if d_pad <= 128 else Config(32, 32, 4, 1)
+    if precision == "fp16x3":  # float16 parts: half tf32x3's shared memory and registers
+        return Config(128, 64, 8, 3) if d_pad <= 64 else (Config(128, 64, 8, 2) if d_pad <= 128 else Config(64, 32, 4, 1))
     if d_pad <= 32 and not (precision == "tf32x3" and has_bias):
         # (with a bias the 128×128 tf32x3 tile needs 256 KiB of shared memory, over sm_90's 227)
         return Config(128, 128, 8, 3) if precision == "tf32x3" else Config(128, 64, 4, 3)
@@ -927,15 +964,19 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     else:
         ms = ss = ws = stats  # unused placeholders
     bias_arg = bias if bias is not None else q
+    scales = stats
+    if precision == "fp16x3":
+        scales = torch.empty((B * H, 2 + d_pad), device=q.device, dtype=torch.float32)
+        launch(_f16_scales_kernel, (B * H, 3), q, k, v, scales, *q.stride(), *k.stride(), *v.stride(),
+               H, Nq, Nk, D=D, D_PAD=d_pad, BLOCK=16 if INTERPRET else 64, num_warps=4)
     grid = (_cdiv(Nq, cfg.block_m), B * H, n_part)
     launch(_fwd_kernel, grid,
-        q, k, v, bias_arg, out, stats, ms, ss, ws,
+        q, k, v, bias_arg, out, stats, ms, ss, ws, scales,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_strides4(bias),
         H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split,
-        PREC=4 if cfg.trunc_b and _PREC[precision] == 3 else _PREC[precision],
-        KAHAN=cfg.kahan and not chunk, CHUNK=chunk, REG_A=cfg.reg_operands, num_warps=cfg.num_warps,
+        PREC=_PREC[precision], KAHAN=cfg.kahan and not chunk, CHUNK=chunk, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if split:
@@ -966,6 +1007,8 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = _pow2(D)
+    if precision == "fp16x3":
+        precision = "tf32x3"  # the float16 split is forward-only (see _PREC)
     cfg = config or bwd_config(q.dtype, d_pad, precision)
     prec = _PREC[precision]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
@@ -986,11 +1029,11 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
             out, do, delta, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0)
     launch(_bwd_dq_kernel, (_cdiv(Nq, cfg.block_m), B * H),
         q, k, v, bias_arg, do, stats, delta, dq, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, REG_A=cfg.reg_operands, **common)
+        HAS_BIAS=bias is not None, **common)
     kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
     launch(_bwd_dkdv_kernel, (_cdiv(Nk, kv.block_n), B * H),
         q, k, v, bias_arg, do, stats, delta, dk, dv, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, REG_A=kv.reg_operands,
+        HAS_BIAS=bias is not None,
         **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n, "num_warps": kv.num_warps,
            "num_stages": kv.num_stages})
     dbias = None

@@ -542,7 +542,7 @@ _BWD_TILES = {
 def _precision_class(dtype: torch.dtype, precision: str) -> str:
     if dtype in (torch.float16, torch.bfloat16):
         return "half"
-    return {"ieee": "ieee", "tf32x3": "tf32x3", "tf32x3n": "tf32x3"}.get(precision, "tf32")
+    return {"ieee": "ieee", "tf32x3": "tf32x3", "tf32x3n": "tf32x3", "fp16x3": "tf32x3"}.get(precision, "tf32")
 
 
 @functools.lru_cache(maxsize=None)
