@@ -391,7 +391,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--drop-path", type=float, default=0.1)
     ap.add_argument("--amp", choices=["bf16", "fp32"], help="default: bf16 on a GPU, fp32 on a CPU")
-    ap.add_argument("--precision", default="auto", help="ELSA float32 mode: auto, ieee, tf32x3, tf32")
+    ap.add_argument("--precision", default="auto", help="ELSA float32 mode: auto, ieee, fp16x3, tf32x3, tf32")
     ap.add_argument("--backend", default="auto", help="ELSA backend: auto, triton, reference")
     ap.add_argument("--compare-native", action="store_true", help="also train with timm's attention; plot both")
     ap.add_argument("--workers", type=int, default=4)

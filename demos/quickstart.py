@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     dev = a.device
     gpu = torch.device(dev).type == "cuda"
     if gpu:
-        # native fp32 is true fp32 here, so ELSA runs its fp32-accurate 3xTF32 mode ("auto" → tf32x3)
+        # native fp32 is true fp32 here, so ELSA runs a float32-accurate mode ("auto" → fp16x3)
         torch.set_float32_matmul_precision("highest")
     rounds = a.rounds or (20 if gpu else 3)
     rows, ok = [], True

@@ -426,7 +426,7 @@ def parse_args(argv=None):
                         "(for the longest sequences)")
     p.add_argument("--backend", choices=("auto", "triton", "reference"), default="auto",
                    help="ELSA backend (auto: Triton on CUDA, the reference scan elsewhere)")
-    p.add_argument("--precision", choices=("auto", "ieee", "tf32x3", "tf32"), default="auto",
+    p.add_argument("--precision", choices=("auto", "ieee", "fp16x3", "tf32x3", "tf32"), default="auto",
                    help="float32 attention mode with --dtype fp32")
     p.add_argument("--points", choices=("depth", "head"), default="depth",
                    help="points from depth + cameras (default) or from the point head")

@@ -269,7 +269,8 @@ def window_attention(
             (single-pass softmax); a larger one is folded over ⌈N / block⌉ tiles. See
             ``elsa_vision.kernels.window`` for the speed/memory trade-off. Ignored by the reference
             backend.
-        precision: float32 only — ``"ieee"``, ``"tf32x3"``, ``"tf32"``, ``"auto"`` (as in attention()).
+        precision: float32 only — ``"ieee"``, ``"tf32x3"``, ``"fp16x3"``, ``"tf32"``, ``"auto"`` (as in
+            attention(); the window kernels have no float16 split and run ``"fp16x3"`` as ``"tf32x3"``).
         backend: ``"triton"``, ``"reference"`` or ``"auto"``.
 
     Returns:

@@ -68,7 +68,6 @@ LN2 = 0.6931471805599453
 _PREC = {"ieee": 0, "tf32x3n": 1, "tf32": 2, "native": 2, "tf32x3": 3, "fp16x3": 4}
 
 
-
 # Triton's CPU interpreter multiplies bfloat16 operands as raw bits; there, half operands are widened
 # to float32 first, which computes the same exact products with float32 accumulation.
 _WIDEN_HALF = tl.constexpr(INTERPRET)
