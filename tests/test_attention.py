@@ -45,6 +45,19 @@ def test_fp16x3_magnitudes(magnitude):
     check_case(q, k, v, precision="fp16x3", backend="triton", grads=False)
 
 
+def test_fp16x3_outlier_feature():
+    """v's scales are per feature column: one feature 1e9 times larger than the rest leaves the other
+    output columns float32-accurate (a per-head scale would give them absolute errors of ~2⁻³⁸·1e9)."""
+    from elsa_vision import verify
+    q, k, v = qkv(1, 2, 40, 70, 32, seed=9)
+    v[..., 0] *= 1e9
+    out = elsa_vision.attention(q, k, v, precision="fp16x3", backend="triton")
+    ref = verify.oracle(q, k, v)
+    rest = (out[..., 1:].double() - ref[..., 1:]).abs().amax() / ref[..., 1:].abs().amax()
+    assert rest < 1e-6, rest
+    assert (out[..., 0].double() - ref[..., 0]).abs().amax() / ref[..., 0].abs().amax() < 1e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("nq,nk,d", [(7, 7, 32), (197, 197, 64), (33, 90, 80)])
 def test_half(dtype, nq, nk, d):
