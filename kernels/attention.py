@@ -349,9 +349,7 @@ def _fwd_kernel(
         acc -= c_acc
         s_i -= c_s
     if PREC == 4:
-        # reloaded rather than kept live across the loop in the accumulator's layout
-        cv_o = tl.load(Scales + bh.to(tl.int64) * (2 + D_PAD) + 2 + offs_d)
-        acc = acc * (1.0 / 16384.0) * (1.0 / cv_o)[None, :]
+        acc = acc * (1.0 / 16384.0) * (1.0 / cv)[None, :]
 
     row_ok = offs_m < Nq
     if SPLIT:
