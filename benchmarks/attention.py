@@ -6,7 +6,8 @@
                                                 # (bwd: the dQ tile; bwdkv: the dK/dV kernel's own)
 
 TF/s counts 4·Nq·Nk·d·H·B FLOPs for a forward (2 matmuls) and 3.5× that for forward+backward.
-Error: max |out − float64 oracle| over a sample of query rows (all keys). Peak memory: bytes
+Error: max |out − float64 oracle| over a sample of query rows (all keys); for forward+backward,
+max |grad − oracle| / max |oracle| over dq, dk, dv of one head (up to 16K tokens). Peak memory: bytes
 allocated above the inputs during one call. Ratio: ELSA time / baseline time (< 1 = ELSA faster).
 """
 from __future__ import annotations
@@ -67,6 +68,14 @@ def sample_error(out, q, k, v, causal, rows=64):
     return (out.detach()[:, :, idx].double() - ref).abs().max().item()
 
 
+def grad_error(grads, q, k, v, do, causal):
+    """max over dq, dk, dv of max |grad − oracle| / max |oracle|, on batch 0, head 0 (heads are
+    independent; the float64 oracle of one head at 16K tokens holds a few 2 GiB matrices)."""
+    ins = [t.detach()[:1, :1].double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(verify.oracle(*ins, causal=causal), ins, do[:1, :1].double())
+    return max(((g.detach()[:1, :1].double() - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, ref))
+
+
 def run_case(B, H, nq, nk, d, dtype_name, bwd, causal=False, budget_ms=1500, partitions=None, tag="", skip=()):
     dtype = DT[dtype_name]
     q, k, v = make(B, H, nq, nk, d, dtype, bwd)
@@ -79,7 +88,7 @@ def run_case(B, H, nq, nk, d, dtype_name, bwd, causal=False, budget_ms=1500, par
         def f(prec=prec, label=label):
             o = elsa_vision.attention(q, k, v, causal=causal, precision=prec, partitions=partitions)
             if bwd:
-                torch.autograd.grad(o, (q, k, v), do)
+                return o, torch.autograd.grad(o, (q, k, v), do)
             return o
         fns[label] = f
     for name in base:
@@ -87,17 +96,19 @@ def run_case(B, H, nq, nk, d, dtype_name, bwd, causal=False, budget_ms=1500, par
         def g(sf=sf):
             o = sf()
             if bwd:
-                torch.autograd.grad(o, (q, k, v), do)
+                return o, torch.autograd.grad(o, (q, k, v), do)
             return o
         fns[f"sdpa-{name}"] = g
-    # error vs float64 (forward rows only; one call each, outside the timing)
+    # error vs float64 (forward: sampled rows; backward: one head's gradients up to 16K×16K; one call
+    # each, outside the timing)
     errs = {}
-    if not bwd:
+    if not bwd or nq * nk <= 2**28:
         for label, fn in fns.items():
             try:
-                errs[label] = sample_error(fn(), q, k, v, causal)
+                errs[label] = grad_error(fn()[1], q, k, v, do, causal) if bwd else sample_error(fn(), q, k, v, causal)
             except Exception:  # noqa: BLE001 - the failure is reported by measure below
                 errs[label] = None
+            torch.cuda.empty_cache()
     big = nq * nk * B * H > 2**34  # one call takes a second or more: fewer warm-ups
     res = measure(fns, budget_ms=budget_ms, warmup=1 if big else 3)
     flops = 4.0 * B * H * nq * nk * d * (0.5 if causal and nq == nk else 1.0) * (3.5 if bwd else 1.0)
@@ -108,7 +119,8 @@ def run_case(B, H, nq, nk, d, dtype_name, bwd, causal=False, budget_ms=1500, par
             "Nq": nq, "Nk": nk, "d": d, "causal": causal, "variant": label,
             "ms": r.ms, "tflops": (flops / r.ms / 1e9) if r.ms else None,
             "peak_mib": (r.peak_bytes / 2**20) if r.peak_bytes is not None else None,
-            "max_err_vs_fp64": errs.get(label), "error": r.error,
+            "max_err_vs_fp64": None if bwd else errs.get(label),
+            "grad_rel_err_vs_fp64": errs.get(label) if bwd else None, "error": r.error,
         })
     # ratios vs each baseline
     base_ms = {r["variant"]: r["ms"] for r in rows if r["variant"].startswith("sdpa-") and r["ms"]}
@@ -172,6 +184,9 @@ CANDIDATES = {
     ("bwd", "fp32", "tf32x3", 64): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
                                      (64, 128, 8, 2), (128, 32, 8, 2), (64, 64, 4, 1)],
     ("bwd", "fp32", "tf32x3", 128): [(32, 32, 4, 1), (64, 32, 4, 2), (64, 64, 8, 2)],
+    ("bwd", "fp32", "fp16x3", 64): [(128, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2),
+                                     (64, 32, 4, 2), (128, 128, 8, 2)],
+    ("bwd", "fp32", "fp16x3", 128): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
     # the dK/dV kernel alone (the dQ kernel keeps bwd_config's tile): (query rows, keys, warps, stages)
     ("bwdkv", "bf16", "native", 64): [(32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 128, 4, 2),
                                       (16, 128, 4, 4), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
@@ -179,6 +194,9 @@ CANDIDATES = {
                                        (16, 128, 8, 3)],
     ("bwdkv", "fp32", "tf32x3", 64): [(64, 128, 8, 2), (32, 128, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
                                       (64, 128, 8, 1), (16, 128, 8, 2)],
+    ("bwdkv", "fp32", "fp16x3", 64): [(64, 128, 8, 2), (32, 128, 4, 2), (32, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3),
+                                      (64, 64, 4, 2), (32, 64, 4, 3)],
+    ("bwdkv", "fp32", "fp16x3", 128): [(32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (16, 128, 8, 2)],
 }
 
 
@@ -278,7 +296,8 @@ def main(argv=None):
         for dtn, pas in itertools.product(dtypes, passes):
             new = run_case(1, H, nq, nk, d, dtn, pas == "fwd+bwd", skip=skip)
             rows += new
-            print(fmt_table(new, ["pass", "dtype", "Nq", "d", "variant", "ms", "tflops", "peak_mib", "max_err_vs_fp64"]),
+            print(fmt_table(new, ["pass", "dtype", "Nq", "d", "variant", "ms", "tflops", "peak_mib", "max_err_vs_fp64",
+                                  "grad_rel_err_vs_fp64"]),
                   flush=True)
     rows += few_queries()
     print(fmt_table(rows[-7:], ["dtype", "Nq", "Nk", "variant", "ms", "partitions", "speedup_vs_1_partition"]))

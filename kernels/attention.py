@@ -62,7 +62,7 @@ LN2 = 0.6931471805599453
 # Precision codes shared by every kernel of this file. "tf32x3" (code 3) splits each operand into
 # tf32 hi + lo parts itself, so an operand that is reused across the loop (q in the forward) is split
 # once per program instead of once per dot; "tf32x3n" (code 1) is Triton's own per-dot 3xTF32.
-# "fp16x3" (code 4, forward; its backward is tf32x3's) splits each operand into float16 hi + lo parts
+# "fp16x3" (code 4) splits each operand into float16 hi + lo parts
 # after scaling it by a power of two (see _f16_scales_kernel): the same 22 significant bits as a tf32
 # pair, on MMAs of twice tf32's rate, with operands of half the size.
 _PREC = {"ieee": 0, "tf32x3n": 1, "tf32": 2, "native": 2, "tf32x3": 3, "fp16x3": 4}
@@ -367,16 +367,19 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _f16_scales_kernel(Q, K, V, Scales, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-                       H, Nq, Nk, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Scales [BH, 2 + D_PAD] float32: per batch·head the powers of two c_q, c_k, then c_v per
-    feature column, that put the largest |q|, |k| of the head and the largest |v| of each column into
-    [2^13, 2^14) for the float16 split (_split_f16; P, in [0, 1], is scaled by 2^14 in the kernel).
+def _f16_scales_kernel(Q, K, V, dO, Scales, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+                       sd_b, sd_h, sd_m, sd_d, H, Nq, Nk, D: tl.constexpr, D_PAD: tl.constexpr,
+                       BLOCK: tl.constexpr, V_COLS: tl.constexpr, ROW: tl.constexpr):
+    """Scales [BH, ROW] float32: per batch·head the powers of two that put the largest |x| of a tensor
+    into [2^13, 2^14) for the float16 split (_split_f16). Program (bh, t) scales tensor t: q, k, v,
+    then dO (the backward's grid has four). Slots 0, 1: c_q, c_k; with V_COLS (the forward) slots
+    2… hold c_v per feature column (ROW = 2 + D_PAD), else slot 2 holds one c_v per head and slot 3
+    c_dO (ROW = 4: the backward's dP = dO·vᵀ sums over the features, so one scale per head).
     v's per-column scale is undone on each output column, so an outlier feature costs the other
-    features nothing; q and k meet in one logit and share one scale per head. The logits' factor
-    1/(c_q·c_k) must stay a normal float32 next to the softmax scale, so c_q and c_k stop at 2^60
-    (heads whose every |x| < 2⁻⁴⁷ keep less precision); c_v stops at 2^113. Powers of two scale
-    exactly."""
+    features nothing; q and k meet in one logit and share one scale per head. Products of two
+    per-head scales must stay normal float32 next to the softmax scale, so they stop at 2^60
+    (heads whose every |x| < 2⁻⁴⁷ keep less precision); per-column ones stop at 2^113. Powers of
+    two scale exactly."""
     bh = tl.program_id(0)
     which = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -385,8 +388,10 @@ def _f16_scales_kernel(Q, K, V, Scales, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n
         base, s_n, s_d, n = Q + b * sq_b + h * sq_h, sq_m, sq_d, Nq
     elif which == 1:
         base, s_n, s_d, n = K + b * sk_b + h * sk_h, sk_n, sk_d, Nk
-    else:
+    elif which == 2:
         base, s_n, s_d, n = V + b * sv_b + h * sv_h, sv_n, sv_d, Nk
+    else:
+        base, s_n, s_d, n = dO + b * sd_b + h * sd_h, sd_m, sd_d, Nq
     offs_r = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D_PAD)
     col = tl.zeros([D_PAD], tl.float32)
@@ -395,12 +400,12 @@ def _f16_scales_kernel(Q, K, V, Scales, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n
         x = tl.load(base + rows[:, None] * s_n + offs_d[None, :] * s_d,
                     mask=(rows[:, None] < n) & (offs_d[None, :] < D), other=0.0)
         col = tl.maximum(col, tl.max(tl.abs(x.to(tl.float32)), 0))
-    per_col = which == 2
+    per_col = (which == 2) & V_COLS
     top = tl.where(per_col, col, tl.max(col, 0))
     # floor(log2 top) from the exponent bits (NaN/inf: 128); a zero column takes the lowest scale
     e = tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, tl.where(per_col, -100, -47))
     slot = tl.where(per_col, 2 + offs_d, which)
-    tl.store(Scales + bh.to(tl.int64) * (2 + D_PAD) + slot, ((140 - e) << 23).to(tl.float32, bitcast=True),
+    tl.store(Scales + bh.to(tl.int64) * ROW + slot, ((140 - e) << 23).to(tl.float32, bitcast=True),
              mask=per_col | (offs_d == 0))
 
 
@@ -511,8 +516,40 @@ def _bwd_preprocess(Out, dOut, Delta, so_b, so_h, so_m, so_d, sd_b, sd_h, sd_m, 
 
 
 @triton.jit
+def _head_scales(Scales, bh, PREC: tl.constexpr):
+    """(c_q, c_k, c_v, c_dO) of head bh for the float16 split (see _f16_scales_kernel); 1s otherwise."""
+    if PREC == 4:
+        cs = Scales + bh.to(tl.int64) * 4
+        return tl.load(cs), tl.load(cs + 1), tl.load(cs + 2), tl.load(cs + 3)
+    else:
+        return 1.0, 1.0, 1.0, 1.0
+
+
+@triton.jit
+def _pow2_of(e):
+    """2^e as float32 for integer e in [−126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp_of(x):
+    """floor(log2 |x|) of a normal float32 x, from its exponent bits."""
+    return ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _ds_units(r, D_PAD: tl.constexpr):
+    """fp16x3: the power of two f_i that carries row i of dS (in units of c_dO·c_v) into float16
+    range. P_ij·2^(−floor(log2 r_i)) < 2 (r_i = 1/S_i), and |dP − delta| ≤ 2·D·2^28 in those units,
+    so dS·f_i ≤ 2^14 with f_i = 2^(−floor(log2 r_i) − 16) / D_PAD. Scaling by S_i, not a constant,
+    matters: a row spread over N keys has P ≈ 1/N, which would leave its dS entries below float16's
+    22-bit range of the split at N in the thousands."""
+    return _pow2_of(-_exp_of(r) - 16) / D_PAD
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Bias, dOut, Stats, Delta, dK, dV,
+    Q, K, V, Bias, dOut, Stats, Delta, dK, dV, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, qk_scale2, scale,
@@ -523,7 +560,12 @@ def _bwd_dkdv_kernel(
     transposed — Sᵀ = k·qᵀ [BLOCK_N, BLOCK_M] — so that all four products have the key tile as their
     M dimension (dV += Pᵀ·dO, dPᵀ = v·dOᵀ, dK += dSᵀ·q): with BLOCK_N = 64 each is one warpgroup
     MMA on Hopper, where a [BLOCK_M, BLOCK_N] score tile transposed for dV and dK would put
-    BLOCK_N = 32 rows there (mma.sync, or duplicated work)."""
+    BLOCK_N = 32 rows there (mma.sync, or duplicated work).
+
+    fp16x3 (PREC 4): k, v, q, dO are split at their heads' scales; Pᵀ goes in as Pᵀ·2^14. dSᵀ's
+    column i (query i) is scaled by t_i = 2^min(−floor(log2 r_i), 10) ≈ S_i (see _ds_units) and q's
+    row i by 1/t_i after the split (exact in float16 down to its subnormals), so the scalings cancel
+    in dK; the cap keeps q's rows at least 2^-10 of their scaled range."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -533,6 +575,16 @@ def _bwd_dkdv_kernel(
     kv_mask = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
     k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
     v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
+    cq, ck, cv, cdo = _head_scales(Scales, bh, PREC)
+    k_lo = k
+    v_lo = v
+    s_scale = scale
+    s_scale2 = qk_scale2
+    if PREC == 4:
+        k, k_lo = _split_f16(k * ck)
+        v, v_lo = _split_f16(v * cv)
+        s_scale = scale / cq / ck  # powers of two: the logits round as the forward's did
+        s_scale2 = qk_scale2 / cq / ck
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     m_lo = 0
@@ -552,7 +604,15 @@ def _bwd_dkdv_kernel(
                      mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
         delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
-        if _SAME_ORIENTATION:
+        if PREC == 4:
+            qT, qT_lo = _split_f16(qT * cq)
+            do, do_lo = _split_f16(do * cdo)
+            delta = delta * cdo * cv
+            if _SAME_ORIENTATION:
+                qkT = tl.trans(_dot3(tl.trans(qT), tl.trans(qT_lo), tl.trans(k), tl.trans(k_lo)))
+            else:
+                qkT = _dot3(k, k_lo, qT, qT_lo)
+        elif _SAME_ORIENTATION:
             qkT = tl.trans(_dot(tl.trans(qT), tl.trans(k), PREC))
         else:
             qkT = _dot(k, qT, PREC)
@@ -563,11 +623,23 @@ def _bwd_dkdv_kernel(
         visible = offs_n[:, None] < Nk
         if CAUSAL:
             visible = visible & (offs_n[:, None] <= offs_m[None, :] + (Nk - Nq))
-        pT = tl.where(visible, _probs(qkT, btT, scale, qk_scale2, m_r[None, :], r_r[None, :], HAS_BIAS, EXACT), 0.0)
-        dv += _dot(_to(pT, do.dtype), do, PREC)
-        dpT = _dot(v, tl.trans(do), PREC)
-        dsT = pT * (dpT - delta[None, :])
-        dk += _dot(_to(dsT, qT.dtype), tl.trans(qT), PREC)
+        pT = tl.where(visible, _probs(qkT, btT, s_scale, s_scale2, m_r[None, :], r_r[None, :], HAS_BIAS, EXACT), 0.0)
+        if PREC == 4:
+            p_hi, p_lo = _split_f16(pT * 16384.0)
+            dv += _dot3(p_hi, p_lo, do, do_lo)
+            dsT = pT * (_dot3(v, v_lo, tl.trans(do), tl.trans(do_lo)) - delta[None, :])
+            t = _pow2_of(tl.minimum(-_exp_of(r_r), 10))
+            a_hi, a_lo = _split_f16(dsT * (t * (1.0 / 65536.0) / D_PAD)[None, :])
+            inv_t = (1.0 / t).to(tl.float16)[:, None]
+            dk += _dot3(a_hi, a_lo, tl.trans(qT) * inv_t, tl.trans(qT_lo) * inv_t)
+        else:
+            dv += _dot(_to(pT, do.dtype), do, PREC)
+            dpT = _dot(v, tl.trans(do), PREC)
+            dsT = pT * (dpT - delta[None, :])
+            dk += _dot(_to(dsT, qT.dtype), tl.trans(qT), PREC)
+    if PREC == 4:  # one power of two at a time: their product may leave float32's range
+        dk = dk * (65536.0 * D_PAD) * (1.0 / cq) * (1.0 / cdo) * (1.0 / cv)
+        dv = dv * (1.0 / 16384.0) * (1.0 / cdo)
     dk = dk * scale
     tl.store(dK + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], _to(dk, dK.dtype.element_ty),
              mask=kv_mask)
@@ -576,16 +648,26 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _p_dp_tile(q, do, k_base, v_base, bias_base, offs_m, offs_n, offs_d, row_ok, m_r, r_r,
-               Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, scale, qk_scale2,
+def _p_dp_tile(q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, offs_n, offs_d, row_ok, m_r, r_r,
+               Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, scale, qk_scale2, ck, cv,
                D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                EXACT: tl.constexpr):
-    """(k, P, dP) of a query tile (q, dO [BM, D_PAD]) against the key tile at offs_n: k [BN, D_PAD],
-    P and dP = dO·vᵀ [BM, BN], P = 0 where a key is invisible."""
+    """(k, k_lo, P, dP) of a query tile (q, dO [BM, D_PAD]) against the key tile at offs_n: k
+    [BN, D_PAD], P and dP = dO·vᵀ [BM, BN], P = 0 where a key is invisible. fp16x3: q, dO and the
+    returned k come as float16 (hi, lo) pairs of the scaled tensors, dP in units of c_dO·c_v, and
+    scale / qk_scale2 include 1/(c_q·c_k); otherwise k_lo is k."""
     kvm = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
     k = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kvm, other=0.0)
     v = tl.load(v_base + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kvm, other=0.0)
-    qk = _dot(q, tl.trans(k), PREC)
+    if PREC == 4:
+        k, k_lo = _split_f16(k * ck)
+        v, v_lo = _split_f16(v * cv)
+        qk = _dot3(q, q_lo, tl.trans(k), tl.trans(k_lo))
+        dp = _dot3(do, do_lo, tl.trans(v), tl.trans(v_lo))
+    else:
+        k_lo = k
+        qk = _dot(q, tl.trans(k), PREC)
+        dp = _dot(do, tl.trans(v), PREC)
     bt = 0.0
     if HAS_BIAS:
         bt = tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
@@ -594,15 +676,18 @@ def _p_dp_tile(q, do, k_base, v_base, bias_base, offs_m, offs_n, offs_d, row_ok,
     if CAUSAL:
         visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
     p = tl.where(visible, _probs(qk, bt, scale, qk_scale2, m_r[:, None], r_r[:, None], HAS_BIAS, EXACT), 0.0)
-    return k, p, _dot(do, tl.trans(v), PREC)
+    return k, k_lo, p, dp
 
 
 @triton.jit
-def _query_tile(Q, dOut, Stats, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
-                D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-                EXACT: tl.constexpr):
+def _query_tile(Q, dOut, Stats, Scales, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
+                scale, qk_scale2, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
     """What a backward program that owns query tile pid_m of head bh reads once: (b, h, offs_m,
-    offs_d, row_ok, q/dO mask, q, dO [BLOCK_M, D_PAD], and the rows' statistics of _load_stats)."""
+    offs_d, row_ok, q/dO mask, q, q_lo, dO, dO_lo [BLOCK_M, D_PAD], the rows' statistics of
+    _load_stats, the logits' scale and scale·log2 e, and the head's c_k, c_v, c_dO). fp16x3: q and
+    dO as float16 (hi, lo) pairs of the scaled tensors, the logits' scales with 1/(c_q·c_k) folded in;
+    otherwise the _lo parts are the tensors themselves and the c's are 1."""
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -612,12 +697,20 @@ def _query_tile(Q, dOut, Stats, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b,
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
     do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
     m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
-    return b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r
+    cq, ck, cv, cdo = _head_scales(Scales, bh, PREC)
+    q_lo = q
+    do_lo = do
+    if PREC == 4:
+        q, q_lo = _split_f16(q * cq)
+        do, do_lo = _split_f16(do * cdo)
+        scale = scale / cq / ck
+        qk_scale2 = qk_scale2 / cq / ck
+    return b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, scale, qk_scale2, ck, cv, cdo
 
 
 @triton.jit
 def _bwd_delta_kernel(
-    Q, K, V, Bias, dOut, Stats, Delta,
+    Q, K, V, Bias, dOut, Stats, Delta, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, qk_scale2, scale,
@@ -639,9 +732,9 @@ def _bwd_delta_kernel(
     was measured worse for dV: P's own error is as small as it gets, its sum is not what dV needs.)"""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r = _query_tile(
-        Q, dOut, Stats, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
-        D, D_PAD, BLOCK_M, HAS_BIAS, EXACT)
+    b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, scale, qk_scale2, ck, cv, cdo = _query_tile(
+        Q, dOut, Stats, Scales, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
+        scale, qk_scale2, D, D_PAD, BLOCK_M, HAS_BIAS, EXACT, PREC)
     k_hi = Nk
     if CAUSAL:
         k_hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M + (Nk - Nq))
@@ -649,29 +742,33 @@ def _bwd_delta_kernel(
     delta = tl.zeros([BLOCK_M], tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, k_hi, BLOCK_N):
-        k, p, dp = _p_dp_tile(q, do, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, Bias + b * sb_b + h * sb_h,
-                              offs_m, start + offs_n0, offs_d, row_ok, m_r, r_r, Nq, Nk, sk_n, sk_d, sv_n, sv_d,
-                              sb_m, sb_n, scale, qk_scale2, D, HAS_BIAS, CAUSAL, PREC, EXACT)
+        k, k_lo, p, dp = _p_dp_tile(q, q_lo, do, do_lo, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h,
+                                    Bias + b * sb_b + h * sb_h, offs_m, start + offs_n0, offs_d, row_ok, m_r, r_r,
+                                    Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, scale, qk_scale2, ck, cv,
+                                    D, HAS_BIAS, CAUSAL, PREC, EXACT)
         delta += tl.sum(p * dp, 1)
         l += tl.sum(p, 1)
+    if PREC == 4:
+        delta = delta * (1.0 / cdo) * (1.0 / cv)
     tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, _mean(delta, l), mask=row_ok)
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Bias, dOut, Stats, Delta, dQ,
+    Q, K, V, Bias, dOut, Stats, Delta, dQ, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """One query tile per program; loops over the key tiles it can see."""
+    """One query tile per program; loops over the key tiles it can see. fp16x3: dS row i enters the
+    product scaled by f_i (_ds_units), undone on dQ's row i at the end."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r = _query_tile(
-        Q, dOut, Stats, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
-        D, D_PAD, BLOCK_M, HAS_BIAS, EXACT)
+    b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, s_scale, s_scale2, ck, cv, cdo = _query_tile(
+        Q, dOut, Stats, Scales, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
+        scale, qk_scale2, D, D_PAD, BLOCK_M, HAS_BIAS, EXACT, PREC)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     k_hi = Nk
     if CAUSAL:
@@ -681,12 +778,22 @@ def _bwd_dq_kernel(
     v_base = V + b * sv_b + h * sv_h
     bias_base = Bias + b * sb_b + h * sb_h
     delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
+    f = 1.0
+    if PREC == 4:
+        delta = delta * cdo * cv
+        f = _ds_units(r_r, D_PAD)
     for start in range(0, k_hi, BLOCK_N):
-        k, p, dp = _p_dp_tile(q, do, k_base, v_base, bias_base, offs_m, start + offs_n0, offs_d, row_ok, m_r, r_r,
-                              Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, scale, qk_scale2,
-                              D, HAS_BIAS, CAUSAL, PREC, EXACT)
+        k, k_lo, p, dp = _p_dp_tile(q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, start + offs_n0, offs_d,
+                                    row_ok, m_r, r_r, Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, s_scale, s_scale2,
+                                    ck, cv, D, HAS_BIAS, CAUSAL, PREC, EXACT)
         ds = p * (dp - delta[:, None])
-        dq += _dot(_to(ds, k.dtype), k, PREC)
+        if PREC == 4:
+            ds_hi, ds_lo = _split_f16(ds * f[:, None])
+            dq += _dot3(ds_hi, ds_lo, k, k_lo)
+        else:
+            dq += _dot(_to(ds, k.dtype), k, PREC)
+    if PREC == 4:  # one power of two at a time: their product may leave float32's range
+        dq = dq * (1.0 / f)[:, None] * (1.0 / ck) * (1.0 / cdo) * (1.0 / cv)
     dq = dq * scale
     tl.store(dQ + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :], _to(dq, dQ.dtype.element_ty),
              mask=qm)
@@ -694,7 +801,7 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dbias_kernel(
-    Q, K, V, Bias, dOut, Stats, Delta, dBias,
+    Q, K, V, Bias, dOut, Stats, Delta, dBias, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     B, H, Hb, Nq, Nk, scale, qk_scale2,
@@ -717,14 +824,18 @@ def _bwd_dbias_kernel(
     for ib in range(0, n_b):
         for ih in range(0, n_h):
             bh = (ib if BIAS_B1 else bb) * H + (ih if BIAS_H1 else hb)
-            b, h, offs_m, offs_d, row_ok, qm, q, do, m_r, r_r = _query_tile(
-                Q, dOut, Stats, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
-                D, D_PAD, BLOCK_M, True, EXACT)
-            k, p, dp = _p_dp_tile(q, do, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, Bias + b * sb_b + h * sb_h,
-                                  offs_m, offs_n, offs_d, row_ok, m_r, r_r, Nq, Nk, sk_n, sk_d, sv_n, sv_d,
-                                  sb_m, sb_n, scale, qk_scale2, D, True, CAUSAL, PREC, EXACT)
+            b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, s_scale, s_scale2, ck, cv, cdo = \
+                _query_tile(Q, dOut, Stats, Scales, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m,
+                            sdo_d, scale, qk_scale2, D, D_PAD, BLOCK_M, True, EXACT, PREC)
+            k, k_lo, p, dp = _p_dp_tile(q, q_lo, do, do_lo, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h,
+                                        Bias + b * sb_b + h * sb_h, offs_m, offs_n, offs_d, row_ok, m_r, r_r, Nq, Nk,
+                                        sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, s_scale, s_scale2, ck, cv,
+                                        D, True, CAUSAL, PREC, EXACT)
             delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
-            acc += p * (dp - delta[:, None])
+            if PREC == 4:
+                acc += p * (dp - (delta * cdo * cv)[:, None]) * (1.0 / cdo) * (1.0 / cv)
+            else:
+                acc += p * (dp - delta[:, None])
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(dBias + bhb.to(tl.int64) * Nq * Nk + offs_m[:, None] * Nk + offs_n[None, :], acc,
              mask=(offs_m[:, None] < Nq) & (offs_n[None, :] < Nk))
@@ -840,6 +951,8 @@ def bwd_config(dtype: torch.dtype, d_pad: int, precision: str) -> Config:
         if d_pad <= 128:
             return Config(64, 32, 4, 2)
         return Config(32, 32, 4, 1)
+    if precision == "fp16x3":
+        return Config(128, 64, 8, 3) if d_pad <= 64 else (Config(128, 32, 8, 2) if d_pad <= 128 else Config(64, 32, 4, 1))
     if precision == "tf32x3" and d_pad <= 64:
         return Config(128, 64, 8, 2)
     # strict float32 (FMA products) stages its operands through shared memory: no multi-buffering
@@ -863,6 +976,8 @@ def kv_config(dtype: torch.dtype, d_pad: int, precision: str, dq_cfg: Config) ->
                 return Config(*_KV_HALF_128)
         elif precision == "tf32x3" and d_pad <= 64:
             return Config(*_KV_TF32X3_64)
+        elif precision == "fp16x3" and d_pad <= 128:
+            return Config(*(_KV_FP16X3_64 if d_pad <= 64 else _KV_FP16X3_128))
     return Config(min(dq_cfg.block_m, dq_cfg.block_n), max(dq_cfg.block_m, dq_cfg.block_n),
                   dq_cfg.num_warps, dq_cfg.num_stages)
 
@@ -870,6 +985,8 @@ def kv_config(dtype: torch.dtype, d_pad: int, precision: str, dq_cfg: Config) ->
 _KV_HALF_64 = (32, 128, 4, 4)
 _KV_HALF_128 = (64, 64, 4, 2)
 _KV_TF32X3_64 = (64, 128, 8, 2)
+_KV_FP16X3_64 = (64, 128, 8, 3)
+_KV_FP16X3_128 = (32, 128, 8, 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -935,6 +1052,19 @@ def launch_plan(q, k, bias, precision: str, partitions: Optional[int] = None,
     return cfg, n_part, part_len
 
 
+def _f16_scales(q, k, v, do=None):
+    """The Scales tensor of _f16_scales_kernel: forward (do None) [B·H, 2 + D_PAD], backward [B·H, 4]."""
+    B, H, Nq, D = q.shape
+    d_pad = _pow2(D)
+    row = 2 + d_pad if do is None else 4
+    scales = torch.empty((B * H, row), device=q.device, dtype=torch.float32)
+    dd = q if do is None else do
+    launch(_f16_scales_kernel, (B * H, 3 if do is None else 4), q, k, v, dd, scales, *q.stride(), *k.stride(),
+           *v.stride(), *dd.stride(), H, Nq, k.shape[2], D=D, D_PAD=d_pad, BLOCK=16 if INTERPRET else 64,
+           V_COLS=do is None, ROW=row, num_warps=4)
+    return scales
+
+
 def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
             summaries: Optional[dict] = None, config: Optional[Config] = None):
     """Launch phase 1 (and phase 2 when split). Returns (out [B,H,Nq,D], stats [B,H,2,Nq] float32): the
@@ -961,11 +1091,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     else:
         ms = ss = ws = stats  # unused placeholders
     bias_arg = bias if bias is not None else q
-    scales = stats
-    if precision == "fp16x3":
-        scales = torch.empty((B * H, 2 + d_pad), device=q.device, dtype=torch.float32)
-        launch(_f16_scales_kernel, (B * H, 3), q, k, v, scales, *q.stride(), *k.stride(), *v.stride(),
-               H, Nq, Nk, D=D, D_PAD=d_pad, BLOCK=16 if INTERPRET else 64, num_warps=4)
+    scales = _f16_scales(q, k, v) if precision == "fp16x3" else stats
     grid = (_cdiv(Nq, cfg.block_m), B * H, n_part)
     launch(_fwd_kernel, grid,
         q, k, v, bias_arg, out, stats, ms, ss, ws, scales,
@@ -1004,11 +1130,10 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = _pow2(D)
-    if precision == "fp16x3":
-        precision = "tf32x3"  # the float16 split is forward-only (see _PREC)
     cfg = config or bwd_config(q.dtype, d_pad, precision)
     prec = _PREC[precision]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
+    scales = _f16_scales(q, k, v, do) if precision == "fp16x3" else delta
     dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, H, Nk, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, H, Nk, D), device=q.device, dtype=v.dtype)
@@ -1018,18 +1143,18 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *_strides4(bias))
     if bias_grad and q.dtype == torch.float32:  # delta from P and dP (see _bwd_delta_kernel)
         launch(_bwd_delta_kernel, (_cdiv(Nq, cfg.block_m), B * H),
-            q, k, v, bias_arg, do, stats, delta, *strides, H, Nq, Nk, scale * LOG2E, scale,
+            q, k, v, bias_arg, do, stats, delta, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
             HAS_BIAS=bias is not None, **common)
     else:
         bm0 = 16 if INTERPRET else 64
         launch(_bwd_preprocess, (_cdiv(Nq, bm0), B * H),
             out, do, delta, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0)
     launch(_bwd_dq_kernel, (_cdiv(Nq, cfg.block_m), B * H),
-        q, k, v, bias_arg, do, stats, delta, dq, *strides, H, Nq, Nk, scale * LOG2E, scale,
+        q, k, v, bias_arg, do, stats, delta, dq, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
         HAS_BIAS=bias is not None, **common)
     kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
     launch(_bwd_dkdv_kernel, (_cdiv(Nk, kv.block_n), B * H),
-        q, k, v, bias_arg, do, stats, delta, dk, dv, *strides, H, Nq, Nk, scale * LOG2E, scale,
+        q, k, v, bias_arg, do, stats, delta, dk, dv, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
         HAS_BIAS=bias is not None,
         **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n, "num_warps": kv.num_warps,
            "num_stages": kv.num_stages})
@@ -1043,7 +1168,7 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
         # has 255 and 320 bytes. (The FMA products of "ieee" go the other way: they keep 32 rows.)
         db_m = cfg.block_m if INTERPRET or precision == "ieee" else max(64, cfg.block_m)
         launch(_bwd_dbias_kernel, (_cdiv(Nq, db_m), _cdiv(Nk, cfg.block_n), Bb * Hb),
-            q, k, v, bias, do, stats, delta, dfull, *strides, B, H, Hb, Nq, Nk, scale, scale * LOG2E,
+            q, k, v, bias, do, stats, delta, dfull, scales, *strides, B, H, Hb, Nq, Nk, scale, scale * LOG2E,
             BIAS_B1=b1, BIAS_H1=h1,
             **{**common, "BLOCK_M": db_m, "num_stages": 1})  # its batch/head loop needs no prefetch
         # bias broadcast along queries or keys (e.g. a key-padding bias [B,1,1,Nk]): reduce here

@@ -58,8 +58,9 @@ def assert_close_to_oracle(out, ref64, same, *, name="out", grad=False, rel_l2=N
 
 
 def check_case(q, k, v, *, bias=None, causal=False, precision="auto", backend="auto", partitions=None,
-               grads=True, scale=None, seed=0):
-    """Forward (and gradients) of elsa_vision.attention vs the oracle; returns the elsa output."""
+               grads=True, scale=None, seed=0, do_scale=1.0):
+    """Forward (and gradients, for an upstream gradient dO ~ N(0, do_scale²)) of elsa_vision.attention
+    vs the oracle; returns the elsa output."""
     import elsa_vision
     ins = [q, k, v] + ([bias] if bias is not None and bias.is_floating_point() else [])
     ins = [t.detach().requires_grad_(grads) for t in ins]
@@ -75,11 +76,11 @@ def check_case(q, k, v, *, bias=None, causal=False, precision="auto", backend="a
     same_ins = [t.detach().requires_grad_(grads) for t in ins]
     sb = same_ins[3] if len(same_ins) == 4 else bias
     same = torch_same_dtype(*same_ins[:3], bias=sb, causal=causal, scale=scale, tf32=tf32)
-    strict = q.dtype == torch.float32 and precision in ("ieee", "tf32x3")
+    strict = q.dtype == torch.float32 and precision in ("ieee", "tf32x3", "fp16x3")
     assert_close_to_oracle(out, ref, same, rel_l2=2e-6 if strict else None)
     if grads:
         g = torch.Generator(device=q.device).manual_seed(seed)
-        do = torch.randn(out.shape, generator=g, device=q.device, dtype=torch.float32).to(q.dtype)
+        do = (torch.randn(out.shape, generator=g, device=q.device, dtype=torch.float32) * do_scale).to(q.dtype)
         ge = torch.autograd.grad(out, ins, do)
         gr = torch.autograd.grad(ref, ins64, do.double())
         gs = torch.autograd.grad(same, same_ins, do)

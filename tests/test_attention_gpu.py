@@ -17,8 +17,8 @@ def qkv(B, H, nq, nk, d, dtype, seed=0):
 
 @pytest.mark.parametrize("n", [197, 1041, 4096])
 @pytest.mark.parametrize("d", [32, 64, 128])
-@pytest.mark.parametrize("dtype,precision", [(torch.float32, "ieee"), (torch.float32, "tf32x3"), (torch.float32, "tf32"),
-                                             (torch.bfloat16, "auto"), (torch.float16, "auto")])
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "ieee"), (torch.float32, "tf32x3"), (torch.float32, "fp16x3"),
+                                             (torch.float32, "tf32"), (torch.bfloat16, "auto"), (torch.float16, "auto")])
 def test_fwd_bwd_real_sizes(n, d, dtype, precision):
     check_case(*qkv(2, 4, n, n, d, dtype, seed=n + d), precision=precision, backend="triton")
 
@@ -85,6 +85,19 @@ def test_fp16x3_forward(d, causal, with_bias, magnitude):
         qs, bs = q[:, :, idx], (bias[:, :, idx] if with_bias else None)
         ref, same = verify.oracle(qs, k, v, bias=bs), torch_same_dtype(qs, k, v, bias=bs)
     assert_close_to_oracle(out[:, :, idx], ref, same, rel_l2=2e-6)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("causal,with_bias", [(False, False), (True, True)])
+@pytest.mark.parametrize("magnitude", [(1.0, 1.0, 1.0, 1.0), (1e-3, 30.0, 1e-6, 1e-8), (40.0, 1e-4, 1e5, 1e6)])
+def test_fp16x3_backward(d, causal, with_bias, magnitude):
+    """The float16-split backward (dq, dk, dv and, with the bias, its delta and dbias kernels)
+    under the oracle rule at N = 4097, with q, k, v and dO (the fourth factor) far from float16's
+    range, on the default tiles of each head dim."""
+    q, k, v = qkv(1, 4, 4097, 4097, d, torch.float32, seed=5)
+    q, k, v = (t * m for t, m in zip((q, k, v), magnitude))
+    bias = torch.randn(1, 4, 4097, 4097, device="cuda") if with_bias else None
+    check_case(q, k, v, bias=bias, causal=causal, precision="fp16x3", backend="triton", do_scale=magnitude[3])
 
 
 @pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
