@@ -270,7 +270,7 @@ def window_attention(
             ``elsa_vision.kernels.window`` for the speed/memory trade-off. Ignored by the reference
             backend.
         precision: float32 only — ``"ieee"``, ``"tf32x3"``, ``"fp16x3"``, ``"tf32"``, ``"auto"`` (as in
-            attention(); the window kernels have no float16 split and run ``"fp16x3"`` as ``"tf32x3"``).
+            attention(); the window kernels take each window's own power-of-two scales for ``"fp16x3"``).
         backend: ``"triton"``, ``"reference"`` or ``"auto"``.
 
     Returns:

@@ -76,8 +76,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import (INTERPRET, _PREC, _cdiv, _dot, _load_stats, _mean, _pow2, _setup_bwd, _sm_count,
-                        _store_stats, _to, launch)
+from .attention import (INTERPRET, _PREC, _cdiv, _dot, _dot3, _ds_units, _exp_of, _load_stats, _mean, _pow2,
+                        _pow2_of, _setup_bwd, _sm_count, _split_f16, _store_stats, _to, launch)
 
 BLOCKS = (64, 128, 256)
 MAX_TOKENS = 256
@@ -119,13 +119,43 @@ def _load_table(base, offs_m, offs_n, NR):
 
 
 @triton.jit
-def _logits(q, k, bias2, bias_base, mask_base, offs_m, offs_n, N, NR, scale,
+def _f16_local(x, PER_COL: tl.constexpr):
+    """fp16x3: (hi, lo, c) with x·c = hi + lo in float16 parts (kernels/attention.py _split_f16) and c
+    the power of two that puts the tile's largest |x| — each column's with PER_COL (c [D_PAD]), else
+    the tile's (c scalar) — into [2^13, 2^14). The scales are the tile's own: a window's few dozen
+    rows need no prepass over the tensor. Per-tile scalars stop at 2^60 (two of them multiply in a
+    logit's factor), per-column ones at 2^113."""
+    a = tl.abs(x)
+    if PER_COL:
+        c = _pow2_of(13 - tl.maximum(_exp_of(tl.max(a, 0)), -100))
+        hi, lo = _split_f16(x * c[None, :])
+    else:
+        c = _pow2_of(13 - tl.maximum(_exp_of(tl.max(tl.max(a, 1), 0)), -47))
+        hi, lo = _split_f16(x * c)
+    return hi, lo, c
+
+
+@triton.jit
+def _parts(x, PER_COL: tl.constexpr, PREC: tl.constexpr):
+    """(hi, lo, c) of _f16_local under fp16x3; (x, x, 1) otherwise."""
+    if PREC == 4:
+        return _f16_local(x, PER_COL)
+    else:
+        return x, x, 1.0
+
+
+@triton.jit
+def _logits(q, q_lo, k, k_lo, bias2, bias_base, mask_base, offs_m, offs_n, N, NR, scale,
             HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
     """Logits [BM, BN] = q kᵀ·scale + bias + mask in natural units, as PyTorch forms them (the
-    log2 e factor comes after s − m, see _exp_rel); −inf on keys past N. q [BM, D_PAD], k [BN, D_PAD].
-    With BIAS_REGS the bias tile is ``bias2`` (held in registers by the caller), else it is read
-    from ``bias_base`` (an L1 hit after the first window)."""
-    s = _dot(q, tl.trans(k), PREC) * scale
+    log2 e factor comes after s − m, see _exp_rel); −inf on keys past N. q [BM, D_PAD], k [BN, D_PAD]
+    (fp16x3: float16 parts of the scaled tiles, ``scale`` including 1/(c_q·c_k); otherwise the _lo
+    arguments are unused). With BIAS_REGS the bias tile is ``bias2`` (held in registers by the
+    caller), else it is read from ``bias_base`` (an L1 hit after the first window)."""
+    if PREC == 4:
+        s = _dot3(q, q_lo, tl.trans(k), tl.trans(k_lo)) * scale
+    else:
+        s = _dot(q, tl.trans(k), PREC) * scale
     if HAS_BIAS:
         if BIAS_REGS:
             s += bias2
@@ -137,12 +167,47 @@ def _logits(q, k, bias2, bias_base, mask_base, offs_m, offs_n, N, NR, scale,
 
 
 @triton.jit
-def _kv_logits(q, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n, sv_d, N, NR, scale,
-               D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
-    """The k and v tiles at keys offs_n (zero past N) and the logits of q against them (see _logits)."""
-    k = _load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D)
-    v = _load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D)
-    return k, v, _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale, HAS_BIAS, False, HAS_MASK, PREC)
+def _kv_logits(q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n, sv_d, N, NR,
+               scale, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+               V_COLS: tl.constexpr):
+    """The k and v tiles at keys offs_n (zero past N) and the logits of q against them (see _logits):
+    (k, k_lo, c_k, v, v_lo, c_v, s). fp16x3: k and v as _f16_local parts and scales (v's per column
+    with V_COLS), ``scale`` including 1/c_q; otherwise the tiles themselves and scales 1."""
+    k, k_lo, ck = _parts(_load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D), False, PREC)
+    v, v_lo, cv = _parts(_load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D), V_COLS, PREC)
+    s = _logits(q, q_lo, k, k_lo, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale / ck, HAS_BIAS, False,
+                HAS_MASK, PREC)
+    return k, k_lo, ck, v, v_lo, cv, s
+
+
+@triton.jit
+def _pv(p, v, v_lo, PREC: tl.constexpr):
+    """P·v [BM, D_PAD]; fp16x3: in units of 2^14·c_v (v's parts given), P split as P·2^14."""
+    if PREC == 4:
+        p_hi, p_lo = _split_f16(p * 16384.0)
+        return _dot3(p_hi, p_lo, v, v_lo)
+    else:
+        return _dot(_to(p, v.dtype), v, PREC)
+
+
+@triton.jit
+def _dot_do_v(do, do_lo, v, v_lo, PREC: tl.constexpr):
+    """dP = dO·vᵀ [BM, BN] (fp16x3: from the parts, in units of c_dO·c_v)."""
+    if PREC == 4:
+        return _dot3(do, do_lo, tl.trans(v), tl.trans(v_lo))
+    else:
+        return _dot(do, tl.trans(v), PREC)
+
+
+@triton.jit
+def _ds_k(ds, f, k, k_lo, PREC: tl.constexpr):
+    """dS·k [BM, D_PAD] (fp16x3: dS's rows scaled by f [BM] into float16 range, see attention's
+    _ds_units; the result in units of f·c_k)."""
+    if PREC == 4:
+        ds_hi, ds_lo = _split_f16(ds * f[:, None])
+        return _dot3(ds_hi, ds_lo, k, k_lo)
+    else:
+        return _dot(_to(ds, k.dtype), k, PREC)
 
 
 @triton.jit
@@ -205,35 +270,41 @@ def _win_fwd_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        q = _load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D)
+        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, PREC)
         k_base = K + rr * sk_b + h * sk_h
         v_base = V + rr * sv_b + h * sv_h
         if SINGLE:
             # the whole window is one key tile: the fold of one tile is a plain softmax
-            k = _load_rows(k_base, offs_n0, offs_d, sk_n, sk_d, N, D)
-            v = _load_rows(v_base, offs_n0, offs_d, sv_n, sv_d, N, D)
-            s = _logits(q, k, bias2, bias_h, mask_base, offs_m, offs_n0, N, NR, scale,
+            k, k_lo, ck = _parts(_load_rows(k_base, offs_n0, offs_d, sk_n, sk_d, N, D), False, PREC)
+            v, v_lo, cv = _parts(_load_rows(v_base, offs_n0, offs_d, sv_n, sv_d, N, D), True, PREC)
+            s = _logits(q, q_lo, k, k_lo, bias2, bias_h, mask_base, offs_m, offs_n0, N, NR, scale / cq / ck,
                         HAS_BIAS, BIAS_REGS, HAS_MASK, PREC)
             m_i = tl.max(s, 1)
             m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row with no visible key
             p = _exp_rel(s, m_safe)
             s_i = tl.sum(p, 1)
-            acc = _dot(_to(p, v.dtype), v, PREC)
+            acc = _pv(p, v, v_lo, PREC)
+            if PREC == 4:
+                acc = acc * (1.0 / 16384.0) * (1.0 / cv)[None, :]
         else:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             s_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
             for start in range(0, N, BLOCK_N):
                 offs_n = start + offs_n0
-                k, v, s = _kv_logits(q, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d,
-                                     sv_n, sv_d, N, NR, scale, D, HAS_BIAS, HAS_MASK, PREC)
+                k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
+                    q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n, sv_d,
+                    N, NR, scale / cq, D, HAS_BIAS, HAS_MASK, PREC, True)
                 # monoid merge of the running state with this tile's (m, S, W)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # identity tile: nothing visible
                 alpha = tl.math.exp2((m_i - m_safe) * _L2E)
                 p = _exp_rel(s, m_safe)
                 s_i = s_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + _dot(_to(p, v.dtype), v, PREC)
+                if PREC == 4:  # each key tile has its own v scales
+                    acc = acc * alpha[:, None] + _pv(p, v, v_lo, PREC) * ((1.0 / 16384.0) / cv)[None, :]
+                else:
+                    acc = acc * alpha[:, None] + _pv(p, v, v_lo, PREC)
                 m_i = m_new
         nonempty = s_i > 0
         den = tl.where(nonempty, s_i, 1.0)
@@ -282,7 +353,7 @@ def _win_bwd_fused_kernel(
         v = _load_rows(V + rr * sv_b + h * sv_h, offs, offs_d, sv_n, sv_d, N, D)
         do = _load_rows(dOut + rr * sdo_b + h * sdo_h, offs, offs_d, sdo_n, sdo_d, N, D)
         m_r, r_r = _load_stats(Stats, rr * H + h, offs, tok_ok, N, True, EXACT)
-        s = _logits(q, k, bias2, bias_h, Mask + (rr % nW) * mask_stride, offs, offs, N, NR, scale,
+        s = _logits(q, q, k, k, bias2, bias_h, Mask + (rr % nW) * mask_stride, offs, offs, N, NR, scale,
                     HAS_BIAS, BIAS_REGS, HAS_MASK, PREC)
         p = _probs2(s, m_r, r_r, EXACT)  # 0 on padded keys, padded rows, fully masked rows
         dv = _dot(tl.trans(_to(p, do.dtype)), do, PREC)
@@ -335,31 +406,37 @@ def _win_bwd_dq_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        q = _load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D)
-        do = _load_rows(dOut + rr * sdo_b + h * sdo_h, offs_m, offs_d, sdo_n, sdo_d, N, D)
+        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, PREC)
+        do, do_lo, cdo = _parts(_load_rows(dOut + rr * sdo_b + h * sdo_h, offs_m, offs_d, sdo_n, sdo_d, N, D),
+                                False, PREC)
         m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
         k_base = K + rr * sk_b + h * sk_h
         v_base = V + rr * sv_b + h * sv_h
+        f = 1.0
+        if PREC == 4:
+            f = _ds_units(r_r, D_PAD)
         if EXACT and ONE_TILE:
-            k, v, s = _kv_logits(q, k_base, v_base, bias_h, mask_base, offs_m, offs_n0, offs_d, sk_n, sk_d, sv_n, sv_d,
-                                 N, NR, scale, D, HAS_BIAS, HAS_MASK, PREC)
+            k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
+                q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n0, offs_d, sk_n, sk_d, sv_n, sv_d,
+                N, NR, scale / cq, D, HAS_BIAS, HAS_MASK, PREC, False)
             p = _probs2(s, m_r, r_r, EXACT)
-            dp = _dot(do, tl.trans(v), PREC)
+            dp = _dot_do_v(do, do_lo, v, v_lo, PREC)  # fp16x3: in units of c_dO·c_v
             delta = _mean(tl.sum(p * dp, 1), tl.sum(p, 1))
-            tl.store(Delta + (rr * H + h) * N + offs_m, delta, mask=row_ok)
-            dq = _dot(_to(p * (dp - delta[:, None]), k.dtype), k, PREC)
+            tl.store(Delta + (rr * H + h) * N + offs_m, delta * (1.0 / cdo) * (1.0 / cv), mask=row_ok)
+            dq = _ds_k(p * (dp - delta[:, None]), f, k, k_lo, PREC) * (1.0 / ck) * (1.0 / cv)
         else:
             if EXACT:
                 delta = tl.zeros([BLOCK_M], tl.float32)
                 l = tl.zeros([BLOCK_M], tl.float32)
                 for start in range(0, N, BLOCK_N):
                     offs_n = start + offs_n0
-                    k, v, s = _kv_logits(q, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n,
-                                         sk_d, sv_n, sv_d, N, NR, scale, D, HAS_BIAS, HAS_MASK, PREC)
+                    k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
+                        q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n,
+                        sv_d, N, NR, scale / cq, D, HAS_BIAS, HAS_MASK, PREC, False)
                     p = _probs2(s, m_r, r_r, EXACT)
-                    delta += tl.sum(p * _dot(do, tl.trans(v), PREC), 1)
+                    delta += tl.sum(p * _dot_do_v(do, do_lo, v, v_lo, PREC), 1) * (1.0 / cv)
                     l += tl.sum(p, 1)
-                delta = _mean(delta, l)
+                delta = _mean(delta * (1.0 / cdo), l)
             else:
                 o = _load_rows(Out + rr * so_b + h * so_h, offs_m, offs_d, so_n, so_d, N, D)
                 delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
@@ -367,12 +444,18 @@ def _win_bwd_dq_kernel(
             dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
             for start in range(0, N, BLOCK_N):
                 offs_n = start + offs_n0
-                k, v, s = _kv_logits(q, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d,
-                                     sv_n, sv_d, N, NR, scale, D, HAS_BIAS, HAS_MASK, PREC)
+                k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
+                    q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n, sv_d,
+                    N, NR, scale / cq, D, HAS_BIAS, HAS_MASK, PREC, False)
                 p = _probs2(s, m_r, r_r, EXACT)
-                dp = _dot(do, tl.trans(v), PREC)
-                ds = p * (dp - delta[:, None])
-                dq += _dot(_to(ds, k.dtype), k, PREC)
+                dp = _dot_do_v(do, do_lo, v, v_lo, PREC)
+                ds = p * (dp - (delta * cdo * cv)[:, None])
+                if PREC == 4:  # each key tile has its own scales
+                    dq += _ds_k(ds, f, k, k_lo, PREC) * (1.0 / ck) * (1.0 / cv)
+                else:
+                    dq += _ds_k(ds, f, k, k_lo, PREC)
+        if PREC == 4:
+            dq = dq * (1.0 / f)[:, None] * (1.0 / cdo)
         dq = dq * scale
         tl.store(dQ + rr * sg_b + h * sg_h + offs_m[:, None] * sg_n + offs_d[None, :], _to(dq, dQ.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_d[None, :] < D))
@@ -405,8 +488,8 @@ def _win_bwd_dkdv_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        k = _load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D)
-        v = _load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D)
+        k, k_lo, ck = _parts(_load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D), False, PREC)
+        v, v_lo, cv = _parts(_load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D), False, PREC)
         q_base = Q + rr * sq_b + h * sq_h
         do_base = dOut + rr * sdo_b + h * sdo_h
         row_stats = (rr * H + h) * N
@@ -415,19 +498,35 @@ def _win_bwd_dkdv_kernel(
         for start in range(0, N, BLOCK_M):
             offs_m = start + offs_m0
             row_ok = offs_m < N
-            q = _load_rows(q_base, offs_m, offs_d, sq_n, sq_d, N, D)
-            do = _load_rows(do_base, offs_m, offs_d, sdo_n, sdo_d, N, D)
+            q, q_lo, cq = _parts(_load_rows(q_base, offs_m, offs_d, sq_n, sq_d, N, D), False, PREC)
+            do, do_lo, cdo = _parts(_load_rows(do_base, offs_m, offs_d, sdo_n, sdo_d, N, D), False, PREC)
             m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
             delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
-            s = _logits(q, k, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale,
+            s = _logits(q, q_lo, k, k_lo, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale / cq / ck,
                         HAS_BIAS, False, HAS_MASK, PREC)
             p = _probs2(s, m_r, r_r, EXACT)
-            dv += _dot(tl.trans(_to(p, do.dtype)), do, PREC)
-            dp = _dot(do, tl.trans(v), PREC)
-            ds = p * (dp - delta[:, None])
-            dk += _dot(tl.trans(_to(ds, q.dtype)), q, PREC)
-            if BIAS_GRAD:
-                dbias += ds  # 0 on padded rows and keys
+            if PREC == 4:
+                # as attention's dK/dV kernel: Pᵀ·2^14; dSᵀ's column i scaled by t_i ≈ S_i and q's row
+                # i by 1/t_i after the split; each query tile has its own c_q, c_dO
+                p_hi, p_lo = _split_f16(p * 16384.0)
+                dv += _dot3(tl.trans(p_hi), tl.trans(p_lo), do, do_lo) * (1.0 / cdo)
+                ds = p * (_dot_do_v(do, do_lo, v, v_lo, PREC) - (delta * cdo * cv)[:, None])
+                t = _pow2_of(tl.minimum(-_exp_of(r_r), 10))
+                a_hi, a_lo = _split_f16(ds * (t * (1.0 / 65536.0) / D_PAD)[:, None])
+                inv_t = (1.0 / t).to(tl.float16)[:, None]
+                dk += _dot3(tl.trans(a_hi), tl.trans(a_lo), q * inv_t, q_lo * inv_t) * (1.0 / cdo) * (1.0 / cq)
+                if BIAS_GRAD:
+                    dbias += ds * (1.0 / cdo) * (1.0 / cv)
+            else:
+                dv += _dot(tl.trans(_to(p, do.dtype)), do, PREC)
+                dp = _dot(do, tl.trans(v), PREC)
+                ds = p * (dp - delta[:, None])
+                dk += _dot(tl.trans(_to(ds, q.dtype)), q, PREC)
+                if BIAS_GRAD:
+                    dbias += ds  # 0 on padded rows and keys
+        if PREC == 4:
+            dk = dk * (65536.0 * D_PAD) * (1.0 / cv)
+            dv = dv * (1.0 / 16384.0)
         dk = dk * scale
         g_base = rr * sg_b + h * sg_h
         kv_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
@@ -462,18 +561,22 @@ def _win_bwd_dbias_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
-        q = _load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D)
-        do = _load_rows(dOut + rr * sdo_b + h * sdo_h, offs_m, offs_d, sdo_n, sdo_d, N, D)
-        k = _load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D)
-        v = _load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D)
+        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, PREC)
+        do, do_lo, cdo = _parts(_load_rows(dOut + rr * sdo_b + h * sdo_h, offs_m, offs_d, sdo_n, sdo_d, N, D),
+                                False, PREC)
+        k, k_lo, ck = _parts(_load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D), False, PREC)
+        v, v_lo, cv = _parts(_load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D), False, PREC)
         row_stats = (rr * H + h) * N
         m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
         delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
-        s = _logits(q, k, bias2, Bias, Mask + (rr % nW) * mask_stride, offs_m, offs_n, N, NR, scale,
-                    True, True, HAS_MASK, PREC)
+        s = _logits(q, q_lo, k, k_lo, bias2, Bias, Mask + (rr % nW) * mask_stride, offs_m, offs_n, N, NR,
+                    scale / cq / ck, True, True, HAS_MASK, PREC)
         p = _probs2(s, m_r, r_r, EXACT)
-        dp = _dot(do, tl.trans(v), PREC)
-        acc += p * (dp - delta[:, None])
+        dp = _dot_do_v(do, do_lo, v, v_lo, PREC)
+        if PREC == 4:
+            acc += p * (dp - (delta * cdo * cv)[:, None]) * (1.0 / cdo) * (1.0 / cv)
+        else:
+            acc += p * (dp - delta[:, None])
     run = tl.program_id(0) // (tl.cdiv(N, BLOCK_M) * n_nt)
     tl.store(dBiasPart + (run.to(tl.int64) * H + h) * mask_stride + offs_m[:, None] * NR + offs_n[None, :], acc,
              mask=(offs_m[:, None] < NR) & (offs_n[None, :] < NR))
@@ -529,12 +632,16 @@ class Plan:
 
 # Backward tiles (query tile, key tile, warps) per precision class, from ptxas reports for sm_90 at
 # head dim ≤ 64: the largest shapes that do not spill. Triton's 3xTF32 and IEEE-FMA dots keep several
-# copies of their operands in registers, so those classes get narrower key tiles.
+# copies of their operands in registers, so those classes get narrower key tiles. fp16x3 (float16
+# parts) takes the half-precision tiles although its dk/dv kernel then spills (~0.5 KB per thread at
+# N = 49): on an H200 its float32 forward+backward of Swin-T stages 1-3 ran 1.32-1.40x faster than
+# with the 3xTF32 tiles, SwinV2 window 16 1.53x (benchmarks/results/nvidia-h200/windows_fp16x3_tiles.txt).
 _BWD_TILES = {
     #          dq kernel      dk/dv kernel    dbias kernel
     "half":   ((64, 64, 4), (64, 64, 4), (64, 64, 4)),
     "tf32":   ((64, 32, 4), (64, 16, 4), (64, 32, 4)),
     "tf32x3": ((64, 32, 4), (64, 16, 4), (64, 32, 4)),
+    "fp16x3": ((64, 64, 4), (64, 64, 4), (64, 64, 4)),
     "ieee":   ((64, 32, 8), (64, 32, 8), (32, 32, 8)),
 }
 
@@ -542,7 +649,7 @@ _BWD_TILES = {
 def _precision_class(dtype: torch.dtype, precision: str) -> str:
     if dtype in (torch.float16, torch.bfloat16):
         return "half"
-    return {"ieee": "ieee", "tf32x3": "tf32x3", "tf32x3n": "tf32x3", "fp16x3": "tf32x3"}.get(precision, "tf32")
+    return {"ieee": "ieee", "tf32x3": "tf32x3", "tf32x3n": "tf32x3", "fp16x3": "fp16x3"}.get(precision, "tf32")
 
 
 @functools.lru_cache(maxsize=None)

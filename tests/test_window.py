@@ -107,6 +107,7 @@ def _check(q, k, v, bias, mask, *, scale=None, grads=True, seed=1, **kw):
 
 F32 = (torch.float32, "ieee")
 F32X3 = (torch.float32, "tf32x3")
+F16X3 = (torch.float32, "fp16x3")
 BF16 = (torch.bfloat16, "auto")
 F16 = (torch.float16, "auto")
 
@@ -129,6 +130,9 @@ CASES = [
     (100, 4, 1, 64, "auto", F32, True, "timm"),   # wider head dims
     (20, 4, 2, 80, "auto", BF16, True, "timm"),   # D = 80 (padded tile), N_pad = 32
     (7, 1, 3, 128, "auto", F32X3, True, None),    # D = 128
+    (49, 4, 2, 32, 64, F16X3, True, "timm"),      # float16 split: one key tile, dbias in the dk/dv kernel
+    (144, 4, 1, 32, 64, F16X3, True, "timm"),     # folded key tiles with their own scales, dbias kernel
+    (100, 2, 1, 64, "auto", F16X3, False, "inf"),
 ]
 
 
@@ -442,8 +446,9 @@ GPU_SHAPES = [(512, 64, 3, 49), (128, 16, 6, 49), (32, 4, 12, 49), (8, 1, 24, 49
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("BW,nW,H,N", GPU_SHAPES)
-@pytest.mark.parametrize("dp", [(torch.float32, "tf32x3"), (torch.float32, "ieee"), (torch.bfloat16, "auto"),
-                                (torch.float16, "auto")], ids=["fp32-tf32x3", "fp32-ieee", "bf16", "fp16"])
+@pytest.mark.parametrize("dp", [(torch.float32, "tf32x3"), (torch.float32, "fp16x3"), (torch.float32, "ieee"),
+                                (torch.bfloat16, "auto"), (torch.float16, "auto")],
+                         ids=["fp32-tf32x3", "fp32-fp16x3", "fp32-ieee", "bf16", "fp16"])
 @pytest.mark.parametrize("block", ["auto", 64, 128, 256])
 def test_gpu_swin_sizes(BW, nW, H, N, dp, block):
     dtype, precision = dp
