@@ -166,7 +166,7 @@ def attention(
             Rows that see no key (Nq > Nk, or a bias of −inf everywhere) return 0.
         precision: float32 only — ``"ieee"`` (strict FMA), ``"tf32x3"`` (3xTF32, float32-class
             accuracy on tensor cores), ``"fp16x3"`` (the same accuracy from float16 hi/lo parts of
-            power-of-two-scaled operands, on float16 MMAs; forward only, its backward is tf32x3's),
+            power-of-two-scaled operands, on float16 MMAs, forward and backward),
             ``"tf32"`` (fast), ``"auto"`` (PyTorch's matmul precision).
         backend: ``"triton"``, ``"reference"`` or ``"auto"`` (first that fits; see dispatch.BACKENDS).
         partitions: force the number of key partitions of phase 1 (testing / structure proofs).
