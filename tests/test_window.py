@@ -150,6 +150,33 @@ def test_triton_matches_oracle(N, nW, H, D, block, dp, bias, mask):
 
 
 @needs_interp
+@pytest.mark.parametrize("N,block", [(49, 64), (144, 64)], ids=["one-tile", "folded"])
+def test_fp16x3_per_window_scales(N, block):
+    """fp16x3 in the window kernels scales each window's tiles by their own powers of two: windows
+    whose q, v and upstream gradient are 1e-6…1e4 times their neighbours' (k the inverse: the same
+    logits) each keep float32 accuracy. Every window is checked on its own, its errors divided by
+    its oracle's largest magnitude (the rule's absolute 1e-6 would pass the small windows)."""
+    q, k, v, _, m = _inputs(1, 4, 2, N, 32, torch.float32, bias=False, layout="bhnd")
+    s = torch.tensor([1.0, 1e-6, 1e4, 1e-3]).view(4, 1, 1, 1)
+    q, k, v = (t.detach() * f for t, f in ((q, s), (k, 1 / s), (v, s)))
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)) * s
+    runs = {}
+    for name, dtype in (("elsa", torch.float32), ("torch", torch.float32), ("oracle", torch.float64)):
+        ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        if name == "elsa":
+            out = elsa_vision.window_attention(*ins, mask=m, block=block, precision="fp16x3", backend="triton")
+        else:
+            out = _timm_path(*ins, None, m.to(dtype), 1 / math.sqrt(32), dtype)
+        runs[name] = [out, *torch.autograd.grad(out, ins, g.to(dtype))]
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        for w in range(4):
+            a, b, c = (runs[n][i][w] for n in ("elsa", "torch", "oracle"))
+            top = c.abs().max()
+            e, r = max_err(a / top.float(), c / top), max_err(b / top.float(), c / top)
+            assert e <= tolerance(r, torch.float32, grad=i > 0), f"{what} window {w}: err {e:.3g} vs torch {r:.3g}"
+
+
+@needs_interp
 @pytest.mark.parametrize("wpp", [1, 3])
 def test_runs_of_windows_and_dbias_partials(wpp):
     """Force several runs per head (the last one short): the per-run dbias partials are summed."""
