@@ -621,7 +621,7 @@ def test_gpu_models(name, kw, size, amp):
     x = torch.randn(8, 3, size, size, device="cuda")
     if amp == "fp32":
         prev = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")  # native SDPA is true fp32; ELSA runs tf32x3
+        torch.set_float32_matmul_precision("highest")  # native SDPA is true fp32; ELSA runs fp16x3
         try:
             check_model(m, x)
         finally:
