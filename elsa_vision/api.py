@@ -24,8 +24,8 @@ def resolve_precision(precision: str, dtype: torch.dtype) -> str:
     """The float32 matmul mode a call runs in.
 
     ``"auto"`` follows PyTorch: ``torch.get_float32_matmul_precision() == "highest"`` → ``"fp16x3"``
-    (float32-class accuracy on tensor cores: float16 parts in the forward, tf32 parts in the
-    backward), otherwise ``"tf32"``. Half-precision inputs always use
+    (float32-class accuracy on tensor cores from float16 hi/lo parts, forward and backward),
+    otherwise ``"tf32"``. Half-precision inputs always use
     their own tensor-core dot with float32 accumulation (``"native"``), whatever ``precision`` says.
     """
     if precision not in PRECISIONS:

@@ -376,10 +376,10 @@ def _f16_scales_kernel(Q, K, V, dO, Scales, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, 
     2… hold c_v per feature column (ROW = 2 + D_PAD), else slot 2 holds one c_v per head and slot 3
     c_dO (ROW = 4: the backward's dP = dO·vᵀ sums over the features, so one scale per head).
     v's per-column scale is undone on each output column, so an outlier feature costs the other
-    features nothing; q and k meet in one logit and share one scale per head. Products of two
-    per-head scales must stay normal float32 next to the softmax scale, so they stop at 2^60
-    (heads whose every |x| < 2⁻⁴⁷ keep less precision); per-column ones stop at 2^113. Powers of
-    two scale exactly."""
+    features nothing; q and k meet in one logit and share one scale per head. Their product's
+    inverse must stay a normal float32 next to the softmax scale, so c_q and c_k stop at 2^60
+    (heads whose every |x| < 2⁻⁴⁷ keep less precision); c_v and c_dO, applied one at a time, stop
+    at 2^113. Powers of two scale exactly."""
     bh = tl.program_id(0)
     which = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -403,7 +403,7 @@ def _f16_scales_kernel(Q, K, V, dO, Scales, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, 
     per_col = (which == 2) & V_COLS
     top = tl.where(per_col, col, tl.max(col, 0))
     # floor(log2 top) from the exponent bits (NaN/inf: 128); a zero column takes the lowest scale
-    e = tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, tl.where(per_col, -100, -47))
+    e = tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, tl.where(which >= 2, -100, -47))
     slot = tl.where(per_col, 2 + offs_d, which)
     tl.store(Scales + bh.to(tl.int64) * ROW + slot, ((140 - e) << 23).to(tl.float32, bitcast=True),
              mask=per_col | (offs_d == 0))

@@ -118,30 +118,57 @@ def _load_table(base, offs_m, offs_n, NR):
     return x.to(tl.float32)
 
 
-@triton.jit
-def _f16_local(x, PER_COL: tl.constexpr):
-    """fp16x3: (hi, lo, c) with x·c = hi + lo in float16 parts (kernels/attention.py _split_f16) and c
-    the power of two that puts the tile's largest |x| — each column's with PER_COL (c [D_PAD]), else
-    the tile's (c scalar) — into [2^13, 2^14). The scales are the tile's own: a window's few dozen
-    rows need no prepass over the tensor. Per-tile scalars stop at 2^60 (two of them multiply in a
-    logit's factor), per-column ones at 2^113."""
-    a = tl.abs(x)
-    if PER_COL:
-        c = _pow2_of(13 - tl.maximum(_exp_of(tl.max(a, 0)), -100))
-        hi, lo = _split_f16(x * c[None, :])
-    else:
-        c = _pow2_of(13 - tl.maximum(_exp_of(tl.max(tl.max(a, 1), 0)), -47))
-        hi, lo = _split_f16(x * c)
-    return hi, lo, c
+# fp16x3 scale floors (see _f16_scale): q and k meet in one logit factor 1/(c_q·c_k) next to the
+# softmax scale, so each stops at 2^60; v and dO scales are applied one at a time, up to 2^113.
+_LOW_QK = tl.constexpr(-47)
+_LOW_ONE = tl.constexpr(-100)
 
 
 @triton.jit
-def _parts(x, PER_COL: tl.constexpr, PREC: tl.constexpr):
-    """(hi, lo, c) of _f16_local under fp16x3; (x, x, 1) otherwise."""
+def _f16_scale(top, LOW: tl.constexpr):
+    """fp16x3: the power of two that puts ``top`` (a largest |x|, scalar or per column) into
+    [2^13, 2^14) for the float16 split (kernels/attention.py _split_f16); at most 2^(13 − LOW)."""
+    return _pow2_of(13 - tl.maximum(_exp_of(top), LOW))
+
+
+@triton.jit
+def _parts(x, PER_COL: tl.constexpr, LOW: tl.constexpr, PREC: tl.constexpr):
+    """fp16x3: (hi, lo, c) with x·c = hi + lo in float16 parts, c the tile's own scale — each
+    column's with PER_COL (c [D_PAD]), else the tile's (c scalar): a window's few dozen rows need no
+    prepass over the tensor. Otherwise (x, x, 1)."""
     if PREC == 4:
-        return _f16_local(x, PER_COL)
+        a = tl.abs(x)
+        if PER_COL:
+            c = _f16_scale(tl.max(a, 0), LOW)
+            hi, lo = _split_f16(x * c[None, :])
+        else:
+            c = _f16_scale(tl.max(tl.max(a, 1), 0), LOW)
+            hi, lo = _split_f16(x * c)
+        return hi, lo, c
     else:
         return x, x, 1.0
+
+
+@triton.jit
+def _parts_at(x, c, PREC: tl.constexpr):
+    """(hi, lo, c) of x split at a given scalar scale c under fp16x3; (x, x, 1) otherwise."""
+    if PREC == 4:
+        hi, lo = _split_f16(x * c)
+        return hi, lo, c
+    else:
+        return x, x, 1.0
+
+
+@triton.jit
+def _window_scale(base, offs_r0, offs_d, s_r, s_d, N, D: tl.constexpr, BLOCK: tl.constexpr):
+    """fp16x3: one scalar scale (_f16_scale, v's floor) for all N rows of a window's [N, D] tensor at
+    ``base``, read BLOCK rows at a time. The backward needs it for v when a window spans several
+    key tiles: delta_i sums P·dP over every key, so in the units of a key tile whose own v is small
+    (zero-padded tokens: all zero) dP − delta would leave float16's range when dS is split."""
+    top = tl.max(tl.max(tl.abs(_load_rows(base, offs_r0, offs_d, s_r, s_d, N, D)), 1), 0)
+    for start in range(BLOCK, N, BLOCK):
+        top = tl.maximum(top, tl.max(tl.max(tl.abs(_load_rows(base, start + offs_r0, offs_d, s_r, s_d, N, D)), 1), 0))
+    return _f16_scale(top, _LOW_ONE)
 
 
 @triton.jit
@@ -168,13 +195,17 @@ def _logits(q, q_lo, k, k_lo, bias2, bias_base, mask_base, offs_m, offs_n, N, NR
 
 @triton.jit
 def _kv_logits(q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n, sv_d, N, NR,
-               scale, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
-               V_COLS: tl.constexpr):
+               scale, cv_w, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+               V_COLS: tl.constexpr, V_WIN: tl.constexpr):
     """The k and v tiles at keys offs_n (zero past N) and the logits of q against them (see _logits):
-    (k, k_lo, c_k, v, v_lo, c_v, s). fp16x3: k and v as _f16_local parts and scales (v's per column
-    with V_COLS), ``scale`` including 1/c_q; otherwise the tiles themselves and scales 1."""
-    k, k_lo, ck = _parts(_load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D), False, PREC)
-    v, v_lo, cv = _parts(_load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D), V_COLS, PREC)
+    (k, k_lo, c_k, v, v_lo, c_v, s). fp16x3: k and v as _parts (v's scale per column with V_COLS;
+    the window's ``cv_w`` with V_WIN), ``scale`` including 1/c_q; otherwise the tiles themselves and
+    scales 1."""
+    k, k_lo, ck = _parts(_load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D), False, _LOW_QK, PREC)
+    if V_WIN:
+        v, v_lo, cv = _parts_at(_load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D), cv_w, PREC)
+    else:
+        v, v_lo, cv = _parts(_load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D), V_COLS, _LOW_ONE, PREC)
     s = _logits(q, q_lo, k, k_lo, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale / ck, HAS_BIAS, False,
                 HAS_MASK, PREC)
     return k, k_lo, ck, v, v_lo, cv, s
@@ -270,13 +301,14 @@ def _win_fwd_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, PREC)
+        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, _LOW_QK,
+                             PREC)
         k_base = K + rr * sk_b + h * sk_h
         v_base = V + rr * sv_b + h * sv_h
         if SINGLE:
             # the whole window is one key tile: the fold of one tile is a plain softmax
-            k, k_lo, ck = _parts(_load_rows(k_base, offs_n0, offs_d, sk_n, sk_d, N, D), False, PREC)
-            v, v_lo, cv = _parts(_load_rows(v_base, offs_n0, offs_d, sv_n, sv_d, N, D), True, PREC)
+            k, k_lo, ck = _parts(_load_rows(k_base, offs_n0, offs_d, sk_n, sk_d, N, D), False, _LOW_QK, PREC)
+            v, v_lo, cv = _parts(_load_rows(v_base, offs_n0, offs_d, sv_n, sv_d, N, D), True, _LOW_ONE, PREC)
             s = _logits(q, q_lo, k, k_lo, bias2, bias_h, mask_base, offs_m, offs_n0, N, NR, scale / cq / ck,
                         HAS_BIAS, BIAS_REGS, HAS_MASK, PREC)
             m_i = tl.max(s, 1)
@@ -294,7 +326,7 @@ def _win_fwd_kernel(
                 offs_n = start + offs_n0
                 k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
                     q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n, sv_d,
-                    N, NR, scale / cq, D, HAS_BIAS, HAS_MASK, PREC, True)
+                    N, NR, scale / cq, 1.0, D, HAS_BIAS, HAS_MASK, PREC, True, False)
                 # monoid merge of the running state with this tile's (m, S, W)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # identity tile: nothing visible
@@ -302,7 +334,7 @@ def _win_fwd_kernel(
                 p = _exp_rel(s, m_safe)
                 s_i = s_i * alpha + tl.sum(p, 1)
                 if PREC == 4:  # each key tile has its own v scales
-                    acc = acc * alpha[:, None] + _pv(p, v, v_lo, PREC) * ((1.0 / 16384.0) / cv)[None, :]
+                    acc = acc * alpha[:, None] + _pv(p, v, v_lo, PREC) * (1.0 / 16384.0) * (1.0 / cv)[None, :]
                 else:
                     acc = acc * alpha[:, None] + _pv(p, v, v_lo, PREC)
                 m_i = m_new
@@ -406,9 +438,10 @@ def _win_bwd_dq_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, PREC)
+        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, _LOW_QK,
+                             PREC)
         do, do_lo, cdo = _parts(_load_rows(dOut + rr * sdo_b + h * sdo_h, offs_m, offs_d, sdo_n, sdo_d, N, D),
-                                False, PREC)
+                                False, _LOW_ONE, PREC)
         m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
         k_base = K + rr * sk_b + h * sk_h
         v_base = V + rr * sv_b + h * sv_h
@@ -418,13 +451,16 @@ def _win_bwd_dq_kernel(
         if EXACT and ONE_TILE:
             k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
                 q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n0, offs_d, sk_n, sk_d, sv_n, sv_d,
-                N, NR, scale / cq, D, HAS_BIAS, HAS_MASK, PREC, False)
+                N, NR, scale / cq, 1.0, D, HAS_BIAS, HAS_MASK, PREC, False, False)
             p = _probs2(s, m_r, r_r, EXACT)
             dp = _dot_do_v(do, do_lo, v, v_lo, PREC)  # fp16x3: in units of c_dO·c_v
             delta = _mean(tl.sum(p * dp, 1), tl.sum(p, 1))
             tl.store(Delta + (rr * H + h) * N + offs_m, delta * (1.0 / cdo) * (1.0 / cv), mask=row_ok)
             dq = _ds_k(p * (dp - delta[:, None]), f, k, k_lo, PREC) * (1.0 / ck) * (1.0 / cv)
         else:
+            cv_w = 1.0
+            if PREC == 4:  # one v scale for the window's key tiles (see _window_scale)
+                cv_w = _window_scale(v_base, offs_n0, offs_d, sv_n, sv_d, N, D, BLOCK_N)
             if EXACT:
                 delta = tl.zeros([BLOCK_M], tl.float32)
                 l = tl.zeros([BLOCK_M], tl.float32)
@@ -432,7 +468,7 @@ def _win_bwd_dq_kernel(
                     offs_n = start + offs_n0
                     k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
                         q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n,
-                        sv_d, N, NR, scale / cq, D, HAS_BIAS, HAS_MASK, PREC, False)
+                        sv_d, N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False, True)
                     p = _probs2(s, m_r, r_r, EXACT)
                     delta += tl.sum(p * _dot_do_v(do, do_lo, v, v_lo, PREC), 1) * (1.0 / cv)
                     l += tl.sum(p, 1)
@@ -446,11 +482,11 @@ def _win_bwd_dq_kernel(
                 offs_n = start + offs_n0
                 k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
                     q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n, sv_d,
-                    N, NR, scale / cq, D, HAS_BIAS, HAS_MASK, PREC, False)
+                    N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False, True)
                 p = _probs2(s, m_r, r_r, EXACT)
                 dp = _dot_do_v(do, do_lo, v, v_lo, PREC)
                 ds = p * (dp - (delta * cdo * cv)[:, None])
-                if PREC == 4:  # each key tile has its own scales
+                if PREC == 4:  # each key tile has its own c_k
                     dq += _ds_k(ds, f, k, k_lo, PREC) * (1.0 / ck) * (1.0 / cv)
                 else:
                     dq += _ds_k(ds, f, k, k_lo, PREC)
@@ -488,8 +524,17 @@ def _win_bwd_dkdv_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        k, k_lo, ck = _parts(_load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D), False, PREC)
-        v, v_lo, cv = _parts(_load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D), False, PREC)
+        k, k_lo, ck = _parts(_load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D), False, _LOW_QK,
+                             PREC)
+        v_raw = _load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D)
+        cv_w = 1.0
+        if PREC == 4:
+            if N > BLOCK_N:  # the window spans several key tiles: one v scale for all (see _window_scale)
+                cv_w = _window_scale(V + rr * sv_b + h * sv_h, tl.arange(0, BLOCK_N), offs_d, sv_n, sv_d, N, D,
+                                     BLOCK_N)
+            else:
+                cv_w = _f16_scale(tl.max(tl.max(tl.abs(v_raw), 1), 0), _LOW_ONE)
+        v, v_lo, cv = _parts_at(v_raw, cv_w, PREC)
         q_base = Q + rr * sq_b + h * sq_h
         do_base = dOut + rr * sdo_b + h * sdo_h
         row_stats = (rr * H + h) * N
@@ -498,8 +543,8 @@ def _win_bwd_dkdv_kernel(
         for start in range(0, N, BLOCK_M):
             offs_m = start + offs_m0
             row_ok = offs_m < N
-            q, q_lo, cq = _parts(_load_rows(q_base, offs_m, offs_d, sq_n, sq_d, N, D), False, PREC)
-            do, do_lo, cdo = _parts(_load_rows(do_base, offs_m, offs_d, sdo_n, sdo_d, N, D), False, PREC)
+            q, q_lo, cq = _parts(_load_rows(q_base, offs_m, offs_d, sq_n, sq_d, N, D), False, _LOW_QK, PREC)
+            do, do_lo, cdo = _parts(_load_rows(do_base, offs_m, offs_d, sdo_n, sdo_d, N, D), False, _LOW_ONE, PREC)
             m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
             delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
             s = _logits(q, q_lo, k, k_lo, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale / cq / ck,
@@ -561,11 +606,15 @@ def _win_bwd_dbias_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
-        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, PREC)
+        # (dS is not split here: each tile's own scales serve)
+        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, _LOW_QK,
+                             PREC)
         do, do_lo, cdo = _parts(_load_rows(dOut + rr * sdo_b + h * sdo_h, offs_m, offs_d, sdo_n, sdo_d, N, D),
-                                False, PREC)
-        k, k_lo, ck = _parts(_load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D), False, PREC)
-        v, v_lo, cv = _parts(_load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D), False, PREC)
+                                False, _LOW_ONE, PREC)
+        k, k_lo, ck = _parts(_load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D), False, _LOW_QK,
+                             PREC)
+        v, v_lo, cv = _parts(_load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D), False, _LOW_ONE,
+                             PREC)
         row_stats = (rr * H + h) * N
         m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
         delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
@@ -573,8 +622,8 @@ def _win_bwd_dbias_kernel(
                     scale / cq / ck, True, True, HAS_MASK, PREC)
         p = _probs2(s, m_r, r_r, EXACT)
         dp = _dot_do_v(do, do_lo, v, v_lo, PREC)
-        if PREC == 4:
-            acc += p * (dp - (delta * cdo * cv)[:, None]) * (1.0 / cdo) * (1.0 / cv)
+        if PREC == 4:  # dP back in plain units: this tile's own c_v need not bound delta's range
+            acc += p * (dp * (1.0 / cdo) * (1.0 / cv) - delta[:, None])
         else:
             acc += p * (dp - delta[:, None])
     run = tl.program_id(0) // (tl.cdiv(N, BLOCK_M) * n_nt)

@@ -45,7 +45,8 @@ def test_fp16x3_magnitudes(magnitude):
     check_case(q, k, v, precision="fp16x3", backend="triton", grads=False)
 
 
-@pytest.mark.parametrize("magnitude", [(1e-3, 30.0, 1e-6, 1e-8), (1e4, 1e-5, 1e15, 1e6), (1e-8, 1e-8, 1e-10, 1e-10)])
+@pytest.mark.parametrize("magnitude", [(1e-3, 30.0, 1e-6, 1e-8), (1e4, 1e-5, 1e15, 1e6), (1e-8, 1e-8, 1e-10, 1e-10),
+                                       (1.0, 1.0, 1e-24, 1e-4)])
 def test_fp16x3_backward_magnitudes(magnitude):
     """fp16x3's backward scales q, k, v and dO (the fourth factor) per head and dS per row: gradients
     of inputs far outside float16's range keep float32 accuracy. Each gradient is compared after

@@ -177,6 +177,19 @@ def test_fp16x3_per_window_scales(N, block):
 
 
 @needs_interp
+@pytest.mark.parametrize("scale", [1e-6, 0.0], ids=["tiny", "zero"])
+def test_fp16x3_key_tile_far_below_its_window(scale):
+    """A window folded over several key tiles, one of whose v is 1e-6 of the others' or all zero
+    (zero-padded tokens through a projection without bias): delta sums over every key, so a scale
+    taken from that tile alone pushed dS past float16's range (inf/NaN gradients); the backward
+    takes one v scale per window."""
+    q, k, v, b, m = _inputs(1, 4, 1, 144, 32, torch.float32, layout="bhnd")
+    with torch.no_grad():
+        v[:, :, 64:128] *= scale
+    _check(q, k, v, b, m, block=64, precision="fp16x3", backend="triton")
+
+
+@needs_interp
 @pytest.mark.parametrize("wpp", [1, 3])
 def test_runs_of_windows_and_dbias_partials(wpp):
     """Force several runs per head (the last one short): the per-run dbias partials are summed."""
