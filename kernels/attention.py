@@ -548,6 +548,46 @@ def _ds_units(r, D_PAD: tl.constexpr):
 
 
 @triton.jit
+def _pv(p, v, v_lo, PREC: tl.constexpr):
+    """P·v [BM, D_PAD]; fp16x3: in units of 2^14·c_v (v's parts given), P split as P·2^14."""
+    if PREC == 4:
+        p_hi, p_lo = _split_f16(p * 16384.0)
+        return _dot3(p_hi, p_lo, v, v_lo)
+    else:
+        return _dot(_to(p, v.dtype), v, PREC)
+
+
+@triton.jit
+def _dot_do_v(do, do_lo, v, v_lo, PREC: tl.constexpr):
+    """dP = dO·vᵀ [BM, BN] (fp16x3: from the parts, in units of c_dO·c_v)."""
+    if PREC == 4:
+        return _dot3(do, do_lo, tl.trans(v), tl.trans(v_lo))
+    else:
+        return _dot(do, tl.trans(v), PREC)
+
+
+@triton.jit
+def _ds_k(ds, f, k, k_lo, PREC: tl.constexpr):
+    """dS·k [BM, D_PAD] (fp16x3: dS's rows scaled by f [BM] into float16 range, see
+    _ds_units; the result in units of f·c_k)."""
+    if PREC == 4:
+        ds_hi, ds_lo = _split_f16(ds * f[:, None])
+        return _dot3(ds_hi, ds_lo, k, k_lo)
+    else:
+        return _dot(_to(ds, k.dtype), k, PREC)
+
+
+@triton.jit
+def _dk_units(r, D_PAD: tl.constexpr):
+    """fp16x3, dK = dSᵀ·q: (u, w) per query i (r_i = 1/S_i). dSᵀ's column i enters the split scaled
+    by u_i = t_i·2⁻¹⁶/D_PAD, t_i = 2^min(−floor(log2 r_i), 10) ≈ S_i (as _ds_units), and q's row i
+    (its float16 parts, exact down to float16's subnormals) by w_i = 1/t_i: t_i cancels in dK. The
+    cap keeps q's rows within 2⁻¹⁰ of their scaled range."""
+    t = _pow2_of(tl.minimum(-_exp_of(r), 10))
+    return t * (1.0 / 65536.0) / D_PAD, (1.0 / t).to(tl.float16)
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, dOut, Stats, Delta, dK, dV, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
@@ -625,13 +665,11 @@ def _bwd_dkdv_kernel(
             visible = visible & (offs_n[:, None] <= offs_m[None, :] + (Nk - Nq))
         pT = tl.where(visible, _probs(qkT, btT, s_scale, s_scale2, m_r[None, :], r_r[None, :], HAS_BIAS, EXACT), 0.0)
         if PREC == 4:
-            p_hi, p_lo = _split_f16(pT * 16384.0)
-            dv += _dot3(p_hi, p_lo, do, do_lo)
+            dv += _pv(pT, do, do_lo, PREC)
             dsT = pT * (_dot3(v, v_lo, tl.trans(do), tl.trans(do_lo)) - delta[None, :])
-            t = _pow2_of(tl.minimum(-_exp_of(r_r), 10))
-            a_hi, a_lo = _split_f16(dsT * (t * (1.0 / 65536.0) / D_PAD)[None, :])
-            inv_t = (1.0 / t).to(tl.float16)[:, None]
-            dk += _dot3(a_hi, a_lo, tl.trans(qT) * inv_t, tl.trans(qT_lo) * inv_t)
+            u, w = _dk_units(r_r, D_PAD)
+            a_hi, a_lo = _split_f16(dsT * u[None, :])
+            dk += _dot3(a_hi, a_lo, tl.trans(qT) * w[:, None], tl.trans(qT_lo) * w[:, None])
         else:
             dv += _dot(_to(pT, do.dtype), do, PREC)
             dpT = _dot(v, tl.trans(do), PREC)
@@ -663,11 +701,11 @@ def _p_dp_tile(q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, offs_n, of
         k, k_lo = _split_f16(k * ck)
         v, v_lo = _split_f16(v * cv)
         qk = _dot3(q, q_lo, tl.trans(k), tl.trans(k_lo))
-        dp = _dot3(do, do_lo, tl.trans(v), tl.trans(v_lo))
     else:
         k_lo = k
+        v_lo = v
         qk = _dot(q, tl.trans(k), PREC)
-        dp = _dot(do, tl.trans(v), PREC)
+    dp = _dot_do_v(do, do_lo, v, v_lo, PREC)
     bt = 0.0
     if HAS_BIAS:
         bt = tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
@@ -786,12 +824,7 @@ def _bwd_dq_kernel(
         k, k_lo, p, dp = _p_dp_tile(q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, start + offs_n0, offs_d,
                                     row_ok, m_r, r_r, Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, s_scale, s_scale2,
                                     ck, cv, D, HAS_BIAS, CAUSAL, PREC, EXACT)
-        ds = p * (dp - delta[:, None])
-        if PREC == 4:
-            ds_hi, ds_lo = _split_f16(ds * f[:, None])
-            dq += _dot3(ds_hi, ds_lo, k, k_lo)
-        else:
-            dq += _dot(_to(ds, k.dtype), k, PREC)
+        dq += _ds_k(p * (dp - delta[:, None]), f, k, k_lo, PREC)
     if PREC == 4:  # one power of two at a time: their product may leave float32's range
         dq = dq * (1.0 / f)[:, None] * (1.0 / ck) * (1.0 / cdo) * (1.0 / cv)
     dq = dq * scale

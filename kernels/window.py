@@ -76,8 +76,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import (INTERPRET, _PREC, _cdiv, _dot, _dot3, _ds_units, _exp_of, _load_stats, _mean, _pow2,
-                        _pow2_of, _setup_bwd, _sm_count, _split_f16, _store_stats, _to, launch)
+from .attention import (INTERPRET, _PREC, _cdiv, _dk_units, _dot, _dot3, _dot_do_v, _ds_k, _ds_units, _exp_of,
+                        _load_stats, _mean, _pow2, _pow2_of, _pv, _setup_bwd, _sm_count, _split_f16, _store_stats,
+                        _to, launch)
 
 BLOCKS = (64, 128, 256)
 MAX_TOKENS = 256
@@ -209,36 +210,6 @@ def _kv_logits(q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_
     s = _logits(q, q_lo, k, k_lo, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale / ck, HAS_BIAS, False,
                 HAS_MASK, PREC)
     return k, k_lo, ck, v, v_lo, cv, s
-
-
-@triton.jit
-def _pv(p, v, v_lo, PREC: tl.constexpr):
-    """P·v [BM, D_PAD]; fp16x3: in units of 2^14·c_v (v's parts given), P split as P·2^14."""
-    if PREC == 4:
-        p_hi, p_lo = _split_f16(p * 16384.0)
-        return _dot3(p_hi, p_lo, v, v_lo)
-    else:
-        return _dot(_to(p, v.dtype), v, PREC)
-
-
-@triton.jit
-def _dot_do_v(do, do_lo, v, v_lo, PREC: tl.constexpr):
-    """dP = dO·vᵀ [BM, BN] (fp16x3: from the parts, in units of c_dO·c_v)."""
-    if PREC == 4:
-        return _dot3(do, do_lo, tl.trans(v), tl.trans(v_lo))
-    else:
-        return _dot(do, tl.trans(v), PREC)
-
-
-@triton.jit
-def _ds_k(ds, f, k, k_lo, PREC: tl.constexpr):
-    """dS·k [BM, D_PAD] (fp16x3: dS's rows scaled by f [BM] into float16 range, see attention's
-    _ds_units; the result in units of f·c_k)."""
-    if PREC == 4:
-        ds_hi, ds_lo = _split_f16(ds * f[:, None])
-        return _dot3(ds_hi, ds_lo, k, k_lo)
-    else:
-        return _dot(_to(ds, k.dtype), k, PREC)
 
 
 @triton.jit
@@ -556,10 +527,9 @@ def _win_bwd_dkdv_kernel(
                 p_hi, p_lo = _split_f16(p * 16384.0)
                 dv += _dot3(tl.trans(p_hi), tl.trans(p_lo), do, do_lo) * (1.0 / cdo)
                 ds = p * (_dot_do_v(do, do_lo, v, v_lo, PREC) - (delta * cdo * cv)[:, None])
-                t = _pow2_of(tl.minimum(-_exp_of(r_r), 10))
-                a_hi, a_lo = _split_f16(ds * (t * (1.0 / 65536.0) / D_PAD)[:, None])
-                inv_t = (1.0 / t).to(tl.float16)[:, None]
-                dk += _dot3(tl.trans(a_hi), tl.trans(a_lo), q * inv_t, q_lo * inv_t) * (1.0 / cdo) * (1.0 / cq)
+                u, w = _dk_units(r_r, D_PAD)
+                a_hi, a_lo = _split_f16(ds * u[:, None])
+                dk += _dot3(tl.trans(a_hi), tl.trans(a_lo), q * w[:, None], q_lo * w[:, None]) * (1.0 / cdo) * (1.0 / cq)
                 if BIAS_GRAD:
                     dbias += ds * (1.0 / cdo) * (1.0 / cv)
             else:
