@@ -287,7 +287,11 @@ class SwinWindowAttention(_SwinBase):
         return module.qkv(x)
 
     def _prepare(self, module, q, k):
-        bias = module._get_rel_pos_bias()[0]  # [H, N, N]
+        # timm's _get_rel_pos_bias without its row-major copy: the kernels take the permuted view
+        # (padding it, N = 49, makes the one copy they read)
+        n = module.window_area
+        bias = module.relative_position_bias_table[module.relative_position_index.view(-1)].view(n, n, -1)
+        bias = bias.permute(2, 0, 1)  # [H, N, N]
         scale = None if getattr(module, "fused_attn", False) else float(module.scale)
         return q, k, scale, bias
 
@@ -322,9 +326,10 @@ class SwinV2WindowAttention(_SwinBase):
         k = F.normalize(k, dim=-1)
         H = module.num_heads
         n = module.window_size[0] * module.window_size[1]
-        table = module.cpb_mlp(module.relative_coords_table).view(-1, H)
-        # [N, N, H] viewed as [H, N, N] through strides: the kernels read it in place
-        bias = 16 * torch.sigmoid(table[module.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1))
+        # 16·sigmoid on the [(2w−1)², H] table before the gather (elementwise, so the same values),
+        # then one copy to the [H, N, N] row-major layout the kernels read
+        table = 16 * torch.sigmoid(module.cpb_mlp(module.relative_coords_table).view(-1, H))
+        bias = table[module.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()
         return q, k, 1.0, bias
 
 

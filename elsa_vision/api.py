@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .dispatch import HALF, Problem, select
+from .dispatch import HALF, Problem, dispatch_token, select
 
 PRECISIONS = ("auto", "ieee", "tf32x3", "fp16x3", "tf32")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -280,7 +280,12 @@ def window_attention(
     The [B·nW, H, N, N] tensor of bias + mask that timm builds is never materialised, in the forward
     or the backward. Under ``torch.autocast`` q, k, v and bias are cast to the autocast dtype, as SDPA does.
     """
-    return _window_attention(q, k, v, None, bias, mask, scale, block, precision, backend, "window_attention")
+    key = _window_key(False, (q, k, v, bias, mask), scale, block, precision, backend)
+    kept = _WINDOW_CALLS.get(key) if key is not None else None
+    if kept is not None:
+        run, sc, prec, blk = kept
+        return run(q, k, v, bias, mask, sc, prec, blk)
+    return _window_attention(q, k, v, None, bias, mask, scale, block, precision, backend, "window_attention", key)
 
 
 def window_attention_packed(
@@ -302,19 +307,68 @@ def window_attention_packed(
     the size of qkv: at Swin-T's first stage as long as the attention kernels themselves).
     """
     fn = "window_attention_packed"
+    key = _window_key(True, (qkv, bias, mask), scale, block, precision, backend)
+    kept = _WINDOW_CALLS.get(key) if key is not None else None
+    if kept is not None:
+        run, sc, prec, blk = kept
+        return run(None, None, None, bias, mask, sc, prec, blk, qkv=qkv)
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"{fn}: qkv must be a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"{fn}: qkv must be [B·nW, N, 3, H, D], got shape {tuple(qkv.shape)}; "
                          "reshape the projection output with .reshape(B·nW, N, 3, H, D)")
-    qkv, bias = _autocast(qkv, bias)
+    qkv0 = qkv
+    (qkv,) = _autocast(qkv)
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # the views kernels.window.unpack gives
-    return _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn)
+    return _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn,
+                             key if qkv is qkv0 else None)
 
 
-def _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn: str) -> torch.Tensor:
-    """Both window entry points: checks, dispatch, the call (``qkv``: the packed tensor q/k/v view)."""
-    q, k, v, bias = _autocast(q, k, v, bias)
+# A model repeats a few window-call signatures (one per Swin stage): what the checks decided for a
+# signature is kept, and a repeat goes straight to the kernels — the checks cost tens of
+# microseconds of host time, as much as the kernels of a late Swin stage. The key holds everything
+# the checks read (shapes, dtypes, devices, who wants a gradient, the arguments, and the global
+# settings that "auto" and the dispatch follow), so a call they would refuse never matches.
+_WINDOW_CALLS: dict = {}
+
+
+def _window_key(packed: bool, tensors, scale, block, precision, backend):
+    """The signature of a window call (None: not kept — under torch.compile, or unusual arguments,
+    which take the checks every time)."""
+    if type(scale) not in (float, int, type(None)) or type(block) not in (str, int) or torch.compiler.is_compiling():
+        return None
+    key = [packed, scale, type(scale), block, type(block), precision, backend, torch.is_grad_enabled(),
+           _fp32_matmul_precision(), dispatch_token()]
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif not isinstance(t, torch.Tensor):
+            return None
+        else:
+            key.append((t.shape, t.dtype, t.device, t.requires_grad))
+    dev = tensors[0].device.type
+    key.append(dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev))
+    return tuple(key)
+
+
+def _keep_window_call(key, run, q, bias, bias_in, mask, mask_in, scale: float, precision: str, block: int) -> None:
+    """Keep a checked call's decisions when a repeat can pass its tensors straight to ``run``: bias
+    and mask as given (no bool → additive conversion, no broadcast view)."""
+    plain = (bias is bias_in or (bias_in is not None and bias_in.dim() == 3 and bias_in.shape[0] == q.shape[1]
+                                 and bias_in.dtype == bias.dtype))
+    if key is not None and plain and mask is mask_in and len(_WINDOW_CALLS) < 256:
+        _WINDOW_CALLS[key] = (run, scale, precision, block)
+
+
+def _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn: str, key=None) -> torch.Tensor:
+    """Both window entry points: checks, dispatch, the call (``qkv``: the packed tensor q/k/v view).
+    ``key``: the call's :func:`_window_key`, to keep what the checks decide."""
+    # the bias stays in its own dtype under autocast: the kernels read it as float32 either way
+    q0 = q
+    q, k, v = _autocast(q, k, v)
+    if q is not q0:
+        key = None  # a repeat would need the cast too
+    bias_in, mask_in = bias, mask
     _check_qkv(q, k, v, fn)
     BW, H, N, D = q.shape
     if k.shape[2] != N:
@@ -334,7 +388,10 @@ def _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend
         empty = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device) + empty
     block = 0 if block == "auto" else int(block)
-    return run(q, k, v, bias, mask, scale, prec, block) if qkv is None else run(q, k, v, bias, mask, scale, prec, block, qkv=qkv)
+    _keep_window_call(key, run, q, bias, bias_in, mask, mask_in, scale, prec, block)
+    if qkv is None:
+        return run(q, k, v, bias, mask, scale, prec, block)
+    return run(q, k, v, bias, mask, scale, prec, block, qkv=qkv)
 
 
 def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None,

@@ -113,7 +113,7 @@ def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions
 
 # Window entry points take (q, k, v, bias3, mask3, scale, precision, block, qkv=) and return out
 # [BW,H,N,D]: bias3 [H,N,N] or None, mask3 [nW,N,N] additive float or None, block 0 = auto; qkv the
-# packed [BW,N,3,H,D] tensor q, k, v are views of, or None.
+# packed [BW,N,3,H,D] tensor q, k, v are views of, or None (q, k, v may be None when qkv is given).
 
 def _run_triton_window(q, k, v, bias, mask, scale, precision, block, qkv=None):
     from .kernels import window  # noqa: F401  (registers the custom ops)
@@ -123,6 +123,8 @@ def _run_triton_window(q, k, v, bias, mask, scale, precision, block, qkv=None):
 def _run_reference_window(q, k, v, bias, mask, scale, precision, block, qkv=None):
     # autograd carries the gradients of the q, k, v views back to qkv
     from .kernels import reference
+    if q is None:
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
     return reference.window_attention(q, k, v, bias, mask, scale)
 
 
@@ -169,9 +171,14 @@ def check_backend_name(backend) -> None:
 _CHOSEN: dict = {}
 
 
+def dispatch_token() -> tuple:
+    """What, besides the problem and the backend name, decides :func:`select`'s answer."""
+    return _interpret(), tuple(map(id, BACKENDS))
+
+
 def select(p: Problem, backend: str = "auto") -> Backend:
     """The backend that runs ``p``: the named one, or the first that fits. Raises NotSupportedError."""
-    key = (p, backend, _interpret(), tuple(map(id, BACKENDS)))
+    key = (p, backend, dispatch_token())
     chosen = _CHOSEN.get(key)
     if chosen is not None:
         return chosen

@@ -725,6 +725,7 @@ def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "
                 bias_regs=BIAS_IN_REGISTERS, stages=stages, fwd_stages=fwd_stages)
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_runs(bw: int, programs_per_run: int, min_windows: int, device: torch.device, per_sm: int,
               requested: Optional[int] = None) -> tuple[int, int]:
     """(windows per program, runs): split the BW windows of each head into runs of consecutive
@@ -755,7 +756,9 @@ def _table(x: torch.Tensor, nr: int) -> tuple[torch.Tensor, int]:
         return x, x.stride(0)
     lead0 = x.shape[0] > 1 and x.stride(0) == 0
     src = x[:1] if lead0 else x
-    # (with nothing to pad, pad returns a copy in the input's strides: hence contiguous())
+    if n == nr:  # nothing to pad: one row-major copy
+        return src.contiguous(), (0 if lead0 else nr * nr)
+    # (pad may return its copy in the input's strides: hence contiguous(), a no-op when it is not)
     return torch.nn.functional.pad(src, (0, nr - n, 0, nr - n)).contiguous(), (0 if lead0 else nr * nr)
 
 
@@ -815,7 +818,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     prec = _PREC[precision]
     if grads is None:
         grads = (_bnhd_empty(BW, H, N, D, q), _bnhd_empty(BW, H, N, D, k), _bnhd_empty(BW, H, N, D, v))
-    elif len({t.stride()[:3] for t in grads}) != 1 or any(t.stride(3) != 1 for t in grads):
+    elif not (grads[0].stride() == grads[1].stride() == grads[2].stride()) or grads[0].stride(3) != 1:
         raise ValueError("window backward: dq, dk, dv must share strides, with unit stride along D")
     dq, dk, dv = grads
     if dq.numel() == 0:
@@ -870,7 +873,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     if bias_grad:
         # fixed-order reduction of the per-run partial sums: deterministic
         red = dparts[0] if dparts.shape[0] == 1 else dparts.sum(0)
-        dbias = red[:, :N, :N].to(bias.dtype)
+        dbias = red[:, :N, :N] if bias.dtype == red.dtype else red[:, :N, :N].to(bias.dtype)
     return dq, dk, dv, dbias
 
 
@@ -963,6 +966,7 @@ def _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp):
 
 
 def _backward_ctx(ctx, dout, q, k, v, saved, grads=None):
+    """The backward of both autograd Functions → (dq, dk, dv, dbias)."""
     if torch.is_grad_enabled():
         raise RuntimeError(_DOUBLE_BACKWARD)
     bias, mask, out, stats = saved
@@ -993,15 +997,19 @@ class _PackedWindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, bias, mask, scale, precision, block, wpp):
-        out, saved = _forward_ctx(ctx, *unpack(qkv), bias, mask, scale, precision, block, wpp)
+        views = unpack(qkv)
+        out, saved = _forward_ctx(ctx, *views, bias, mask, scale, precision, block, wpp)
         ctx.save_for_backward(qkv, *saved)
+        # the backward reads q, k, v through these views: qkv is saved above, so an in-place change
+        # of it (they share its version counter) still fails the backward as it should
+        ctx.views = views
         return out
 
     @staticmethod
     def backward(ctx, dout):
         qkv, *saved = ctx.saved_tensors
         dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        _, _, _, dbias = _backward_ctx(ctx, dout, *unpack(qkv), saved, unpack(dqkv))
+        _, _, _, dbias = _backward_ctx(ctx, dout, *ctx.views, saved, unpack(dqkv))
         return dqkv, dbias, None, None, None, None, None
 
 
@@ -1012,11 +1020,17 @@ def window_attention(q, k, v, bias, mask, scale: float, precision: str, block: i
     otherwise. ``qkv``: the packed [BW, N, 3, H, D] tensor q, k, v are the :func:`unpack` views of
     (then its gradient is written in one piece). Returns out [BW,H,N,D]."""
     if qkv is not None and not torch.compiler.is_compiling():
+        if not (torch.is_grad_enabled() and (qkv.requires_grad or (bias is not None and bias.requires_grad))):
+            # inference: no graph to record, so the kernel without the autograd Function around it
+            return forward(*unpack(qkv), bias, mask, scale, precision, int(block or 0),
+                           int(windows_per_program or 0) or None)[0]
         return _PackedWindowAttention.apply(qkv, bias, mask, scale, precision, int(block or 0),
                                             int(windows_per_program or 0) or None)
     if torch.compiler.is_compiling():
         out, _ = torch.ops.elsa_vision.window_fwd(q, k, v, bias, mask, scale, precision, int(block or 0),
                                                  int(windows_per_program or 0))
         return out
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))):
+        return forward(q, k, v, bias, mask, scale, precision, int(block or 0), int(windows_per_program or 0) or None)[0]
     return _WindowAttention.apply(q, k, v, bias, mask, scale, precision, int(block or 0),
                                   int(windows_per_program or 0) or None)

@@ -467,6 +467,50 @@ def test_bad_inputs_raise_clear_errors():
         dispatch.select(p, "triton")
 
 
+def test_repeated_calls_keep_their_checks():
+    """A repeated call skips the checks it passed before (api._WINDOW_CALLS) — but only when nothing
+    they read differs: a mask that now wants a gradient, another dtype, a bool mask, an autocast that
+    must cast, or another float32 matmul setting each take the checks (and their answer) again."""
+    from elsa_vision import api
+    api._WINDOW_CALLS.clear()
+    qkv = torch.randn(8, 49, 3, 2, 16)
+    m = torch.zeros(4, 49, 49)
+    m[1:, :, 20:] = -100.0
+    b = torch.randn(2, 49, 49)
+    kw = dict(bias=b, mask=m, backend="reference")
+    first = elsa_vision.window_attention_packed(qkv, **kw)
+    assert len(api._WINDOW_CALLS) == 1
+    assert torch.equal(elsa_vision.window_attention_packed(qkv, **kw), first)
+    assert len(api._WINDOW_CALLS) == 1
+    with pytest.raises(ValueError, match="takes no gradient"):
+        elsa_vision.window_attention_packed(qkv, bias=b, mask=m.clone().requires_grad_(True), backend="reference")
+    with pytest.raises(TypeError, match="must be floating point"):
+        elsa_vision.window_attention_packed(qkv, bias=b, mask=m.long(), backend="reference")
+    keep = m == 0  # the same mask as a bool keep-mask: converted on every call, never kept
+    assert torch.allclose(elsa_vision.window_attention_packed(qkv, bias=b, mask=keep, backend="reference"),
+                          elsa_vision.window_attention_packed(qkv, bias=b, mask=torch.where(keep, 0.0, float("-inf")),
+                                                              backend="reference"))
+    with pytest.raises(ValueError, match="precision must be one of"):
+        elsa_vision.window_attention_packed(qkv, precision="fast", **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert elsa_vision.window_attention_packed(qkv, **kw).dtype == torch.bfloat16
+        assert elsa_vision.window_attention_packed(qkv, **kw).dtype == torch.bfloat16
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    assert torch.equal(elsa_vision.window_attention(q, k, v, **kw), first)
+    assert torch.equal(elsa_vision.window_attention(q, k, v, **kw), first)
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        key = api._window_key(True, (qkv, b, m), None, "auto", "auto", "reference")
+        torch.set_float32_matmul_precision("highest")
+        assert key != api._window_key(True, (qkv, b, m), None, "auto", "auto", "reference")
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert api._window_key(True, (qkv, b, m), True, "auto", "auto", "reference") is None  # checked every time
+    with pytest.raises(TypeError, match="scale must be a Python number"):
+        elsa_vision.window_attention_packed(qkv, scale=True, **kw)
+
+
 def test_empty_batch():
     q = torch.randn(0, 2, 49, 16, requires_grad=True)
     out = elsa_vision.window_attention(q, q, q, mask=torch.zeros(4, 49, 49))
