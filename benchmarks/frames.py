@@ -18,7 +18,8 @@ Model: upstream VGGT (``vggt`` importable, e.g. PYTHONPATH=third_party/vggt), ra
 ``--weights model.pt``), images 392×518 (1041 tokens per frame), built once on the GPU and reused.
 Parts: ``aggregator`` (model.aggregator(images)) and ``full`` (model(images): aggregator + camera,
 depth and point heads). dtypes: ``bf16`` (autocast, as VGGT's demo runs) and ``fp32`` (no autocast;
-ELSA in ``tf32x3``, float32-class accuracy; matmul precision "highest" for every linear layer).
+matmul precision "highest" for every linear layer; ELSA in ``--fp32-precision``, default ``fp16x3``
+— what ``patch()`` runs under "highest" — or ``tf32x3``, both float32-class accurate).
 
 Variants: native (unpatched: SDPA), elsa (patched), elsa-lean (lean_memory=True), elsa-merge
 (TokenMerging(ratio=0.9)), elsa-lean-merge, elsa-lean-offload (+ lean_offload=True: the layers only the
@@ -216,7 +217,8 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
                             del out
                     for v, r in best.items():
                         row = {"part": part, "dtype": dname, "frames": S, "tokens": S * P, "variant": v,
-                               "repeats": repeats, "warm_up": bool(warmup)}
+                               "repeats": repeats, "warm_up": bool(warmup),
+                               "precision": FP32_PRECISION if dname == "fp32" and v != native_of(v) else ""}
                         if r is None:
                             row["status"] = "skipped (OOM at fewer frames)"
                         elif isinstance(r, str):
@@ -345,13 +347,17 @@ def build_upstream(weights):
     return model.eval()
 
 
+# ELSA's precision for the float32 cases (--fp32-precision)
+FP32_PRECISION = "fp16x3"
+
+
 def upstream_apply(model, variant, dtype):
     import elsa_vision
     opts = VARIANTS[variant]
     if opts is None:
         return lambda: None
     kw = {k: v for k, v in opts.items() if k != "token_merging"}
-    kw["precision"] = "tf32x3" if dtype is None else "auto"
+    kw["precision"] = FP32_PRECISION if dtype is None else "auto"
     if opts.get("token_merging"):
         kw["token_merging"] = elsa_vision.TokenMerging(ratio=0.9, seed=0)
     elsa_vision.patch(model, **kw)
@@ -503,6 +509,8 @@ def main():
                    help="skip the 2-frame compile pass: the first timed call of each variant then includes "
                         "Triton's compile (seconds; warm_up = False in the CSV)")
     p.add_argument("--weights", default=None, help="a VGGT checkpoint (.pt); default random weights")
+    p.add_argument("--fp32-precision", default="fp16x3", choices=["fp16x3", "tf32x3", "ieee", "tf32"],
+                   help="ELSA's float32 mode in the fp32 cases (default fp16x3, what patch() runs)")
     p.add_argument("--height", type=int, default=392)
     p.add_argument("--width", type=int, default=518)
     p.add_argument("--name", default="frames", help="output file stem (CSV + PNG)")
@@ -515,6 +523,8 @@ def main():
     p.add_argument("--rows-out", help=argparse.SUPPRESS)
     p.add_argument("--frames-bf16", type=csv_list(int), help=argparse.SUPPRESS)
     args = p.parse_args()
+    global FP32_PRECISION
+    FP32_PRECISION = args.fp32_precision
 
     if not torch.cuda.is_available():
         sys.exit("benchmarks/frames.py needs a CUDA GPU")
