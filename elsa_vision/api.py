@@ -278,7 +278,8 @@ def window_attention(
         [B·nW, N, H, D], so ``out.transpose(1, 2).reshape(B·nW, N, H·D)`` costs no copy.
 
     The [B·nW, H, N, N] tensor of bias + mask that timm builds is never materialised, in the forward
-    or the backward. Under ``torch.autocast`` q, k, v and bias are cast to the autocast dtype, as SDPA does.
+    or the backward. Under ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA does; the
+    bias keeps its own (the kernels read it as float32), and so does its gradient.
     """
     key = _window_key(False, (q, k, v, bias, mask), scale, block, precision, backend)
     kept = _WINDOW_CALLS.get(key) if key is not None else None

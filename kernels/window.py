@@ -997,19 +997,17 @@ class _PackedWindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, bias, mask, scale, precision, block, wpp):
-        views = unpack(qkv)
-        out, saved = _forward_ctx(ctx, *views, bias, mask, scale, precision, block, wpp)
+        out, saved = _forward_ctx(ctx, *unpack(qkv), bias, mask, scale, precision, block, wpp)
+        # (views of qkv kept on ctx would save the backward an unpack, but would hold qkv's memory
+        # past saved-tensor hooks: activation checkpointing, offloading)
         ctx.save_for_backward(qkv, *saved)
-        # the backward reads q, k, v through these views: qkv is saved above, so an in-place change
-        # of it (they share its version counter) still fails the backward as it should
-        ctx.views = views
         return out
 
     @staticmethod
     def backward(ctx, dout):
         qkv, *saved = ctx.saved_tensors
         dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        _, _, _, dbias = _backward_ctx(ctx, dout, *ctx.views, saved, unpack(dqkv))
+        _, _, _, dbias = _backward_ctx(ctx, dout, *unpack(qkv), saved, unpack(dqkv))
         return dqkv, dbias, None, None, None, None, None
 
 
