@@ -1,5 +1,6 @@
 """Property-based shape fuzzing: random shapes, head dims, bias forms, causal and partitions, all
 against the float64 oracle (Triton kernels in the interpreter on CPU, real kernels on GPU)."""
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,9 +34,22 @@ def problems(draw):
     return B, H, nq, nk, d, causal, shape, partitions, dtype, precision, seed
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: every run draws the same examples (a CI failure is reproducible, not a coin toss);
+# set derandomize=False to explore others
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(problems())
 def test_fuzz_against_oracle(prob):
+    _check_problem(prob)
+
+
+@pytest.mark.xfail(DEVICE == "cpu", strict=True, reason="known (interpreter): strict float32 dK with a bias gradient, causal, Nq < Nk: 2.28e-6 "
+                   "against the 2.11e-6 bound (PyTorch float32 3.7e-7); the same call without the bias "
+                   "gradient (delta from rowsum(dO·O)) has 6.1e-7 — found by this fuzzer, not yet explained")
+def test_fuzz_found_dk_with_bias_grad():
+    _check_problem((1, 1, 24, 46, 32, True, (24, 46), None, torch.float32, "ieee", 3338))
+
+
+def _check_problem(prob):
     B, H, nq, nk, d, causal, bshape, partitions, dtype, precision, seed = prob
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, n, d, generator=g).to(DEVICE, dtype) for n in (nq, nk, nk))
