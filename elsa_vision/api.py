@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 import torch
 
 from .dispatch import HALF, Problem, dispatch_token, select
+from .kernels.reference import qkv_views
 
 PRECISIONS = ("auto", "ieee", "tf32x3", "fp16x3", "tf32")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -281,8 +282,7 @@ def window_attention(
     or the backward. Under ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA does; the
     bias keeps its own (the kernels read it as float32), and so does its gradient.
     """
-    key = _window_key(False, (q, k, v, bias, mask), scale, block, precision, backend)
-    kept = _WINDOW_CALLS.get(key) if key is not None else None
+    key, kept = _kept_window_call(False, (q, k, v, bias, mask), scale, block, precision, backend)
     if kept is not None:
         run, sc, prec, blk = kept
         return run(q, k, v, bias, mask, sc, prec, blk)
@@ -308,8 +308,7 @@ def window_attention_packed(
     the size of qkv: at Swin-T's first stage as long as the attention kernels themselves).
     """
     fn = "window_attention_packed"
-    key = _window_key(True, (qkv, bias, mask), scale, block, precision, backend)
-    kept = _WINDOW_CALLS.get(key) if key is not None else None
+    key, kept = _kept_window_call(True, (qkv, bias, mask), scale, block, precision, backend)
     if kept is not None:
         run, sc, prec, blk = kept
         return run(None, None, None, bias, mask, sc, prec, blk, qkv=qkv)
@@ -320,7 +319,7 @@ def window_attention_packed(
                          "reshape the projection output with .reshape(B·nW, N, 3, H, D)")
     qkv0 = qkv
     (qkv,) = _autocast(qkv)
-    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # the views kernels.window.unpack gives
+    q, k, v = qkv_views(qkv)
     return _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn,
                              key if qkv is qkv0 else None)
 
@@ -350,6 +349,12 @@ def _window_key(packed: bool, tensors, scale, block, precision, backend):
     dev = tensors[0].device.type
     key.append(dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev))
     return tuple(key)
+
+
+def _kept_window_call(packed: bool, tensors, scale, block, precision, backend):
+    """(the call's key, what the checks decided for it before or None)."""
+    key = _window_key(packed, tensors, scale, block, precision, backend)
+    return key, (_WINDOW_CALLS.get(key) if key is not None else None)
 
 
 def _keep_window_call(key, run, q, bias, bias_in, mask, mask_in, scale: float, precision: str, block: int) -> None:

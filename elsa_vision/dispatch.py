@@ -124,7 +124,7 @@ def _run_reference_window(q, k, v, bias, mask, scale, precision, block, qkv=None
     # autograd carries the gradients of the q, k, v views back to qkv
     from .kernels import reference
     if q is None:
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+        q, k, v = reference.qkv_views(qkv)
     return reference.window_attention(q, k, v, bias, mask, scale)
 
 

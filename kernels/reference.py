@@ -117,6 +117,12 @@ def _window_chunk(q, k, v, bias, mask, scale: float, r0: int):
     return out, lse.float()
 
 
+def qkv_views(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [BW, N, 3, H, D] (the qkv projection's output of a window batch, reshaped) → q, k, v as
+    [BW, H, N, D] views."""
+    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+
+
 def window_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -79,6 +79,7 @@ import triton.language as tl
 from .attention import (INTERPRET, _PREC, _cdiv, _dk_units, _dot, _dot3, _dot_do_v, _ds_k, _ds_units, _exp_of,
                         _load_stats, _mean, _pow2, _pow2_of, _pv, _setup_bwd, _sm_count, _split_f16, _store_stats,
                         _to, launch)
+from .reference import qkv_views
 
 BLOCKS = (64, 128, 256)
 MAX_TOKENS = 256
@@ -811,7 +812,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     """Returns (dq, dk, dv, dbias); dbias [H,N,N] in bias.dtype, or None unless ``bias_grad``.
     ``out`` is read only when ``make_plan(...).reads_out`` (may be None otherwise). ``grads``: the
     (dq, dk, dv) [BW,H,N,D] buffers to write, sharing one set of strides with unit stride along D
-    (the views :func:`unpack` gives of a packed gradient); new [BW,N,H,D]-layout ones otherwise."""
+    (the views :func:`qkv_views` gives of a packed gradient); new [BW,N,H,D]-layout ones otherwise."""
     BW, H, N, D = q.shape
     nW = mask.shape[0] if mask is not None else 1
     pl = make_plan(N, D, q.dtype, block, precision)
@@ -873,7 +874,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     if bias_grad:
         # fixed-order reduction of the per-run partial sums: deterministic
         red = dparts[0] if dparts.shape[0] == 1 else dparts.sum(0)
-        dbias = red[:, :N, :N] if bias.dtype == red.dtype else red[:, :N, :N].to(bias.dtype)
+        dbias = red[:, :N, :N].to(bias.dtype)
     return dq, dk, dv, dbias
 
 
@@ -947,12 +948,6 @@ _DOUBLE_BACKWARD = ("elsa_vision.window_attention does not support double backwa
                     "Use backend='reference' for higher-order derivatives.")
 
 
-def unpack(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [BW, N, 3, H, D] (the qkv projection's output of a window batch, reshaped) → q, k, v as
-    [BW, H, N, D] views."""
-    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
-
-
 def _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp):
     """The forward of both autograd Functions; what the backward needs goes in ``ctx``."""
     N = q.shape[2]
@@ -997,8 +992,8 @@ class _PackedWindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, bias, mask, scale, precision, block, wpp):
-        out, saved = _forward_ctx(ctx, *unpack(qkv), bias, mask, scale, precision, block, wpp)
-        # (views of qkv kept on ctx would save the backward an unpack, but would hold qkv's memory
+        out, saved = _forward_ctx(ctx, *qkv_views(qkv), bias, mask, scale, precision, block, wpp)
+        # (views of qkv kept on ctx would save the backward this call, but would hold qkv's memory
         # past saved-tensor hooks: activation checkpointing, offloading)
         ctx.save_for_backward(qkv, *saved)
         return out
@@ -1007,7 +1002,7 @@ class _PackedWindowAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qkv, *saved = ctx.saved_tensors
         dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        _, _, _, dbias = _backward_ctx(ctx, dout, *unpack(qkv), saved, unpack(dqkv))
+        _, _, _, dbias = _backward_ctx(ctx, dout, *qkv_views(qkv), saved, qkv_views(dqkv))
         return dqkv, dbias, None, None, None, None, None
 
 
@@ -1015,20 +1010,18 @@ def window_attention(q, k, v, bias, mask, scale: float, precision: str, block: i
                      windows_per_program: Optional[int] = None, qkv: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launcher behind the dispatcher's "triton" window backend (inputs already validated by
     :func:`elsa_vision.window_attention`): the custom op under torch.compile, the autograd.Functions
-    otherwise. ``qkv``: the packed [BW, N, 3, H, D] tensor q, k, v are the :func:`unpack` views of
+    otherwise. ``qkv``: the packed [BW, N, 3, H, D] tensor q, k, v are the :func:`qkv_views` views of
     (then its gradient is written in one piece). Returns out [BW,H,N,D]."""
-    if qkv is not None and not torch.compiler.is_compiling():
-        if not (torch.is_grad_enabled() and (qkv.requires_grad or (bias is not None and bias.requires_grad))):
-            # inference: no graph to record, so the kernel without the autograd Function around it
-            return forward(*unpack(qkv), bias, mask, scale, precision, int(block or 0),
-                           int(windows_per_program or 0) or None)[0]
-        return _PackedWindowAttention.apply(qkv, bias, mask, scale, precision, int(block or 0),
-                                            int(windows_per_program or 0) or None)
     if torch.compiler.is_compiling():
         out, _ = torch.ops.elsa_vision.window_fwd(q, k, v, bias, mask, scale, precision, int(block or 0),
                                                  int(windows_per_program or 0))
         return out
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))):
-        return forward(q, k, v, bias, mask, scale, precision, int(block or 0), int(windows_per_program or 0) or None)[0]
-    return _WindowAttention.apply(q, k, v, bias, mask, scale, precision, int(block or 0),
-                                  int(windows_per_program or 0) or None)
+    block, wpp = int(block or 0), int(windows_per_program or 0) or None
+    leaves = (qkv, bias) if qkv is not None else (q, k, v, bias)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)):
+        # inference: no graph to record, so the kernel without an autograd Function around it
+        views = qkv_views(qkv) if qkv is not None else (q, k, v)
+        return forward(*views, bias, mask, scale, precision, block, wpp)[0]
+    if qkv is not None:
+        return _PackedWindowAttention.apply(qkv, bias, mask, scale, precision, block, wpp)
+    return _WindowAttention.apply(q, k, v, bias, mask, scale, precision, block, wpp)
