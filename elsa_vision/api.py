@@ -179,6 +179,12 @@ def attention(
 
     Under ``torch.autocast`` the inputs are cast to the autocast dtype, as SDPA does.
     """
+    key, kept = _kept_call("attention", (q, k, v, bias), (scale, causal, precision, backend, partitions, return_lse))
+    if kept is not None:
+        run, sc, prec = kept
+        out, lse = run(q, k, v, bias, sc, causal, prec, partitions, return_lse)
+        return (out, lse.detach()) if return_lse else out
+    q0, bias0 = q, bias
     q, k, v, bias = _autocast(q, k, v, bias)
     _check_qkv(q, k, v, "attention")
     B, H, Nq, D = q.shape
@@ -199,6 +205,8 @@ def attention(
         out = torch.zeros(B, H, Nq, D, dtype=q.dtype, device=q.device) + empty
         lse = torch.full((B, H, Nq), float("inf"), device=q.device)
         return (out, lse) if return_lse else out
+    if q is q0 and bias is bias0:  # no autocast cast, no bool → additive or broadcast view to redo
+        _keep(key, (run, scale, prec))
     out, lse = run(q, k, v, bias, scale, causal, prec, partitions, return_lse)
     return (out, lse.detach()) if return_lse else out
 
@@ -282,7 +290,7 @@ def window_attention(
     or the backward. Under ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA does; the
     bias keeps its own (the kernels read it as float32), and so does its gradient.
     """
-    key, kept = _kept_window_call(False, (q, k, v, bias, mask), scale, block, precision, backend)
+    key, kept = _kept_call("window", (q, k, v, bias, mask), (scale, block, precision, backend))
     if kept is not None:
         run, sc, prec, blk = kept
         return run(q, k, v, bias, mask, sc, prec, blk)
@@ -308,7 +316,7 @@ def window_attention_packed(
     the size of qkv: at Swin-T's first stage as long as the attention kernels themselves).
     """
     fn = "window_attention_packed"
-    key, kept = _kept_window_call(True, (qkv, bias, mask), scale, block, precision, backend)
+    key, kept = _kept_call("window_packed", (qkv, bias, mask), (scale, block, precision, backend))
     if kept is not None:
         run, sc, prec, blk = kept
         return run(None, None, None, bias, mask, sc, prec, blk, qkv=qkv)
@@ -324,21 +332,23 @@ def window_attention_packed(
                              key if qkv is qkv0 else None)
 
 
-# A model repeats a few window-call signatures (one per Swin stage): what the checks decided for a
-# signature is kept, and a repeat goes straight to the kernels — the checks cost tens of
-# microseconds of host time, as much as the kernels of a late Swin stage. The key holds everything
-# the checks read (shapes, dtypes, devices, who wants a gradient, the arguments, and the global
-# settings that "auto" and the dispatch follow), so a call they would refuse never matches.
-_WINDOW_CALLS: dict = {}
+# A model repeats a few call signatures (one per ViT size, one per Swin stage): what the checks
+# decided for a signature is kept, and a repeat goes straight to the kernels — the checks cost tens
+# of microseconds of host time, as much as the kernels of a late Swin stage or a ViT-S block. The key
+# holds everything the checks read (shapes, dtypes, devices, who wants a gradient, the arguments
+# and their types, and the global settings that "auto" and the dispatch follow), so a call they
+# would refuse never matches.
+_CALLS: dict = {}
+_PLAIN_ARGS = (float, int, str, bool, type(None))
 
 
-def _window_key(packed: bool, tensors, scale, block, precision, backend):
-    """The signature of a window call (None: not kept — under torch.compile, or unusual arguments,
-    which take the checks every time)."""
-    if type(scale) not in (float, int, type(None)) or type(block) not in (str, int) or torch.compiler.is_compiling():
+def _call_key(op, tensors, args):
+    """The signature of a call (None: not kept — under torch.compile, or arguments other than plain
+    numbers / strings, which take the checks every time). ``args`` go in with their types: 1, 1.0
+    and True hash alike, but the checks refuse a bool scale."""
+    if torch.compiler.is_compiling() or any(type(a) not in _PLAIN_ARGS for a in args):
         return None
-    key = [packed, scale, type(scale), block, type(block), precision, backend, torch.is_grad_enabled(),
-           _fp32_matmul_precision(), dispatch_token()]
+    key = [op, *args, *map(type, args), torch.is_grad_enabled(), _fp32_matmul_precision(), dispatch_token()]
     for t in tensors:
         if t is None:
             key.append(None)
@@ -351,10 +361,15 @@ def _window_key(packed: bool, tensors, scale, block, precision, backend):
     return tuple(key)
 
 
-def _kept_window_call(packed: bool, tensors, scale, block, precision, backend):
+def _kept_call(op, tensors, args):
     """(the call's key, what the checks decided for it before or None)."""
-    key = _window_key(packed, tensors, scale, block, precision, backend)
-    return key, (_WINDOW_CALLS.get(key) if key is not None else None)
+    key = _call_key(op, tensors, args)
+    return key, (_CALLS.get(key) if key is not None else None)
+
+
+def _keep(key, decided) -> None:
+    if key is not None and len(_CALLS) < 256:
+        _CALLS[key] = decided
 
 
 def _keep_window_call(key, run, q, bias, bias_in, mask, mask_in, scale: float, precision: str, block: int) -> None:
@@ -362,13 +377,13 @@ def _keep_window_call(key, run, q, bias, bias_in, mask, mask_in, scale: float, p
     and mask as given (no bool → additive conversion, no broadcast view)."""
     plain = (bias is bias_in or (bias_in is not None and bias_in.dim() == 3 and bias_in.shape[0] == q.shape[1]
                                  and bias_in.dtype == bias.dtype))
-    if key is not None and plain and mask is mask_in and len(_WINDOW_CALLS) < 256:
-        _WINDOW_CALLS[key] = (run, scale, precision, block)
+    if plain and mask is mask_in:
+        _keep(key, (run, scale, precision, block))
 
 
 def _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn: str, key=None) -> torch.Tensor:
     """Both window entry points: checks, dispatch, the call (``qkv``: the packed tensor q/k/v view).
-    ``key``: the call's :func:`_window_key`, to keep what the checks decide."""
+    ``key``: the call's :func:`_call_key`, to keep what the checks decide."""
     # the bias stays in its own dtype under autocast: the kernels read it as float32 either way
     q0 = q
     q, k, v = _autocast(q, k, v)

@@ -1075,13 +1075,19 @@ def launch_plan(q, k, bias, precision: str, partitions: Optional[int] = None,
                 config: Optional[Config] = None) -> tuple[Config, int, int]:
     """(tile config, n_part, part_len) of the forward launch for these inputs (see forward)."""
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    cfg = config or fwd_config(q.dtype, _pow2(D), precision, Nk, bias is not None)
-    n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
+    return _launch_plan(B * H, Nq, k.shape[2], D, q.dtype, bias is not None, precision, q.device, partitions, config)
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(bh: int, nq: int, nk: int, d: int, dtype: torch.dtype, has_bias: bool, precision: str,
+                 device: torch.device, partitions: Optional[int], config: Optional[Config]) -> tuple[Config, int, int]:
+    # (memoised: a model repeats a few shapes, and this is host time on every call)
+    cfg = config or fwd_config(dtype, _pow2(d), precision, nk, has_bias)
+    n_part, part_len = plan_partitions(bh, nq, nk, cfg.block_m, cfg.block_n, device, partitions)
     if config is None and cfg.chunk and n_part > 1 and part_len > _PLAIN_KEYS:
         # a split program folds its partition in one running sum (no chunks): compensate it instead
         cfg = Config(32, 32, 4, 2)
-        n_part, part_len = plan_partitions(B * H, Nq, Nk, cfg.block_m, cfg.block_n, q.device, partitions)
+        n_part, part_len = plan_partitions(bh, nq, nk, cfg.block_m, cfg.block_n, device, partitions)
     return cfg, n_part, part_len
 
 
@@ -1305,4 +1311,7 @@ def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partiti
     stats [B,H,2,Nq]: the row statistics (m, S) of ``forward`` (``natural_lse`` gives the lse)."""
     if torch.compiler.is_compiling():
         return torch.ops.elsa_vision.attention_fwd(q, k, v, bias, scale, causal, precision, partitions or 0)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))):
+        # inference: no graph to record, so the kernels without an autograd Function around them
+        return forward(q, k, v, bias, scale, causal, precision, partitions or None)
     return _Attention.apply(q, k, v, bias, scale, causal, precision, partitions)

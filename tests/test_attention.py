@@ -312,6 +312,57 @@ def test_dispatch_memo_follows_the_interpreter_flag_and_never_hides_a_refusal(mo
         dispatch.select(p, "flash")
 
 
+def test_repeated_calls_keep_their_checks():
+    """A repeated attention call skips the checks it passed before (api._CALLS), but never a
+    refusal: arguments that hash alike (1, 1.0, True) are told apart by type, and calls whose
+    inputs the checks convert (a bool or lower-dim bias, an autocast cast) are checked every time."""
+    from elsa_vision import api
+    api._CALLS.clear()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 16, generator=g) for _ in range(3))
+    kw = dict(backend="reference")
+    first = elsa_vision.attention(q, k, v, scale=1, causal=True, partitions=1, **kw)
+    assert torch.equal(elsa_vision.attention(q, k, v, scale=1, causal=True, partitions=1, **kw), first)
+    assert len(api._CALLS) == 1
+    for bad, err, msg in (({"scale": True}, TypeError, "scale must be a Python number"),
+                          ({"causal": 1}, TypeError, "causal must be True or False"),
+                          ({"partitions": True}, ValueError, "partitions")):
+        for _ in range(2):
+            with pytest.raises(err, match=msg):
+                elsa_vision.attention(q, k, v, **{"scale": 1, "causal": True, "partitions": 1, **bad}, **kw)
+    with pytest.raises(TypeError, match="share a dtype"):
+        elsa_vision.attention(q, k.double(), v, scale=1, causal=True, partitions=1, **kw)
+    b2 = torch.randn(8, 8, generator=g)
+    for _ in range(2):  # a [Nq, Nk] bias is viewed as 4-D on every call: not kept
+        assert torch.equal(elsa_vision.attention(q, k, v, bias=b2, **kw), elsa_vision.attention(q, k, v, bias=b2[None, None], **kw))
+    keep = b2 > 0
+    for _ in range(2):
+        assert torch.equal(elsa_vision.attention(q, k, v, bias=keep, **kw),
+                           elsa_vision.attention(q, k, v, bias=torch.where(keep, 0.0, float("-inf"))[None, None], **kw))
+    assert len(api._CALLS) == 2  # the first call and the 4-D bias
+    out, lse = elsa_vision.attention(q, k, v, return_lse=True, **kw)
+    out2, lse2 = elsa_vision.attention(q, k, v, return_lse=True, **kw)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    qg = q.clone().requires_grad_()
+    for _ in range(2):  # who wants a gradient is part of the signature
+        elsa_vision.attention(qg, k, v, **kw).sum().backward()
+        assert qg.grad is not None and qg.grad.abs().sum() > 0
+        qg.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            assert elsa_vision.attention(q, k, v, **kw).dtype == torch.bfloat16
+
+
+def test_inference_matches_the_autograd_path():
+    """Without a gradient to record, the Triton launcher skips the autograd Function: same output."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 37, 16, generator=g).to(DEVICE) for _ in range(3))
+    with torch.no_grad():
+        a = elsa_vision.attention(q, k, v, backend="triton")
+    b = elsa_vision.attention(q.requires_grad_(), k, v, backend="triton")
+    assert b.requires_grad and torch.equal(a, b.detach())
+
+
 @pytest.mark.parametrize("make,err,msg", [
     (lambda q, k, v: (q[0], k, v, {}), ValueError, "must be 4-D"),
     (lambda q, k, v: (q, k.half(), v, {}), TypeError, "share a dtype"),

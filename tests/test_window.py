@@ -468,20 +468,20 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_repeated_calls_keep_their_checks():
-    """A repeated call skips the checks it passed before (api._WINDOW_CALLS) — but only when nothing
+    """A repeated call skips the checks it passed before (api._CALLS) — but only when nothing
     they read differs: a mask that now wants a gradient, another dtype, a bool mask, an autocast that
     must cast, or another float32 matmul setting each take the checks (and their answer) again."""
     from elsa_vision import api
-    api._WINDOW_CALLS.clear()
+    api._CALLS.clear()
     qkv = torch.randn(8, 49, 3, 2, 16)
     m = torch.zeros(4, 49, 49)
     m[1:, :, 20:] = -100.0
     b = torch.randn(2, 49, 49)
     kw = dict(bias=b, mask=m, backend="reference")
     first = elsa_vision.window_attention_packed(qkv, **kw)
-    assert len(api._WINDOW_CALLS) == 1
+    assert len(api._CALLS) == 1
     assert torch.equal(elsa_vision.window_attention_packed(qkv, **kw), first)
-    assert len(api._WINDOW_CALLS) == 1
+    assert len(api._CALLS) == 1
     with pytest.raises(ValueError, match="takes no gradient"):
         elsa_vision.window_attention_packed(qkv, bias=b, mask=m.clone().requires_grad_(True), backend="reference")
     with pytest.raises(TypeError, match="must be floating point"):
@@ -501,14 +501,18 @@ def test_repeated_calls_keep_their_checks():
     old = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("high")
-        key = api._window_key(True, (qkv, b, m), None, "auto", "auto", "reference")
+        key = api._call_key("window_packed", (qkv, b, m), (None, "auto", "auto", "reference"))
         torch.set_float32_matmul_precision("highest")
-        assert key != api._window_key(True, (qkv, b, m), None, "auto", "auto", "reference")
+        assert key != api._call_key("window_packed", (qkv, b, m), (None, "auto", "auto", "reference"))
     finally:
         torch.set_float32_matmul_precision(old)
-    assert api._window_key(True, (qkv, b, m), True, "auto", "auto", "reference") is None  # checked every time
-    with pytest.raises(TypeError, match="scale must be a Python number"):
-        elsa_vision.window_attention_packed(qkv, scale=True, **kw)
+    # 1 and True hash alike: the kept scale=1 must not let scale=True through
+    elsa_vision.window_attention_packed(qkv, scale=1, **kw)
+    elsa_vision.window_attention_packed(qkv, scale=1, **kw)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="scale must be a Python number"):
+            elsa_vision.window_attention_packed(qkv, scale=True, **kw)
+    assert api._call_key("window_packed", (qkv, b, m), (torch.tensor(1.0), "auto", "auto", "reference")) is None
 
 
 def test_empty_batch():
