@@ -250,9 +250,10 @@ def test_autocast_keeps_bool_mask_and_checks_int_bias(backend):
     q, k, v = qkv(1, 2, 16, 16, 32)
     keep = torch.rand(16, 16, generator=torch.Generator().manual_seed(1)) > 0.5
     keep[:, 0] = True
+    keep = keep.to(DEVICE)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         masked = elsa_vision.attention(q, k, v, bias=keep, backend=backend)
-        additive = elsa_vision.attention(q, k, v, bias=torch.zeros(16, 16).masked_fill(~keep, float("-inf")),
+        additive = elsa_vision.attention(q, k, v, bias=torch.zeros(16, 16, device=DEVICE).masked_fill(~keep, float("-inf")),
                                          backend=backend)
         with pytest.raises(TypeError, match="floating point"):
             elsa_vision.attention(q, k, v, bias=keep.int(), backend=backend)
@@ -369,10 +370,11 @@ def test_inference_matches_the_autograd_path():
     (lambda q, k, v: (q, k[:1], v, {}), ValueError, "batch and head dims differ"),
     (lambda q, k, v: (q, k, v[:, :, :3], {}), ValueError, "tokens but v has"),
     (lambda q, k, v: (q[..., :16], k, v, {}), ValueError, "head dims differ"),
-    (lambda q, k, v: (q, k, v, {"bias": torch.zeros(3, 8, 8)}), ValueError, "does not broadcast"),
+    (lambda q, k, v: (q, k, v, {"bias": torch.zeros(3, 8, 8, device=q.device)}), ValueError, "does not broadcast"),
     (lambda q, k, v: (q, k, v, {"scale": float("nan")}), ValueError, "finite"),
     (lambda q, k, v: (q, k, v, {"precision": "fp64"}), ValueError, "precision must be one of"),
-    (lambda q, k, v: (q, k, v, {"bias": torch.zeros(8, 8, dtype=torch.int32)}), TypeError, "floating point"),
+    (lambda q, k, v: (q, k, v, {"bias": torch.zeros(8, 8, dtype=torch.int32, device=q.device)}), TypeError,
+     "floating point"),
     (lambda q, k, v: (q.int(), k.int(), v.int(), {}), TypeError, "not supported"),
     (lambda q, k, v: ("q", k, v, {}), TypeError, "torch.Tensor"),
     (lambda q, k, v: (q, k, v, {"partitions": 0}), ValueError, "partitions"),
@@ -410,7 +412,8 @@ def test_drift_metrics():
 
 
 def test_structure_proof():
-    q, k, v = qkv(1, 2, 16, 300, 64)
+    # 480 keys: 15 tiles of 32 (interpreter) or 8 of 64, the last partial (GPU): four partitions either way
+    q, k, v = qkv(1, 2, 16, 480, 64)
     rep = verify.structure(q, k, v, partitions=4)
     assert rep["partitions"] == 4 and rep["two_pass"] and rep["phase2_reads_summaries"]
     assert rep["summary_shapes"]["W"] == [2, 4, 16, 64]
