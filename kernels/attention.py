@@ -974,15 +974,19 @@ def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_
     return Config(32, 32, 4, 1)
 
 
-def bwd_config(dtype: torch.dtype, d_pad: int, precision: str) -> Config:
-    """Backward tile shape (same sweep): block_n small enough that the dK/dV accumulators stay in registers."""
+def bwd_config(dtype: torch.dtype, d_pad: int, precision: str, nq: int = 0) -> Config:
+    """Backward tile shape (same sweep): block_n small enough that the dK/dV accumulators stay in registers.
+
+    Half precision from 4096 queries on: the larger dQ tiles measured 3–5% faster over the whole
+    backward at 4K–16K (H200: bf16 d = 64 at 16K 9.57 against 9.92 ms, d = 128 16.9 against 17.6),
+    and 4% slower at ViT sizes (197 or 1500 rows), where fewer programs fill the GPU less well."""
     if INTERPRET:
         return Config(32, 32, 1, 1)
     if dtype != torch.float32:
         if d_pad <= 64:
-            return Config(64, 32, 4, 3)
+            return Config(128, 64, 8, 3) if nq >= 4096 else Config(64, 32, 4, 3)
         if d_pad <= 128:
-            return Config(64, 32, 4, 2)
+            return Config(64, 64, 4, 2) if nq >= 4096 else Config(64, 32, 4, 2)
         return Config(32, 32, 4, 1)
     if precision == "fp16x3":
         return Config(128, 64, 8, 3) if d_pad <= 64 else (Config(128, 32, 8, 2) if d_pad <= 128 else Config(64, 32, 4, 1))
@@ -1169,7 +1173,7 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = _pow2(D)
-    cfg = config or bwd_config(q.dtype, d_pad, precision)
+    cfg = config or bwd_config(q.dtype, d_pad, precision, Nq)
     prec = _PREC[precision]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
     scales = _f16_scales(q, k, v, do) if precision == "fp16x3" else delta
