@@ -62,7 +62,9 @@ class Adapter:
 
 @dataclass
 class PatchState:
-    """Stored on a patched module as ``module._elsa``."""
+    """Stored on a patched module as ``module._elsa``. The counters count eager calls: inside a
+    ``torch.compile``d graph a counter would be a guarded constant, and the graph would be
+    recompiled at every call (until dynamo's recompile limit sends the model back to eager)."""
     adapter: Adapter
     original: Callable                  # the module's bound forward before patching
     options: dict
@@ -70,9 +72,14 @@ class PatchState:
     delegated: int = 0
     delegate_reasons: dict = field(default_factory=dict)
 
+    def count_call(self) -> None:
+        if not torch.compiler.is_compiling():
+            self.calls += 1
+
     def delegate(self, *args, reason: str = "unsupported input", **kwargs):
-        self.delegated += 1
-        self.delegate_reasons[reason] = self.delegate_reasons.get(reason, 0) + 1
+        if not torch.compiler.is_compiling():
+            self.delegated += 1
+            self.delegate_reasons[reason] = self.delegate_reasons.get(reason, 0) + 1
         return self.original(*args, **kwargs)
 
 
@@ -227,7 +234,7 @@ class _PatchedForward:
 
     def __call__(self, *args, **kwargs):
         state = self.module.__dict__["_elsa"]
-        state.calls += 1
+        state.count_call()
         return state.adapter.forward(self.module, state, *args, **kwargs)
 
     def __reduce__(self):

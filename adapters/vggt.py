@@ -738,7 +738,7 @@ def _block_attention(block, x, pos):
     kind = _attention_kind(type(attn))
     if kind.fork or _unsupported(attn, kind, x, pos, None, None) is not None:
         return attn(block.norm1(x), pos=pos)
-    state.calls += 1
+    state.count_call()
     y = _elsa_attention(attn, state, x, pos, kind, prenorm=block.norm1)
     return y if y is not None else state.delegate(block.norm1(x), pos=pos, reason="q, k, v of different dtypes "
                                                   "outside autocast")

@@ -178,8 +178,11 @@ def dispatch_token() -> tuple:
 
 def select(p: Problem, backend: str = "auto") -> Backend:
     """The backend that runs ``p``: the named one, or the first that fits. Raises NotSupportedError."""
+    # (not while torch.compile traces: a graph that read or filled the memo would guard on its
+    # contents and be recompiled once an eager call fills it)
+    memo = not torch.compiler.is_compiling()
     key = (p, backend, dispatch_token())
-    chosen = _CHOSEN.get(key)
+    chosen = _CHOSEN.get(key) if memo else None
     if chosen is not None:
         return chosen
     check_backend_name(backend)
@@ -188,7 +191,8 @@ def select(p: Problem, backend: str = "auto") -> Backend:
     for b in candidates:
         reasons = b.not_supported_reasons(p)
         if not reasons and p.op in b.run:
-            _CHOSEN[key] = b
+            if memo:
+                _CHOSEN[key] = b
             return b
         refusals.append(f"  {b.name}: " + "; ".join(reasons or [f"no {p.op} entry point"]))
     what = f"{p.op} with dtype={p.dtype}, device={p.device}, head_dim={p.head_dim}, causal={p.causal}, bias={p.has_bias}"

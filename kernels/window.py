@@ -905,7 +905,9 @@ def window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """→ [dq, dk, dv, dbias]; dbias [H,N,N] is an empty tensor unless ``bias_grad``."""
     dq, dk, dv, dbias = backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, bias_grad,
                                  windows_per_program)
-    return [dq, dk, dv, dbias if dbias is not None else q.new_empty(0)]
+    # dbias is the [H, N, N] corner of the padded [H, NR, NR] sum: a compiled graph expects the
+    # fake's strides (inductor asserts them), so the op returns it row-major
+    return [dq, dk, dv, dbias.contiguous() if dbias is not None else q.new_empty(0)]
 
 
 @window_bwd.register_fake

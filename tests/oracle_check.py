@@ -108,3 +108,23 @@ def assert_graph_replay_matches_eager(step, refill):
     torch.cuda.synchronize()
     for got, want in zip(captured, step()):
         assert torch.equal(got, want)
+
+
+def assert_fake_matches_real(op, *args):
+    """A custom op's fake (meta) outputs have the real outputs' shapes, dtypes and strides (on every
+    dim longer than 1): torch.compile plans its buffers from the fake, and inductor asserts the
+    strides of what the real op returns."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    real = op(*args)
+    mode = FakeTensorMode()
+    fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    with mode:
+        fake = op(*fake_args)
+    real = real if isinstance(real, (list, tuple)) else [real]
+    fake = fake if isinstance(fake, (list, tuple)) else [fake]
+    assert len(real) == len(fake)
+    for i, (r, f) in enumerate(zip(real, fake)):
+        assert r.shape == f.shape and r.dtype == f.dtype, f"output {i}: {r.shape} {r.dtype} vs fake {f.shape} {f.dtype}"
+        rs = [s for s, n in zip(r.stride(), r.shape) if n > 1]
+        fs = [s for s, n in zip(f.stride(), f.shape) if n > 1]
+        assert rs == fs, f"output {i} {tuple(r.shape)}: strides {r.stride()} but the fake has {f.stride()}"

@@ -5,7 +5,7 @@ import torch
 
 import elsa_vision
 from elsa_vision import NotSupportedError, verify
-from oracle_check import check_case
+from oracle_check import assert_fake_matches_real, check_case
 
 from conftest import DEVICE
 
@@ -352,6 +352,21 @@ def test_repeated_calls_keep_their_checks():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for _ in range(2):
             assert elsa_vision.attention(q, k, v, **kw).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bias_shape", [None, (1, 2, 37, 45), (2, 1, 1, 45)])
+def test_custom_ops_fake_matches_real(bias_shape):
+    """What torch.compile plans from the attention ops' fakes is what they return (a bias broadcast
+    along queries gets its gradient summed over them)."""
+    from elsa_vision.kernels import attention as K
+    q = torch.randn(2, 2, 37, 16, device=DEVICE)
+    k, v = torch.randn(2, 2, 45, 16, device=DEVICE), torch.randn(2, 2, 45, 16, device=DEVICE)
+    bias = None if bias_shape is None else torch.randn(bias_shape, device=DEVICE)
+    args = (q, k, v, bias, 0.25, False, "ieee", 0)
+    assert_fake_matches_real(torch.ops.elsa_vision.attention_fwd.default, *args)
+    out, stats = K.attention_fwd(*args)
+    assert_fake_matches_real(torch.ops.elsa_vision.attention_bwd.default, torch.randn_like(out), q, k, v, bias, out,
+                             stats, 0.25, False, "ieee", bias is not None)
 
 
 def test_inference_matches_the_autograd_path():

@@ -16,7 +16,7 @@ import torch
 import elsa_vision
 from elsa_vision import dispatch
 from elsa_vision.verify import max_err, tolerance
-from oracle_check import assert_graph_replay_matches_eager, tf32_operand
+from oracle_check import assert_fake_matches_real, assert_graph_replay_matches_eager, tf32_operand
 
 INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 needs_interp = pytest.mark.skipif(not INTERP, reason="Triton on CPU needs TRITON_INTERPRET=1")
@@ -376,6 +376,22 @@ def test_torch_compile_fullgraph():
     assert max_err(out, ref) == 0
     out.sum().backward()
     assert b.grad is not None
+
+
+@pytest.mark.skipif(not (INTERP or torch.cuda.is_available()), reason="needs the Triton kernels")
+@pytest.mark.parametrize("N", [49, 64])
+def test_custom_ops_fake_matches_real(N):
+    """What torch.compile plans from the window ops' fakes is what they return — with N = 49 the
+    bias gradient is the corner of a padded sum, and Swin v1's bias is a permuted view."""
+    from elsa_vision.kernels import window as W
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, _, m = (t.detach().to(dev) if t is not None else None for t in _inputs(2, 4, 2, N, 32, torch.float32))
+    bias = torch.randn(N, N, 2, device=dev).permute(2, 0, 1)
+    args = (q, k, v, bias, m, 32 ** -0.5, "ieee", 0, 0)
+    assert_fake_matches_real(torch.ops.elsa_vision.window_fwd.default, *args)
+    out, stats = W.window_fwd(*args)
+    assert_fake_matches_real(torch.ops.elsa_vision.window_bwd.default, torch.randn_like(out), q, k, v, bias, m, out,
+                             stats, 32 ** -0.5, "ieee", 0, 0, True)
 
 
 # ---------------------------------------------------------------------------------------------
