@@ -25,6 +25,9 @@ is recorded with its error and the others still run. ``--graphs`` adds each vari
 CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<baseline>``): a training step of a small
 model launches many small kernels, and eagerly the host's launch work can set the pace;
 replayed, the GPU does (what a captured step or ``torch.compile(mode="reduce-overhead")`` gets).
+``--compile MODE`` runs every variant under ``torch.compile`` instead (``default``, ``reduce-overhead``
+or ``max-autotune``; compiled during the warm-up calls, the optimizer step eager), in a ``compile``
+column and a ``_compile_<mode>`` file name.
 
 Writes benchmarks/results/<device>/<name>.csv and <name>.png (speedups per case).
 """
@@ -117,10 +120,18 @@ def set_fused(model: torch.nn.Module, fused: bool) -> bool:
     return found
 
 
-def make_fn(model, x, case: Case, fused=None):
-    """A callable running one forward (no grad) or one training step of ``model`` on ``x``."""
+def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None):
+    """A callable running one forward (no grad) or one training step of ``model`` on ``x``; with
+    ``compile_mode``, the model's forward (and its backward) through ``torch.compile`` in that mode
+    (the optimizer step stays eager)."""
     amp = case.dtype == "bf16"
     dev = x.device.type
+    run = model
+    if compile_mode is not None:
+        if fused is not None:  # fixed before compiling: a switch inside the graph would recompile
+            set_fused(model, fused)
+            fused = None
+        run = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
 
     def prep():
         if fused is not None:
@@ -132,7 +143,7 @@ def make_fn(model, x, case: Case, fused=None):
         def f():
             prep()
             with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
-                return model(x)
+                return run(x)
         return f
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
@@ -141,7 +152,7 @@ def make_fn(model, x, case: Case, fused=None):
     def step():
         prep()
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
-            loss = torch.nn.functional.cross_entropy(model(x).float(), target)
+            loss = torch.nn.functional.cross_entropy(run(x).float(), target)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -149,11 +160,15 @@ def make_fn(model, x, case: Case, fused=None):
 
 
 def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0,
-             profile: Optional[list] = None, graphs: bool = False) -> dict:
+             profile: Optional[list] = None, graphs: bool = False, compile_mode: Optional[str] = None) -> dict:
     """Time one case (ELSA vs timm's paths, interleaved); with ``profile`` (a list), also append one
     profiled call per variant: CUDA time per kernel category and the top kernels; with ``graphs``,
-    also time each variant replayed from a CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<b>``)."""
+    also time each variant replayed from a CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<b>``);
+    with ``compile_mode``, every variant is its model under ``torch.compile`` (timm's two paths on
+    two copies), compiled during the warm-up calls."""
     row = {"model": case.model, "size": case.size, "batch": case.batch, "mode": case.mode, "dtype": case.dtype}
+    if compile_mode is not None:
+        row["compile"] = compile_mode
     try:
         torch.manual_seed(0)
         native = build(case, device)
@@ -166,10 +181,11 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         return row
     # Swin v2's WindowAttention has no SDPA path (no fused_attn flag): only "unfused" applies
     has_fused = any(hasattr(m, "fused_attn") for m in native.modules())
-    variants = {"elsa": make_fn(elsa, x, case)}
+    variants = {"elsa": make_fn(elsa, x, case, compile_mode=compile_mode)}
     if has_fused:
-        variants["fused"] = make_fn(native, x, case, fused=True)
-    variants["unfused"] = make_fn(native, x, case, fused=False)
+        fused_model = copy.deepcopy(native) if compile_mode is not None else native
+        variants["fused"] = make_fn(fused_model, x, case, fused=True, compile_mode=compile_mode)
+    variants["unfused"] = make_fn(native, x, case, fused=False, compile_mode=compile_mode)
     res = measure(variants, warmup=warmup, rounds=rounds, budget_ms=budget_ms)
     for name, r in res.items():
         row[f"{name}_ms"] = r.ms
@@ -276,7 +292,13 @@ def main(argv=None) -> int:
     ap.add_argument("--graphs", action="store_true",
                     help="also time each variant replayed from a CUDA graph (no host launch work): "
                          "<variant>_graph_ms, graph_speedup_vs_<baseline>")
+    ap.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
+                    help="run every variant under torch.compile in this mode (compiled in the warm-up; "
+                         "not with --graphs)")
     a = ap.parse_args(argv)
+    if a.compile and a.graphs:
+        ap.error("--compile and --graphs measure different things; pick one (reduce-overhead already replays "
+                 "CUDA graphs)")
     if a.device == "cpu":
         print("note: no GPU; this runs on the CPU (reference backend unless TRITON_INTERPRET=1) — "
               "use small --sizes/--batches", file=sys.stderr)
@@ -290,6 +312,7 @@ def main(argv=None) -> int:
     cases = [c for c in cases if keep(c)]
     parts = ["models"] + (["quick"] if a.quick else []) + ([a.family] if a.family != "all" and not a.quick else [])
     parts += ["-".join(m.lower() for m in a.models)] if a.models else []
+    parts += [f"compile_{a.compile.replace('-', '_')}"] if a.compile else []
     name = a.name or "_".join(parts)
     out_dir = results_dir()
     rows, prof_rows = [], []
@@ -300,7 +323,7 @@ def main(argv=None) -> int:
             break
         print(f"[{i + 1}/{len(cases)}] {c.label}", flush=True)
         rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision, 1e3 * a.budget_s,
-                             prof_rows if a.profile else None, a.graphs))
+                             prof_rows if a.profile else None, a.graphs, a.compile))
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
             "speedup_vs_unfused", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
