@@ -469,6 +469,38 @@ def test_chunked_scan(nq, nk, causal, bias_shape, chunk):
         assert not out[:, :, : nq - nk].any()
 
 
+@pytest.mark.parametrize("precision", ["fp16x3", "tf32x3", "tf32"])
+@pytest.mark.parametrize("nq,nk,causal,partitions", [(40, 300, False, 1), (7, 20, False, 1), (70, 70, True, 1),
+                                                     (16, 257, False, 3), (5, 3, False, 1)])
+def test_pipelined_forward_is_the_plain_loop(precision, nq, nk, causal, partitions):
+    """Config.pipeline issues the next key tile's q·kᵀ before this tile's softmax: an instruction
+    order, nothing else. Outputs and row statistics bitwise equal to the plain loop's, also for
+    partitions and key ranges with one full tile or none."""
+    from elsa_vision.kernels import attention as K
+    q, k, v = qkv(2, 2, nq, nk, 64, seed=nq + nk)
+    warps = 1 if K.INTERPRET else 4
+    plain, piped = K.Config(32, 32, warps, 1), K.Config(32, 32, warps, 1, pipeline=True)
+    out0, st0 = K.forward(q, k, v, None, 0.125, causal, precision, partitions, config=plain)
+    out1, st1 = K.forward(q, k, v, None, 0.125, causal, precision, partitions, config=piped)
+    assert torch.equal(out0, out1) and torch.equal(st0, st1)
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.bfloat16, "native"), (torch.float32, "fp16x3"),
+                                             (torch.float32, "tf32x3"), (torch.float32, "ieee")])
+@pytest.mark.parametrize("causal,with_bias", [(False, False), (True, True)])
+def test_early_dp_is_the_late_order(dtype, precision, causal, with_bias):
+    """The dK/dV kernel's dPᵀ issued before or after the exponentials (early_dp_default): the same
+    gradients, bitwise."""
+    from elsa_vision.kernels import attention as K
+    q, k, v = qkv(1, 2, 70, 70 if causal else 90, 64, dtype=dtype, seed=7)
+    bias = rand(1, 2, 70, k.shape[2], seed=8) if with_bias else None
+    out, st = K.forward(q, k, v, bias, 0.125, causal, precision)
+    do = rand(*out.shape, dtype=dtype, seed=9)
+    late = K.backward(do, q, k, v, bias, out, st, 0.125, causal, precision, with_bias, early_dp=False)
+    early = K.backward(do, q, k, v, bias, out, st, 0.125, causal, precision, with_bias, early_dp=True)
+    assert all(torch.equal(a, b) for a, b in zip(late, early) if a is not None)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_large_logits_cosine_attention(backend):
     """Swin v2 at its clamp: unit q/k times τ = 100 plus a bias gives logits of ±100, where a
