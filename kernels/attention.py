@@ -43,8 +43,8 @@ Causal is aligned bottom-right: query i sees key j iff j ≤ i + Nk − Nq.
 """
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -1200,8 +1200,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split,
         PREC=_PREC[precision], KAHAN=cfg.kahan and not chunk, CHUNK=chunk, PIPELINE=cfg.pipeline,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         phase2(ms, ss, ws, out, stats, bias is not None)
@@ -1255,9 +1254,10 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
         q, k, v, bias_arg, do, stats, delta, dq, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
         HAS_BIAS=bias is not None, **common)
     kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
+    early_dp = early_dp_default(q.dtype, d_pad, precision) if early_dp is None else early_dp
     launch(_bwd_dkdv_kernel, (_cdiv(Nk, kv.block_n), B * H),
         q, k, v, bias_arg, do, stats, delta, dk, dv, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, EARLY_DP=early_dp_default(q.dtype, d_pad, precision) if early_dp is None else early_dp,
+        HAS_BIAS=bias is not None, EARLY_DP=early_dp,
         **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n, "num_warps": kv.num_warps,
            "num_stages": kv.num_stages})
     dbias = None
