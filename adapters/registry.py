@@ -2,9 +2,9 @@
 
 An :class:`Adapter` serves the module classes it names (matched by class object, exactly — a
 subclass with its own forward is not assumed to share the parent's semantics unless the adapter
-lists it). ``patch`` walks ``model.modules()``, binds a new ``forward`` on each matching instance
-(instance attribute, so the class and every other instance are untouched), and keeps the original
-bound forward for ``unpatch``. Parameters and buffers are the module's own: nothing is copied and
+lists it). ``patch`` walks ``model.modules()``, binds a new ``forward`` (or the adapter's
+``method``) on each matching instance (instance attribute, so the class and every other instance
+are untouched), and keeps the original bound method for ``unpatch``. Parameters and buffers are the module's own: nothing is copied and
 state_dict keys do not change.
 
 A patched forward that meets an input the adapter cannot serve exactly calls the original forward
@@ -35,6 +35,9 @@ class Adapter:
 
     name: str = "adapter"
     targets: tuple[str, ...] = ()
+    # the method replaced on each instance: "forward", or one the module's own forward calls (the
+    # Swin blocks' "_attn"), so that the rest of that forward stays the library's
+    method: str = "forward"
     # keyword options of ``patch`` this adapter reads, besides ``precision``, ``backend`` and
     # ``token_merging`` (patch refuses a keyword that no registered adapter reads: a typo never
     # silently does nothing)
@@ -194,9 +197,9 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
             report.skipped.setdefault(adapter.name, []).append((name, "excluded by include/exclude"))
             continue
         why = adapter.skip_reason(mod, opts)
-        if not why and "forward" in mod.__dict__:
-            why = ("its forward is replaced on the instance (a wrapper from other code), which patching "
-                   "would bypass; remove it (del module.forward) or patch before wrapping")
+        if not why and adapter.method in mod.__dict__:
+            why = (f"its {adapter.method} is replaced on the instance (a wrapper from other code), which patching "
+                   f"would bypass; remove it (del module.{adapter.method}) or patch before wrapping")
         if why:
             report.skipped.setdefault(adapter.name, []).append((name, why))
             continue
@@ -221,7 +224,7 @@ def bypass_reason(module: torch.nn.Module, skipped: Sequence[str] = ("attn_drop"
 
 
 class _PatchedForward:
-    """The forward a patched module carries as an instance attribute. The state is looked up on the
+    """The forward (or adapter ``method``) a patched module carries as an instance attribute. The state is looked up on the
     module at each call (not captured), and copying or pickling rebuilds it around the copied
     module (``__reduce__``): copy.deepcopy of a patched model (EMA copies, model soups) gives a copy
     whose forward, delegation target and counters are its own, and torch.save / torch.load of a
@@ -242,10 +245,16 @@ class _PatchedForward:
 
 
 def _bind(mod: torch.nn.Module, adapter: Adapter, opts: dict) -> None:
-    state = PatchState(adapter=adapter, original=mod.forward, options=dict(opts))
+    state = PatchState(adapter=adapter, original=getattr(mod, adapter.method), options=dict(opts))
     # object.__setattr__: nn.Module.__setattr__ would try to register these as submodules/params
     object.__setattr__(mod, "_elsa", state)
-    object.__setattr__(mod, "forward", _PatchedForward(mod))
+    object.__setattr__(mod, adapter.method, _PatchedForward(mod))
+
+
+def is_patched(mod: torch.nn.Module) -> bool:
+    """Whether ``mod`` is patched and its patched method is still the one ``patch`` bound."""
+    state = mod.__dict__.get("_elsa")
+    return isinstance(state, PatchState) and type(mod.__dict__.get(state.adapter.method)) is _PatchedForward
 
 
 def unpatch(model: torch.nn.Module) -> int:
@@ -255,7 +264,7 @@ def unpatch(model: torch.nn.Module) -> int:
         state = mod.__dict__.get("_elsa")
         if not isinstance(state, PatchState):
             continue
-        del mod.__dict__["forward"]  # (patch skips modules with a forward of their own)
+        del mod.__dict__[state.adapter.method]  # (patch skips modules with one of their own)
         del mod.__dict__["_elsa"]
         n += 1
     return n

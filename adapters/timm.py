@@ -14,7 +14,20 @@ module class (matched exactly)                 forward
 ``timm.models.eva.EvaAttention``               ``(x, rope=None, attn_mask=None, is_causal=False)``
 ``timm.models.swin_transformer.WindowAttention``     ``(x, mask=None)``
 ``timm.models.swin_transformer_v2.WindowAttention``  ``(x, mask=None)``
+``timm.models.swin_transformer.SwinTransformerBlock``     ``_attn(x)`` (not ``forward``)
+``timm.models.swin_transformer_v2.SwinTransformerV2Block``  ``_attn(x)`` (not ``forward``)
 =============================================  ==============================================
+
+The Swin blocks' ``_attn`` (cyclic shift, window partition, window attention, window merge, reverse
+shift) runs as one :func:`elsa_vision.shifted_window_attention` call between the attention
+module's own ``qkv`` and ``proj``: the kernels read each window's tokens where they lie in the
+[B, H, W, C] feature map, so the four copies of the tokens timm makes per block (two rolls, the
+partition and the merge), and their gradients' copies, are never made. It serves a block whose
+``attn`` is itself patched (so ``include`` / ``exclude`` on the attention modules holds) and falls
+back to the block's own ``_attn`` — which then calls the patched ``attn`` — for a feature map that
+is not a multiple of the window (timm pads it), hooks on ``attn``, an active ``proj_drop`` (its
+random mask follows timm's window order) or any reason ``attn`` itself would delegate. Patch option
+``fuse_windows=False`` leaves the blocks alone.
 
 Calls that are delegated to the original forward (and counted in ``module._elsa.delegated``):
 
@@ -31,9 +44,10 @@ Rows that see no key at all (a boolean ``attn_mask`` row of all False) return 0,
 timm's unfused path (``fused_attn=False``, and Swin) returns NaN there. A Swin ``mask`` of bool or
 integer dtype is added as numbers (True = +1), as timm does.
 
-Patch options read here: ``precision`` (see :func:`elsa_vision.attention`) and ``backend``
+Patch options read here: ``precision`` (see :func:`elsa_vision.attention`), ``backend``
 (``"auto"`` by default; naming one, e.g. ``backend="reference"``, routes every call — Swin
-included — through ``elsa_vision.attention`` on that backend).
+included — through ``elsa_vision.attention`` on that backend, or the Swin blocks through
+``shifted_window_attention`` on it) and ``fuse_windows`` (default True: the Swin blocks above).
 """
 from __future__ import annotations
 
@@ -44,7 +58,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .registry import Adapter, PatchState, bypass_reason, register
+from .registry import Adapter, PatchState, bypass_reason, is_patched, register
 
 MIN_TIMM = (1, 0, 20)
 
@@ -249,8 +263,9 @@ class _SwinBase(Adapter):
     def _qkv(self, module, x):
         raise NotImplementedError
 
-    def _prepare(self, module, q, k):
-        """→ (q, k, scale or None, bias [H, N, N])."""
+    def _prepare(self, module, q, k, image: bool = False):
+        """→ (q, k, scale or None, bias [H, N, N]); q, k [B·nW, H, N, D], or [B, H, W, heads, D] with
+        ``image``."""
         raise NotImplementedError
 
     def _attend(self, module, state, qkv, mask):
@@ -260,6 +275,16 @@ class _SwinBase(Adapter):
         return window_core(q, k, v, bias, mask, scale, precision=state.options.get("precision", "auto"),
                            backend=_backend(state))
 
+    def _attend_image(self, module, state, qkv, window, shift, mask):
+        """The Swin block's path: qkv [B, H, W, 3·heads·D] of the feature map (not partitioned) →
+        [B, H, W, heads, D] by :func:`elsa_vision.shifted_window_attention`."""
+        B, IH, IW, _ = qkv.shape
+        q, k, v = qkv.reshape(B, IH, IW, 3, module.num_heads, -1).unbind(3)
+        q, k, scale, bias = self._prepare(module, q, k, image=True)
+        return _api().shifted_window_attention(q, k, v, window_size=window, shift_size=shift, bias=bias, mask=mask,
+                                               scale=scale, precision=state.options.get("precision", "auto"),
+                                               backend=_backend(state))
+
     def forward(self, module, state, x, mask=None):
         Bw, N, C = x.shape
         why = _bypass_reason(module)
@@ -267,12 +292,15 @@ class _SwinBase(Adapter):
             return state.delegate(x, mask=mask, reason=why)
         if not _mask_ok(mask, Bw, N):
             return state.delegate(x, mask=mask, reason="mask is not [nW, N, N] with nW dividing the window batch")
-        if mask is not None and not mask.is_floating_point():
-            mask = mask.float()  # timm adds a bool / integer mask as numbers (True = +1), not as a keep-mask
-        o = self._attend(module, state, self._qkv(module, x), mask)
+        o = self._attend(module, state, self._qkv(module, x), _float_mask(mask))
         x = o.transpose(1, 2).reshape(Bw, N, -1)
         x = module.proj(x)
         return module.proj_drop(x)
+
+
+def _float_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    # timm adds a bool / integer mask as numbers (True = +1), not as a keep-mask
+    return mask.float() if mask is not None and not mask.is_floating_point() else mask
 
 
 class SwinWindowAttention(_SwinBase):
@@ -286,7 +314,7 @@ class SwinWindowAttention(_SwinBase):
     def _qkv(self, module, x):
         return module.qkv(x)
 
-    def _prepare(self, module, q, k):
+    def _prepare(self, module, q, k, image=False):
         # timm's _get_rel_pos_bias without its row-major copy: the kernels take the permuted view
         # (padding it, N = 49, makes the one copy they read)
         n = module.window_area
@@ -306,6 +334,15 @@ class SwinWindowAttention(_SwinBase):
         return ev.window_attention_packed(qkv.reshape(Bw, N, 3, module.num_heads, -1), bias=bias, mask=mask,
                                           scale=scale, precision=state.options.get("precision", "auto"))
 
+    def _attend_image(self, module, state, qkv, window, shift, mask):
+        # the packed form: qkv's gradient comes out of the kernels in one piece
+        B, IH, IW, _ = qkv.shape
+        _, _, scale, bias = self._prepare(module, None, None)
+        return _api().shifted_window_attention(qkv.reshape(B, IH, IW, 3, module.num_heads, -1), window_size=window,
+                                               shift_size=shift, bias=bias, mask=mask, scale=scale,
+                                               precision=state.options.get("precision", "auto"),
+                                               backend=_backend(state))
+
 
 class SwinV2WindowAttention(_SwinBase):
     """Swin v2 ``timm.models.swin_transformer_v2.WindowAttention``: cosine attention,
@@ -319,8 +356,10 @@ class SwinV2WindowAttention(_SwinBase):
     def _qkv(self, module, x):
         return _biased_qkv(module, x)
 
-    def _prepare(self, module, q, k):
+    def _prepare(self, module, q, k, image=False):
         tau = torch.clamp(module.logit_scale, max=math.log(1.0 / 0.01)).exp()  # [H, 1, 1]
+        if image:
+            tau = tau.view(-1, 1)  # heads are the second-last dim of image rows
         # normalize(q)·τ as one pass over q: q · (τ / max(‖q‖, eps)), F.normalize's eps
         q = q * (tau / q.norm(dim=-1, keepdim=True).clamp_min(1e-12))
         k = F.normalize(k, dim=-1)
@@ -331,6 +370,80 @@ class SwinV2WindowAttention(_SwinBase):
         table = 16 * torch.sigmoid(module.cpb_mlp(module.relative_coords_table).view(-1, H))
         bias = table[module.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()
         return q, k, 1.0, bias
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Hooks that calling ``module`` would run: its own, or global module hooks."""
+    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+            or module._backward_pre_hooks):
+        return True
+    glob = torch.nn.modules.module.__dict__
+    return any(glob.get(name) for name in _GLOBAL_HOOKS)
+
+
+class SwinBlock(Adapter):
+    """Swin v1 ``SwinTransformerBlock`` / v2 ``SwinTransformerV2Block``: their ``_attn(x)`` — x
+    [B, H, W, C] → roll by −shift → window partition → ``attn`` → window merge → roll by +shift —
+    as ``attn.qkv`` → :func:`elsa_vision.shifted_window_attention` → ``attn.proj`` →
+    ``attn.proj_drop`` on the feature map itself (see the module docstring). The block's
+    ``forward`` (norms, residuals, MLP, drop-path) stays timm's."""
+
+    name = "timm.SwinBlock"
+    targets = ("timm.models.swin_transformer:SwinTransformerBlock",
+               "timm.models.swin_transformer_v2:SwinTransformerV2Block")
+    method = "_attn"
+    options = frozenset({"fuse_windows"})
+
+    def skip_reason(self, module, options):
+        if not options.get("fuse_windows", True):
+            return "fuse_windows=False: timm's shift and window partition run around the patched attention"
+        ver = _timm_version()
+        if ver is not None and ver < MIN_TIMM:
+            return f"timm {'.'.join(map(str, ver))} is older than 1.0.20; upgrade timm (pip install -U timm)"
+        if not callable(getattr(module, "_attn", None)):
+            return "this timm version's block has no _attn method"
+        return None
+
+    @staticmethod
+    def _why_not(block, x) -> Optional[str]:
+        """Why this call must run timm's own _attn (None: the fused path serves it)."""
+        attn = getattr(block, "attn", None)
+        if attn is None or not is_patched(attn) or not isinstance(attn.__dict__["_elsa"].adapter, _SwinBase):
+            return "its attention module is not patched by ELSA"
+        why = _bypass_reason(attn)
+        if why:
+            return why
+        if _hooked(attn):
+            return "hooks on its attention module, which the fused block does not call"
+        drop = getattr(attn, "proj_drop", None)
+        if drop is not None and getattr(drop, "p", 0.0) > 0 and drop.training:
+            return "output-projection dropout in training (its random mask follows timm's window order)"
+        if x.dim() != 4:
+            return "input is not a [B, H, W, C] feature map"
+        (wh, ww), (_, IH, IW, _) = block.window_size, x.shape
+        if IH % wh or IW % ww:
+            return "feature map not a multiple of the window (timm pads it)"
+        return None
+
+    def forward(self, block, state, x):
+        why = self._why_not(block, x)
+        if why:
+            return state.delegate(x, reason=why)
+        attn = block.attn
+        astate = attn.__dict__["_elsa"]
+        mask = block.get_attn_mask(x) if getattr(block, "dynamic_mask", False) else block.attn_mask
+        B, IH, IW, _ = x.shape
+        N = block.window_size[0] * block.window_size[1]
+        if mask is not None and tuple(mask.shape) != ((IH // block.window_size[0]) * (IW // block.window_size[1]), N, N):
+            return state.delegate(x, reason="attn_mask is not [nW, N, N] for this feature map")
+        astate.count_call()  # the attention module's call, served here
+        o = astate.adapter._attend_image(attn, astate, astate.adapter._qkv(attn, x), block.window_size,
+                                         block.shift_size, _float_mask(mask))
+        return attn.proj_drop(attn.proj(o.reshape(B, IH, IW, -1)))
 
 
 @torch.no_grad()
@@ -350,5 +463,5 @@ def unzero_residual_norms(model: torch.nn.Module) -> int:
     return n
 
 
-for _adapter in (TimmAttention(), TimmRopeAttention(), SwinWindowAttention(), SwinV2WindowAttention()):
+for _adapter in (TimmAttention(), TimmRopeAttention(), SwinWindowAttention(), SwinV2WindowAttention(), SwinBlock()):
     register(_adapter)

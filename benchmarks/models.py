@@ -15,6 +15,10 @@ run interleaved on one set of weights:
              experimental fused path). Swin v2 has no fused path: the column stays empty.
   unfused    timm's explicit softmax(q kᵀ) path (``module.fused_attn = False``)
 
+and with ``--nofuse``, for Swin models, ``elsa_nofuse``: ``patch(fuse_windows=False)`` (ELSA in the
+attention modules only, timm's cyclic shift and window partition / merge copies around them), to
+show what running the blocks' shifted windows in place adds.
+
 A training step is forward + backward + SGD step. fp32 runs with ``torch.set_float32_matmul_precision
 ("highest")`` (native attention is true fp32; ELSA runs its fp32-accurate 3xTF32 mode); pass
 ``--matmul high`` to let both use TF32 (ELSA's ``tf32`` mode). Columns: median latency (ms) and
@@ -161,7 +165,8 @@ def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None
 
 
 def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0,
-             profile: Optional[list] = None, graphs: bool = False, compile_mode: Optional[str] = None) -> dict:
+             profile: Optional[list] = None, graphs: bool = False, compile_mode: Optional[str] = None,
+             nofuse: bool = False) -> dict:
     """Time one case (ELSA vs timm's paths, interleaved); with ``profile`` (a list), also append one
     profiled call per variant: CUDA time per kernel category and the top kernels; with ``graphs``,
     also time each variant replayed from a CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<b>``);
@@ -176,6 +181,10 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         elsa = copy.deepcopy(native)
         report = elsa_vision.patch(elsa, precision=precision)
         row["patched"] = report.num_patched
+        nofuse = nofuse and case.model in SWIN
+        if nofuse:
+            elsa_nf = copy.deepcopy(native)
+            elsa_vision.patch(elsa_nf, precision=precision, fuse_windows=False)
         x = torch.randn(case.batch, 3, case.size, case.size, device=device)
     except Exception as e:  # noqa: BLE001 - a case that cannot be built is a result
         row["error"] = f"build: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -183,6 +192,8 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     # Swin v2's WindowAttention has no SDPA path (no fused_attn flag): only "unfused" applies
     has_fused = any(hasattr(m, "fused_attn") for m in native.modules())
     variants = {"elsa": make_fn(elsa, x, case, compile_mode=compile_mode)}
+    if nofuse:
+        variants["elsa_nofuse"] = make_fn(elsa_nf, x, case, compile_mode=compile_mode)
     if has_fused:
         fused_model = copy.deepcopy(native) if compile_mode is not None else native
         variants["fused"] = make_fn(fused_model, x, case, fused=True, compile_mode=compile_mode)
@@ -201,6 +212,8 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         r = res.get(b)
         if r is not None and r.ms and e.ms:
             row[f"speedup_vs_{b}"] = r.ms / e.ms
+            if nofuse and res["elsa_nofuse"].ms:
+                row[f"nofuse_speedup_vs_{b}"] = r.ms / res["elsa_nofuse"].ms
         if r is not None and r.peak_bytes and e.peak_bytes:
             row[f"mem_vs_{b}"] = e.peak_bytes / r.peak_bytes
     if graphs and device == "cuda":
@@ -215,6 +228,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
             r = gres.get(b)
             if r is not None and r.ms and ge is not None and ge.ms:
                 row[f"graph_speedup_vs_{b}"] = r.ms / ge.ms
+                gn = gres.get("elsa_nofuse")
+                if gn is not None and gn.ms:
+                    row[f"nofuse_graph_speedup_vs_{b}"] = r.ms / gn.ms
     if case.mode == "fwd" and e.ms:
         base = next((b for b in BASELINES if res.get(b) is not None and res[b].ms), None)
         if base:
@@ -239,6 +255,8 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     if delegated:
         row["delegated_calls"] = delegated
     del native, elsa, variants, x
+    if nofuse:
+        del elsa_nf
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -296,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--graphs", action="store_true",
                     help="also time each variant replayed from a CUDA graph (no host launch work): "
                          "<variant>_graph_ms, graph_speedup_vs_<baseline>")
+    ap.add_argument("--nofuse", action="store_true",
+                    help="Swin models: also ELSA with patch(fuse_windows=False) (variant elsa_nofuse)")
     ap.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
                     help="run every variant under torch.compile in this mode (compiled in the warm-up; "
                          "not with --graphs)")
@@ -327,12 +347,16 @@ def main(argv=None) -> int:
             break
         print(f"[{i + 1}/{len(cases)}] {c.label}", flush=True)
         rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision, 1e3 * a.budget_s,
-                             prof_rows if a.profile else None, a.graphs, a.compile))
+                             prof_rows if a.profile else None, a.graphs, a.compile, a.nofuse))
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
             "speedup_vs_unfused", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
+    if a.nofuse:
+        cols += ["elsa_nofuse_ms", "nofuse_speedup_vs_fused", "nofuse_speedup_vs_unfused"]
     if a.graphs:
         cols += ["elsa_graph_ms", "graph_speedup_vs_fused", "graph_speedup_vs_unfused"]
+        if a.nofuse:
+            cols += ["nofuse_graph_speedup_vs_fused", "nofuse_graph_speedup_vs_unfused"]
     print(fmt_table(rows, cols))
     errs = [(r, k) for r in rows for k in r if k.endswith("error")]
     for r, k in errs:

@@ -4,7 +4,9 @@
     python benchmarks/windows.py --quick    # four shapes, no sweep (about a minute on an H100)
     python benchmarks/windows.py --tune --shapes swinT-s1,swinT-s4,v2w16-s1   # kernel tuning switches
     python benchmarks/windows.py --quick --profile   # + CUDA time per kernel and host time per call
-    → benchmarks/results/<device>/windows.csv and windows.png (windows_quick.* with --quick)
+    python benchmarks/windows.py --blocks   # Swin blocks' whole _attn: shift + windows + attention
+    → benchmarks/results/<device>/windows.csv and windows.png (windows_quick.* with --quick,
+      windows_blocks.* with --blocks)
 
 Shapes: Swin-T at 224² and batch 64 — B·nW = 4096/1024/256/64 windows of N = 49 tokens, heads 3/6/12/24,
 d = 32 — and SwinV2-T window 8 (N = 64, 256²) and window 16 (N = 256, 256²) stages. Stages with more
@@ -20,7 +22,15 @@ relative-position bias [H, N, N] as a leaf that requires grad, and the mask [nW,
               gradient for qkv written by the kernels, where every other variant's three view
               gradients are stacked by autograd
 fp32 runs under torch's default matmul precision ("highest": timm's matmuls are IEEE float32 and ELSA
-runs 3xTF32). fwd+bwd computes dq, dk, dv and dbias.
+runs fp16x3). fwd+bwd computes dq, dk, dv and dbias.
+
+--blocks: the unit is a Swin-T block's whole ``_attn(x)`` — x [64, R, R, C] → cyclic shift → window
+partition → WindowAttention (qkv, attention, proj) → window merge → reverse shift — one block per
+stage (shifted at stages 1-3; stage 4 is one window), fwd and fwd+bwd (gradients of x and of the
+attention's parameters), fp32 and bf16 autocast. Variants: timm-sdpa / timm-math (the block as timm
+runs it), elsa-window (``patch(fuse_windows=False)``: ELSA inside WindowAttention, timm's shift and
+partition copies around it) and elsa-block (``patch()``: one shifted_window_attention call on the
+feature map, no copies).
 
 Columns: ms (median), peak_mib (allocated above the inputs during one call), speedup =
 min(timm-sdpa, timm-math) ms / variant ms (> 1: faster than timm's better path), mem_ratio = variant peak /
@@ -45,6 +55,7 @@ from benchmarks.harness import (cuda_breakdown, fmt_table, measure, measure_grap
                                 write_csv)
 
 import elsa_vision  # noqa: E402
+from elsa_vision.adapters.registry import patched_modules  # noqa: E402
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -249,6 +260,64 @@ def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None):
     return rows
 
 
+# Swin-T at 224² (stage, resolution, dim, heads, shift): one block per stage, batch 64
+BLOCKS = [("swinT-s1", 56, 96, 3, 3), ("swinT-s2", 28, 192, 6, 3), ("swinT-s3", 14, 384, 12, 3),
+          ("swinT-s4", 7, 768, 24, 0)]
+BLOCK_BATCH = 64
+BLOCK_BASELINES = ("timm-sdpa", "timm-math")
+
+
+def run_block_case(name, res, dim, heads, shift, dtype_name, bwd, rounds):
+    """Rows of one Swin block's _attn (see the module docstring, --blocks), variants interleaved."""
+    import copy
+    from timm.models.swin_transformer import SwinTransformerBlock
+    torch.manual_seed(0)
+    blk = SwinTransformerBlock(dim, (res, res), num_heads=heads, window_size=7, shift_size=shift).to(DEVICE)
+    blocks = {"timm-sdpa": blk, "timm-math": copy.deepcopy(blk), "elsa-window": copy.deepcopy(blk),
+              "elsa-block": copy.deepcopy(blk)}
+    blocks["timm-sdpa"].attn.fused_attn = True
+    blocks["timm-math"].attn.fused_attn = False
+    elsa_vision.patch(blocks["elsa-window"], fuse_windows=False)
+    elsa_vision.patch(blocks["elsa-block"])
+    amp = dtype_name == "bf16"
+    x = torch.randn(BLOCK_BATCH, res, res, dim, device=DEVICE, requires_grad=bwd)
+    grad_out = torch.randn(BLOCK_BATCH, res, res, dim, device=DEVICE)
+
+    def wrap(b):
+        leaves = [x] + [p for p in b.attn.parameters() if p.requires_grad]
+
+        def f():
+            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=amp), torch.set_grad_enabled(bwd):
+                out = b._attn(x)
+            if bwd:
+                return torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+            return out
+        return f
+    fns = {n: wrap(b) for n, b in blocks.items()}
+    res_e = measure(fns, rounds=rounds)
+    res_g = measure_graphed({n: f for n, f in fns.items() if res_e[n].ms is not None}, rounds=rounds) \
+        if DEVICE == "cuda" else {}
+    best = min((res_e[b] for b in BLOCK_BASELINES if res_e[b].ms), key=lambda r: r.ms, default=None)
+    gbest = min((res_g[b] for b in BLOCK_BASELINES if b in res_g and res_g[b].ms), key=lambda r: r.ms, default=None)
+    rows = []
+    for n, r in res_e.items():
+        g = res_g.get(n)
+        rows.append({
+            "shape": name, "res": res, "C": dim, "H": heads, "shift": shift, "batch": BLOCK_BATCH, "dtype": dtype_name,
+            "mode": "fwd+bwd" if bwd else "fwd", "variant": n, "ms": r.ms,
+            "peak_mib": None if r.peak_bytes is None else r.peak_bytes / 2**20,
+            "best_timm": best.variant if best else "",
+            "speedup": (best.ms / r.ms) if (best and r.ms) else None,
+            "mem_ratio": (r.peak_bytes / best.peak_bytes) if (best and r.peak_bytes and best.peak_bytes) else None,
+            "graph_ms": g.ms if g else None, "graph_best_timm": gbest.variant if gbest else "",
+            "graph_speedup": (gbest.ms / g.ms) if (gbest and g and g.ms) else None,
+            "error": r.error or (g.error if g else ""),
+        })
+    delegated = sum(s.delegated for b in blocks.values() for _, s in patched_modules(b))
+    assert delegated == 0, "a patched block delegated to timm's _attn: the benchmark would not measure ELSA"
+    return rows
+
+
 def plot(rows, path):
     """Per dtype × mode: speedup vs timm's better path (eager; CUDA-graph replay when measured) and
     peak-memory ratio, log scale."""
@@ -296,6 +365,8 @@ def main(argv=None):
                          "bias in registers, pipeline stages) → windows_tune.*")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one call per variant: CUDA time per kernel and host time → <stem>_profile.csv")
+    ap.add_argument("--blocks", action="store_true",
+                    help="time the Swin-T blocks' whole _attn instead (shift + windows + attention; see above)")
     ap.add_argument("--smoke", action="store_true",
                     help="check this script on CPU (TRITON_INTERPRET=1): one window per image, one head, 1 round")
     a = ap.parse_args(argv)
@@ -313,6 +384,8 @@ def main(argv=None):
     if a.tune:
         vs.update({f"elsa-{n}": elsa_tuned(**kn) for n, kn in TUNE.items()})
     rounds = 1 if a.smoke else 5 if a.quick else 15
+    if a.blocks:
+        return run_blocks(a, rounds)
     rows, prof = [], ([] if a.profile else None)
     for dtype_name in a.dtypes.split(","):
         for bwd in ([False] if a.no_bwd else [False, True]):
@@ -335,6 +408,26 @@ def main(argv=None):
         print("\nSwin-T stages, elsa (auto) vs best timm path (floor: fwd+bwd speedup ≥ 1.5, mem_ratio < 1):")
         print(fmt_table(elsa, ["shape", "dtype", "mode", "variant", "ms", "best_timm", "speedup", "mem_ratio",
                                "graph_ms", "graph_best_timm", "graph_speedup"]))
+
+
+def run_blocks(a, rounds):
+    rows = []
+    stages = BLOCKS if not a.shapes else [b for b in BLOCKS if b[0] in a.shapes.split(",")]
+    if a.smoke:  # the interpreter: one small block
+        stages = [("smoke", 14, 32, 1, 3)]
+        global BLOCK_BATCH
+        BLOCK_BATCH = 1
+    for dtype_name in a.dtypes.split(","):
+        for bwd in ([False] if a.no_bwd else [False, True]):
+            for stage in stages:
+                done = run_block_case(*stage, dtype_name, bwd, rounds)
+                rows += done
+                print(fmt_table(done, ["shape", "dtype", "mode", "variant", "ms", "peak_mib", "speedup", "mem_ratio",
+                                       "graph_ms", "graph_speedup", "error"]), flush=True)
+    outdir = Path(a.out) if a.out else (Path("/tmp/elsa_windows_smoke") if a.smoke else results_dir())
+    csv = write_csv(rows, outdir / "windows_blocks.csv")
+    plot(rows, outdir / "windows_blocks.png")
+    print(f"\nwrote {csv} and {outdir / 'windows_blocks.png'}")
 
 
 if __name__ == "__main__":

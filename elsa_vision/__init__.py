@@ -5,6 +5,8 @@ for timm ViT / Swin and VGGT.
     out = elsa_vision.attention(q, k, v)        # q/k/v [B, H, N, D]
     out = elsa_vision.window_attention(q, k, v, bias=rel_bias, mask=shift_mask)  # Swin windows
     out = elsa_vision.window_attention_packed(qkv, bias=rel_bias, mask=shift_mask)  # qkv [B·nW, N, 3, H, D]
+    out = elsa_vision.shifted_window_attention(qkv, window_size=7, shift_size=3, bias=rel_bias, mask=shift_mask)
+                                                # qkv [B, height, width, 3, H, D]: roll + windows in the kernel
     report = elsa_vision.patch(model)           # timm / VGGT models
 """
 import os as _os
@@ -16,12 +18,13 @@ if not _os.path.isdir(_os.path.join(_here, "kernels")) and _os.path.isfile(_os.p
     # elsa_vision.kernels / elsa_vision.adapters); let the import system find them there too.
     __path__.append(_root)
 
-from .api import attention, patch, patched, resolve_precision, unpatch, window_attention, window_attention_packed
+from .api import (attention, patch, patched, resolve_precision, shifted_window_attention, unpatch, window_attention,
+                  window_attention_packed)
 from .dispatch import BACKENDS, NotSupportedError
 from . import verify
 
-__all__ = ["attention", "window_attention", "window_attention_packed", "patch", "unpatch", "patched",
-           "resolve_precision", "verify", "BACKENDS", "NotSupportedError"]
+__all__ = ["attention", "window_attention", "window_attention_packed", "shifted_window_attention", "patch", "unpatch",
+           "patched", "resolve_precision", "verify", "BACKENDS", "NotSupportedError"]
 __version__ = "0.1.0"
 
 from .adapters.vggt import TokenMerging  # noqa: E402  (VGGT token merging, an option of patch())

@@ -1,4 +1,5 @@
-"""Public API of elsa_vision: attention, window_attention, patch / unpatch / patched."""
+"""Public API of elsa_vision: attention, window_attention(_packed), shifted_window_attention, patch /
+unpatch / patched."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from .dispatch import HALF, Problem, dispatch_token, select
-from .kernels.reference import qkv_views
+from .kernels.reference import Geometry, qkv_views
 
 PRECISIONS = ("auto", "ieee", "tf32x3", "fp16x3", "tf32")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -58,6 +59,19 @@ def _check_qkv(q, k, v, fn: str):
         if t.dim() != 4:
             raise ValueError(f"{fn}: {name} must be 4-D [batch, heads, tokens, head_dim], got shape {tuple(t.shape)}; "
                              "reshape e.g. x.view(B, N, H, D).transpose(1, 2)")
+    _check_same_kind(q, k, v, fn)
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"{fn}: batch and head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
+                         "repeat k/v heads to match q (grouped-query attention is not supported)")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{fn}: k has {k.shape[2]} tokens but v has {v.shape[2]}; they must match")
+    if not (q.shape[3] == k.shape[3] == v.shape[3]):
+        raise ValueError(f"{fn}: head dims differ (q {q.shape[3]}, k {k.shape[3]}, v {v.shape[3]}); they must be equal")
+    _check_head_dim(q.shape[3], fn)
+
+
+def _check_same_kind(q, k, v, fn: str):
+    """q, k, v share one floating dtype and one device."""
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
                         "cast them to one dtype (or run under torch.autocast)")
@@ -66,16 +80,12 @@ def _check_qkv(q, k, v, fn: str):
                         "(float64 on the reference backend)")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{fn}: q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"{fn}: batch and head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
-                         "repeat k/v heads to match q (grouped-query attention is not supported)")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"{fn}: k has {k.shape[2]} tokens but v has {v.shape[2]}; they must match")
-    if not (q.shape[3] == k.shape[3] == v.shape[3]):
-        raise ValueError(f"{fn}: head dims differ (q {q.shape[3]}, k {k.shape[3]}, v {v.shape[3]}); they must be equal")
-    if q.shape[3] > 256:
-        raise ValueError(f"{fn}: head dim {q.shape[3]} > 256 is not supported; split the heads")
-    if q.shape[3] == 0:
+
+
+def _check_head_dim(d: int, fn: str):
+    if d > 256:
+        raise ValueError(f"{fn}: head dim {d} > 256 is not supported; split the heads")
+    if d == 0:
         raise ValueError(f"{fn}: head dim is 0; q, k, v need at least one feature per head")
 
 
@@ -372,13 +382,14 @@ def _keep(key, decided) -> None:
         _CALLS[key] = decided
 
 
-def _keep_window_call(key, run, q, bias, bias_in, mask, mask_in, scale: float, precision: str, block: int) -> None:
+def _keep_window_call(key, run, heads: int, bias, bias_in, mask, mask_in, scale: float, precision: str, block: int,
+                      *extra) -> None:
     """Keep a checked call's decisions when a repeat can pass its tensors straight to ``run``: bias
     and mask as given (no bool → additive conversion, no broadcast view)."""
-    plain = (bias is bias_in or (bias_in is not None and bias_in.dim() == 3 and bias_in.shape[0] == q.shape[1]
+    plain = (bias is bias_in or (bias_in is not None and bias_in.dim() == 3 and bias_in.shape[0] == heads
                                  and bias_in.dtype == bias.dtype))
     if plain and mask is mask_in:
-        _keep(key, (run, scale, precision, block))
+        _keep(key, (run, scale, precision, block, *extra))
 
 
 def _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn: str, key=None) -> torch.Tensor:
@@ -398,8 +409,7 @@ def _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend
     scale = _check_scale(scale, D, fn)
     bias = _window_bias(bias, H, N, q, fn)
     mask = _window_mask(mask, BW, N, q, fn)
-    if block not in WINDOW_BLOCKS or isinstance(block, bool):
-        raise ValueError(f"{fn}: block must be one of {WINDOW_BLOCKS}, got {block!r}")
+    _check_block(block, fn)
     prec = resolve_precision(precision, q.dtype)
     p = Problem(op="window_attention", device=q.device.type, dtype=q.dtype, head_dim=D, has_bias=bias is not None,
                 has_mask=mask is not None, window_tokens=N, precision=prec)
@@ -409,10 +419,144 @@ def _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend
         empty = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device) + empty
     block = 0 if block == "auto" else int(block)
-    _keep_window_call(key, run, q, bias, bias_in, mask, mask_in, scale, prec, block)
+    _keep_window_call(key, run, H, bias, bias_in, mask, mask_in, scale, prec, block)
     if qkv is None:
         return run(q, k, v, bias, mask, scale, prec, block)
     return run(q, k, v, bias, mask, scale, prec, block, qkv=qkv)
+
+
+def _check_block(block, fn: str) -> None:
+    if block not in WINDOW_BLOCKS or isinstance(block, bool):
+        raise ValueError(f"{fn}: block must be one of {WINDOW_BLOCKS}, got {block!r}")
+
+
+def _pair(x, name: str, fn: str) -> tuple[int, int]:
+    """An int or a pair of ints as (rows, columns)."""
+    def is_int(i):
+        return isinstance(i, int) and not isinstance(i, bool)
+    if is_int(x):
+        return x, x
+    if isinstance(x, (tuple, list)) and len(x) == 2 and all(map(is_int, x)):
+        return int(x[0]), int(x[1])
+    raise TypeError(f"{fn}: {name} must be an int or a pair of ints (rows, columns), got {x!r}")
+
+
+def shifted_window_attention(
+    q: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    *,
+    window_size,
+    shift_size=0,
+    bias: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    block="auto",
+    precision: str = "auto",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Swin's (shifted-)window attention on tokens laid out as images: the cyclic shift, the window
+    partition, :func:`window_attention` and the inverse partition and shift in one call, with no
+    copy of the tokens (the kernels read each window's tokens where they lie)::
+
+        out = roll(merge(window_attention(partition(roll(x, −shift)), bias, mask)), +shift)
+
+        image 4×4, window 2×2, shift 1:  the windows are those of the image rolled up-left by one
+            a b c d      f g h e      window 0 = [f g; j k]   window 1 = [h e; l i]
+            e f g h  →   j k l i      window 2 = [n o; b c]   window 3 = [p m; d a]
+            i j k l      n o p m      (row-major over the window grid; mask[w] is window w's)
+            m n o p      b c d a
+
+    Args:
+        q: [B, height, width, H, D] — or, with k and v left out, the packed projection qkv
+            [B, height, width, 3, H, D] (Swin's ``qkv(x).reshape(B, height, width, 3, H, D)``: its
+            gradient is then written in one piece). height and width must be multiples of the
+            window's (pad the image first: timm pads after the roll, with zeros).
+        k, v: [B, height, width, H, D], or None with packed q.
+        window_size: int or (rows, columns); N = rows · columns ≤ 256 tokens per window on the Triton
+            backend.
+        shift_size: int or (rows, columns), each in [0, window): the cyclic shift (0: W-MSA blocks).
+        bias: [H, N, N] shared by every window (Swin's relative-position bias), as in
+            :func:`window_attention`; gets a gradient summed over all windows.
+        mask: [nW, N, N] with nW = (height / rows) · (width / columns), one slice per window position
+            in the order above (Swin's shifted-window mask; timm's ``attn_mask`` buffer). Additive or
+            bool (True = attend). Takes no gradient.
+        scale, block, precision, backend: as in :func:`window_attention`.
+
+    Returns:
+        [B, height, width, H, D] in the inputs' dtype, row-major (``out.reshape(B, height, width, H·D)``
+        is free: what Swin's output projection reads).
+    """
+    fn = "shifted_window_attention"
+    wh, ww = _pair(window_size, "window_size", fn)
+    sh, sw = _pair(shift_size, "shift_size", fn)
+    packed = k is None and v is None
+    key, kept = _kept_call("shifted", (q, k, v, bias, mask), (scale, block, precision, backend, wh, ww, sh, sw))
+    if kept is not None:
+        run, sc, prec, blk, geo = kept
+        *lead, H, D = q.shape
+        T = geo.batch * geo.height * geo.width
+        if packed:
+            out = run(None, None, None, bias, mask, sc, prec, blk, qkv=q.reshape(T, 3, H, D), geo=geo)
+        else:
+            out = run(q.reshape(T, H, D), k.reshape(T, H, D), v.reshape(T, H, D), bias, mask, sc, prec, blk, geo=geo)
+        return out.view(geo.batch, geo.height, geo.width, H, D)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}")
+    if packed:
+        if q.dim() != 6 or q.shape[3] != 3:
+            raise ValueError(f"{fn}: a packed qkv must be [B, height, width, 3, H, D], got shape {tuple(q.shape)}; "
+                             "pass q, k, v as [B, height, width, H, D] each, or reshape the projection output")
+        q0 = q
+        (qkv,) = _autocast(q)
+        B, IH, IW, _, H, D = qkv.shape
+        qkv = qkv.reshape(B * IH * IW, 3, H, D)
+        q3, k3, v3 = qkv.unbind(1)
+    else:
+        if k is None or v is None:
+            raise ValueError(f"{fn}: pass both k and v with q, or neither (q then being the packed qkv)")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 5:
+                raise ValueError(f"{fn}: {name} must be 5-D [B, height, width, H, D], got shape {tuple(t.shape)}")
+        if not (q.shape == k.shape == v.shape):
+            raise ValueError(f"{fn}: q, k, v must have one shape [B, height, width, H, D], got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        q0, qkv = q, None
+        q, k, v = _autocast(q, k, v)
+        B, IH, IW, H, D = q.shape
+        q3, k3, v3 = (t.reshape(B * IH * IW, H, D) for t in (q, k, v))
+    if q is not q0 or (packed and qkv.dtype != q0.dtype):
+        key = None  # a repeat would need the cast too
+    _check_same_kind(q3, k3, v3, fn)
+    _check_head_dim(D, fn)
+    if min(wh, ww) < 1 or IH % wh or IW % ww:
+        raise ValueError(f"{fn}: the {IH}×{IW} token image is not tiled by {wh}×{ww} windows; pad it to a multiple "
+                         "of the window first (timm pads the rolled image with zeros)")
+    if not (0 <= sh < wh and 0 <= sw < ww):
+        raise ValueError(f"{fn}: shift_size {(sh, sw)} must lie in [0, window_size) = [0, {(wh, ww)})")
+    geo = Geometry(B, IH, IW, wh, ww, sh, sw)
+    N = geo.tokens
+    scale = _check_scale(scale, D, fn)
+    bias_in, mask_in = bias, mask
+    bias = _window_bias(bias, H, N, q3, fn)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[0] != geo.nW:
+        raise ValueError(f"{fn}: mask has {mask.shape[0]} window slices but a {IH}×{IW} image has {geo.nW} windows "
+                         f"of {wh}×{ww}; pass one [N, N] slice per window position")
+    mask = _window_mask(mask, geo.windows, N, q3, fn)
+    _check_block(block, fn)
+    prec = resolve_precision(precision, q3.dtype)
+    p = Problem(op=fn, device=q3.device.type, dtype=q3.dtype, head_dim=D, has_bias=bias is not None,
+                has_mask=mask is not None, window_tokens=N, precision=prec)
+    run = select(p, backend).run[fn]  # before the shortcut below: an unfit call raises either way
+    if q3.numel() == 0:
+        empty = q3.sum() * 0 + k3.sum() * 0 + v3.sum() * 0
+        return torch.zeros((B, IH, IW, H, D), dtype=q3.dtype, device=q3.device) + empty
+    block = 0 if block == "auto" else int(block)
+    _keep_window_call(key, run, H, bias, bias_in, mask, mask_in, scale, prec, block, geo)
+    out = run(q3, k3, v3, bias, mask, scale, prec, block, qkv=qkv, geo=geo)
+    return out.reshape(B, IH, IW, H, D)
 
 
 def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None,

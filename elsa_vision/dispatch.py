@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
+WINDOW_OPS = ("window_attention", "shifted_window_attention")
 
 
 class NotSupportedError(ValueError):
@@ -22,14 +23,14 @@ class NotSupportedError(ValueError):
 class Problem(NamedTuple):
     """What a backend needs to know to accept or refuse a call. (A NamedTuple: built on every
     call, in half a frozen dataclass's time, and hashable for :func:`select`'s memo.)"""
-    op: str                      # "attention" or "window_attention"
+    op: str                      # "attention", "window_attention" or "shifted_window_attention"
     device: str                  # torch device type
     dtype: torch.dtype
     head_dim: int
     causal: bool = False
     has_bias: bool = False
     has_mask: bool = False
-    window_tokens: int = 0       # N per window (window_attention only)
+    window_tokens: int = 0       # N per window (the window ops only)
     precision: str = "auto"
     positive_scale: bool = True
 
@@ -72,7 +73,7 @@ class Backend:
             reasons.append("scale must be > 0 (the scan folds the scale into its running max)")
         if p.has_bias and not self.supports_bias:
             reasons.append("additive bias not supported")
-        if p.op == "window_attention" and p.window_tokens > self.max_window_tokens:
+        if p.op in WINDOW_OPS and p.window_tokens > self.max_window_tokens:
             reasons.append(f"window of {p.window_tokens} tokens exceeds {self.max_window_tokens}")
         return reasons
 
@@ -111,49 +112,55 @@ def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions
     return reference.attention(q, k, v, bias, scale, causal, return_lse=True)
 
 
-# Window entry points take (q, k, v, bias3, mask3, scale, precision, block, qkv=) and return out
+# Window entry points take (q, k, v, bias3, mask3, scale, precision, block, qkv=, geo=) and return out
 # [BW,H,N,D]: bias3 [H,N,N] or None, mask3 [nW,N,N] additive float or None, block 0 = auto; qkv the
 # packed [BW,N,3,H,D] tensor q, k, v are views of, or None (q, k, v may be None when qkv is given).
+# shifted_window_attention passes geo (a kernels.reference.Geometry): q, k, v are then image rows
+# [T,H,D] (qkv [T,3,H,D]) and so is the output.
 
-def _run_triton_window(q, k, v, bias, mask, scale, precision, block, qkv=None):
+def _run_triton_window(q, k, v, bias, mask, scale, precision, block, qkv=None, geo=None):
     from .kernels import window  # noqa: F401  (registers the custom ops)
-    return window.window_attention(q, k, v, bias, mask, scale, precision, block, qkv=qkv)
+    return window.window_attention(q, k, v, bias, mask, scale, precision, block, qkv=qkv, geo=geo)
 
 
-def _run_reference_window(q, k, v, bias, mask, scale, precision, block, qkv=None):
+def _run_reference_window(q, k, v, bias, mask, scale, precision, block, qkv=None, geo=None):
     # autograd carries the gradients of the q, k, v views back to qkv
     from .kernels import reference
     if q is None:
-        q, k, v = reference.qkv_views(qkv)
-    return reference.window_attention(q, k, v, bias, mask, scale)
+        q, k, v = reference.qkv_views(qkv, geo)
+    if geo is None:
+        return reference.window_attention(q, k, v, bias, mask, scale)
+    q, k, v = (reference.to_windows(t, geo).transpose(1, 2) for t in (q, k, v))
+    out = reference.window_attention(q, k, v, bias, mask, scale)
+    return reference.from_windows(out.transpose(1, 2), geo)
 
 
 TRITON = Backend(
     name="triton",
-    ops=("attention", "window_attention"),
+    ops=("attention", *WINDOW_OPS),
     devices=_triton_devices,
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     head_dims=(16, 256),
-    op_head_dims={"window_attention": (16, 128)},  # kernels/window.py
+    op_head_dims={op: (16, 128) for op in WINDOW_OPS},  # kernels/window.py
     max_window_tokens=256,
     supports_causal=True,
     supports_bias=True,
     needs_positive_scale=True,
     available=_triton_available,
     devices_note="; CPU tensors only under TRITON_INTERPRET=1",
-    run={"attention": _run_triton_attention, "window_attention": _run_triton_window},
+    run={"attention": _run_triton_attention, **{op: _run_triton_window for op in WINDOW_OPS}},
 )
 
 REFERENCE = Backend(
     name="reference",
-    ops=("attention", "window_attention"),
+    ops=("attention", *WINDOW_OPS),
     devices=("cuda", "cpu", "mps", "xpu"),
     dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloat16),
     head_dims=(1, 1 << 16),
     max_window_tokens=1 << 16,
     supports_causal=True,
     supports_bias=True,
-    run={"attention": _run_reference_attention, "window_attention": _run_reference_window},
+    run={"attention": _run_reference_attention, **{op: _run_reference_window for op in WINDOW_OPS}},
 )
 
 BACKENDS: list[Backend] = [TRITON, REFERENCE]

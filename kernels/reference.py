@@ -11,7 +11,7 @@ float32 and float64 inputs are computed in their own dtype.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -117,10 +117,80 @@ def _window_chunk(q, k, v, bias, mask, scale: float, r0: int):
     return out, lse.float()
 
 
-def qkv_views(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_views(qkv: torch.Tensor, geo: Optional["Geometry"] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [BW, N, 3, H, D] (the qkv projection's output of a window batch, reshaped) → q, k, v as
-    [BW, H, N, D] views."""
+    [BW, H, N, D] views; with ``geo``, image rows qkv [T, 3, H, D] → q, k, v [T, H, D] views."""
+    if geo is not None:
+        return qkv.unbind(1)
     return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+
+
+class Geometry(NamedTuple):
+    """Swin's shifted windows over a batch of token images: windows of wh × ww tokens tiling an
+    image of height × width tokens after it is rolled by (−sh, −sw), as ``torch.roll`` followed by
+    ``window_partition`` builds them in timm. Window w of image b is row r = b·nW + w of the window
+    batch, w = (row of the window grid)·nwx + (column), its tokens row-major::
+
+        image (height × width), shift (sh, sw) = (1, 1), windows 2 × 2:
+
+          rolled image            window 0    window 1    window 2    window 3
+          a b c d                 a b         c d         i j         k l
+          e f g h         →       e f         g h         m n         o p
+          i j k l
+          m n o p             token (y, x) of the rolled image is token ((y + sh) mod height,
+                              (x + sw) mod width) of the image
+    """
+    batch: int
+    height: int
+    width: int
+    wh: int
+    ww: int
+    sh: int
+    sw: int
+
+    @property
+    def nwx(self) -> int:
+        return self.width // self.ww
+
+    @property
+    def nW(self) -> int:
+        """Windows per image."""
+        return (self.height // self.wh) * self.nwx
+
+    @property
+    def windows(self) -> int:
+        return self.batch * self.nW
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per window (N)."""
+        return self.wh * self.ww
+
+    @property
+    def args(self) -> tuple[int, ...]:
+        """What the window kernels take to find a window's tokens in image rows (kernels/window.py _tok)."""
+        return (self.nwx, self.wh, self.ww, self.height, self.width, self.sh, self.sw)
+
+
+def to_windows(x: torch.Tensor, geo: Geometry) -> torch.Tensor:
+    """Image rows x [B·height·width, *rest] → the window batch [B·nW, N, *rest] (roll, then partition)."""
+    b, ih, iw, wh, ww, sh, sw = geo
+    rest = x.shape[1:]
+    x = x.reshape(b, ih, iw, *rest)
+    if sh or sw:
+        x = torch.roll(x, shifts=(-sh, -sw), dims=(1, 2))
+    x = x.reshape(b, ih // wh, wh, iw // ww, ww, *rest).transpose(2, 3)
+    return x.reshape(geo.windows, wh * ww, *rest)
+
+
+def from_windows(xw: torch.Tensor, geo: Geometry) -> torch.Tensor:
+    """The inverse of :func:`to_windows`: [B·nW, N, *rest] → image rows [B·height·width, *rest]."""
+    b, ih, iw, wh, ww, sh, sw = geo
+    rest = xw.shape[2:]
+    x = xw.reshape(b, ih // wh, iw // ww, wh, ww, *rest).transpose(2, 3).reshape(b, ih, iw, *rest)
+    if sh or sw:
+        x = torch.roll(x, shifts=(sh, sw), dims=(1, 2))
+    return x.reshape(b * ih * iw, *rest)
 
 
 def window_attention(

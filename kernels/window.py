@@ -79,7 +79,7 @@ import triton.language as tl
 from .attention import (INTERPRET, _PREC, _cdiv, _dk_units, _dot, _dot3, _dot_nt, _ds_k, _ds_units, _exp_of,
                         _load_stats, _mean, _pow2, _pow2_of, _pv, _setup_bwd, _sm_count, _split_f16, _store_stats,
                         _to, launch)
-from .reference import qkv_views
+from .reference import Geometry, from_windows, qkv_views, to_windows
 
 BLOCKS = (64, 128, 256)
 MAX_TOKENS = 256
@@ -105,10 +105,29 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _load_rows(base, offs_r, offs_d, s_r, s_d, N, D: tl.constexpr):
-    """[R, D_PAD] tile of rows offs_r (zero past N and past D)."""
-    return tl.load(base + offs_r[:, None] * s_r + offs_d[None, :] * s_d,
+def _load_rows(base, tok, offs_r, offs_d, s_r, s_d, N, D: tl.constexpr):
+    """[R, D_PAD] tile of the window's tokens offs_r, stored at rows ``tok`` (see _tok) of stride s_r
+    (zero past N and past D)."""
+    return tl.load(base + tok[:, None] * s_r + offs_d[None, :] * s_d,
                    mask=(offs_r[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _tok(rr, offs, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO: tl.constexpr):
+    """Where token ``offs`` of window ``rr`` is stored. Window rows ([BW, N] tokens, the window
+    stride applied by the caller): ``offs`` itself. Image rows (GEO): its index in the [B, IH, IW]
+    token grid — window w = rr mod nW of image rr // nW is cell (w // NWX, w mod NWX) of the grid
+    of WH×WW windows over the image rolled by (−SH, −SW), as Swin's torch.roll + window_partition
+    build it, so neither the roll nor the partition copies (nor their inverses) are made."""
+    if GEO:
+        w = rr % nW
+        y = (w // G_NWX) * G_WH + offs // G_WW + G_SH
+        x = (w % G_NWX) * G_WW + offs % G_WW + G_SW
+        y = tl.where(y >= G_IH, y - G_IH, y)
+        x = tl.where(x >= G_IW, x - G_IW, x)
+        return ((rr // nW) * G_IH + y) * G_IW + x
+    else:
+        return offs
 
 
 @triton.jit
@@ -162,14 +181,18 @@ def _parts_at(x, c, PREC: tl.constexpr):
 
 
 @triton.jit
-def _window_scale(base, offs_r0, offs_d, s_r, s_d, N, D: tl.constexpr, BLOCK: tl.constexpr):
+def _window_scale(base, rr, offs_r0, offs_d, s_r, s_d, N, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
+                  D: tl.constexpr, BLOCK: tl.constexpr, GEO: tl.constexpr):
     """fp16x3: one scalar scale (_f16_scale, v's floor) for all N rows of a window's [N, D] tensor at
     ``base``, read BLOCK rows at a time. The backward needs it for v when a window spans several
     key tiles: delta_i sums P·dP over every key, so in the units of a key tile whose own v is small
     (zero-padded tokens: all zero) dP − delta would leave float16's range when dS is split."""
-    top = tl.max(tl.max(tl.abs(_load_rows(base, offs_r0, offs_d, s_r, s_d, N, D)), 1), 0)
+    tok = _tok(rr, offs_r0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+    top = tl.max(tl.max(tl.abs(_load_rows(base, tok, offs_r0, offs_d, s_r, s_d, N, D)), 1), 0)
     for start in range(BLOCK, N, BLOCK):
-        top = tl.maximum(top, tl.max(tl.max(tl.abs(_load_rows(base, start + offs_r0, offs_d, s_r, s_d, N, D)), 1), 0))
+        offs = start + offs_r0
+        tok = _tok(rr, offs, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        top = tl.maximum(top, tl.max(tl.max(tl.abs(_load_rows(base, tok, offs, offs_d, s_r, s_d, N, D)), 1), 0))
     return _f16_scale(top, _LOW_ONE)
 
 
@@ -196,18 +219,19 @@ def _logits(q, q_lo, k, k_lo, bias2, bias_base, mask_base, offs_m, offs_n, N, NR
 
 
 @triton.jit
-def _kv_logits(q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n, sv_d, N, NR,
+def _kv_logits(q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, tok_n, offs_d, sk_n, sk_d, sv_n, sv_d,
+               N, NR,
                scale, cv_w, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
                V_COLS: tl.constexpr, V_WIN: tl.constexpr):
     """The k and v tiles at keys offs_n (zero past N) and the logits of q against them (see _logits):
     (k, k_lo, c_k, v, v_lo, c_v, s). fp16x3: k and v as _parts (v's scale per column with V_COLS;
     the window's ``cv_w`` with V_WIN), ``scale`` including 1/c_q; otherwise the tiles themselves and
     scales 1."""
-    k, k_lo, ck = _parts(_load_rows(k_base, offs_n, offs_d, sk_n, sk_d, N, D), False, _LOW_QK, PREC)
+    k, k_lo, ck = _parts(_load_rows(k_base, tok_n, offs_n, offs_d, sk_n, sk_d, N, D), False, _LOW_QK, PREC)
     if V_WIN:
-        v, v_lo, cv = _parts_at(_load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D), cv_w, PREC)
+        v, v_lo, cv = _parts_at(_load_rows(v_base, tok_n, offs_n, offs_d, sv_n, sv_d, N, D), cv_w, PREC)
     else:
-        v, v_lo, cv = _parts(_load_rows(v_base, offs_n, offs_d, sv_n, sv_d, N, D), V_COLS, _LOW_ONE, PREC)
+        v, v_lo, cv = _parts(_load_rows(v_base, tok_n, offs_n, offs_d, sv_n, sv_d, N, D), V_COLS, _LOW_ONE, PREC)
     s = _logits(q, q_lo, k, k_lo, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale / ck, HAS_BIAS, False,
                 HAS_MASK, PREC)
     return k, k_lo, ck, v, v_lo, cv, s
@@ -252,13 +276,13 @@ def _win_fwd_kernel(
     Q, K, V, Bias, Mask, Out, Stats,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     so_b, so_h, so_n, so_d, sb_h,
-    BW, H, N, NR, nW, WPP, scale,
+    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, GEO: tl.constexpr,
 ):
     """grid (runs × query tiles, H). Writes out [BW, H, N, D] and the row statistics (m, S)
-    [BW, H, 2, N] (m in natural units)."""
+    [BW, H, 2, N] (m in natural units). GEO: q, k, v and out are image rows (see _tok)."""
     h = tl.program_id(1).to(tl.int64)
     pid_m, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M), WPP, BW)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -273,14 +297,16 @@ def _win_fwd_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, _LOW_QK,
-                             PREC)
+        tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, tok_m, offs_m, offs_d, sq_n, sq_d, N, D), False,
+                             _LOW_QK, PREC)
         k_base = K + rr * sk_b + h * sk_h
         v_base = V + rr * sv_b + h * sv_h
         if SINGLE:
             # the whole window is one key tile: the fold of one tile is a plain softmax
-            k, k_lo, ck = _parts(_load_rows(k_base, offs_n0, offs_d, sk_n, sk_d, N, D), False, _LOW_QK, PREC)
-            v, v_lo, cv = _parts(_load_rows(v_base, offs_n0, offs_d, sv_n, sv_d, N, D), True, _LOW_ONE, PREC)
+            tok_n = _tok(rr, offs_n0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+            k, k_lo, ck = _parts(_load_rows(k_base, tok_n, offs_n0, offs_d, sk_n, sk_d, N, D), False, _LOW_QK, PREC)
+            v, v_lo, cv = _parts(_load_rows(v_base, tok_n, offs_n0, offs_d, sv_n, sv_d, N, D), True, _LOW_ONE, PREC)
             s = _logits(q, q_lo, k, k_lo, bias2, bias_h, mask_base, offs_m, offs_n0, N, NR, scale / cq / ck,
                         HAS_BIAS, BIAS_REGS, HAS_MASK, PREC)
             m_i = tl.max(s, 1)
@@ -297,8 +323,8 @@ def _win_fwd_kernel(
             for start in range(0, N, BLOCK_N):
                 offs_n = start + offs_n0
                 k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
-                    q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n, sv_d,
-                    N, NR, scale / cq, 1.0, D, HAS_BIAS, HAS_MASK, PREC, True, False)
+                    q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO), offs_d,
+                    sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, 1.0, D, HAS_BIAS, HAS_MASK, PREC, True, False)
                 # monoid merge of the running state with this tile's (m, S, W)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # identity tile: nothing visible
@@ -313,7 +339,7 @@ def _win_fwd_kernel(
         nonempty = s_i > 0
         den = tl.where(nonempty, s_i, 1.0)
         out = acc / den[:, None]
-        tl.store(Out + rr * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d,
+        tl.store(Out + rr * so_b + h * so_h + tok_m[:, None] * so_n + offs_d[None, :] * so_d,
                  _to(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
         _store_stats(Stats, rr * H + h, offs_m, row_ok, N, m_i, s_i, nonempty)
 
@@ -327,10 +353,10 @@ def _win_bwd_fused_kernel(
     Q, K, V, Bias, Mask, dOut, Stats, dQ, dK, dV, dBiasPart,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, sb_h,
-    BW, H, N, NR, nW, WPP, scale,
+    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    PREC: tl.constexpr, EXACT: tl.constexpr,
+    PREC: tl.constexpr, EXACT: tl.constexpr, GEO: tl.constexpr,
 ):
     """N ≤ BLOCK: a program owns whole windows (all queries, all keys: one [BLOCK, BLOCK] tile) of one
     head for a run of windows. Writes dq, dk, dv and its partial bias gradient dBiasPart[run, h]
@@ -352,10 +378,11 @@ def _win_bwd_fused_kernel(
         dbias = tl.zeros([BLOCK, BLOCK], tl.float32)
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
-        q = _load_rows(Q + rr * sq_b + h * sq_h, offs, offs_d, sq_n, sq_d, N, D)
-        k = _load_rows(K + rr * sk_b + h * sk_h, offs, offs_d, sk_n, sk_d, N, D)
-        v = _load_rows(V + rr * sv_b + h * sv_h, offs, offs_d, sv_n, sv_d, N, D)
-        do = _load_rows(dOut + rr * sdo_b + h * sdo_h, offs, offs_d, sdo_n, sdo_d, N, D)
+        tok = _tok(rr, offs, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        q = _load_rows(Q + rr * sq_b + h * sq_h, tok, offs, offs_d, sq_n, sq_d, N, D)
+        k = _load_rows(K + rr * sk_b + h * sk_h, tok, offs, offs_d, sk_n, sk_d, N, D)
+        v = _load_rows(V + rr * sv_b + h * sv_h, tok, offs, offs_d, sv_n, sv_d, N, D)
+        do = _load_rows(dOut + rr * sdo_b + h * sdo_h, tok, offs, offs_d, sdo_n, sdo_d, N, D)
         m_r, r_r = _load_stats(Stats, rr * H + h, offs, tok_ok, N, True, EXACT)
         s = _logits(q, q, k, k, bias2, bias_h, Mask + (rr % nW) * mask_stride, offs, offs, N, NR, scale,
                     HAS_BIAS, BIAS_REGS, HAS_MASK, PREC)
@@ -370,7 +397,7 @@ def _win_bwd_fused_kernel(
         ds = p * (dp - delta[:, None])
         dq = _dot(_to(ds, k.dtype), k, PREC) * scale
         dk = _dot(tl.trans(_to(ds, q.dtype)), q, PREC) * scale
-        g_ptrs = rr * sg_b + h * sg_h + offs[:, None] * sg_n + offs_d[None, :]
+        g_ptrs = rr * sg_b + h * sg_h + tok[:, None] * sg_n + offs_d[None, :]
         tl.store(dQ + g_ptrs, _to(dq, dQ.dtype.element_ty), mask=io_mask)
         tl.store(dK + g_ptrs, _to(dk, dK.dtype.element_ty), mask=io_mask)
         tl.store(dV + g_ptrs, _to(dv, dV.dtype.element_ty), mask=io_mask)
@@ -387,10 +414,10 @@ def _win_bwd_dq_kernel(
     Q, K, V, Bias, Mask, dOut, Out, Stats, Delta, dQ,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, so_b, so_h, so_n, so_d, sg_b, sg_h, sg_n, sb_h,
-    BW, H, N, NR, nW, WPP, scale,
+    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
-    ONE_TILE: tl.constexpr,
+    ONE_TILE: tl.constexpr, GEO: tl.constexpr,
 ):
     """Tiled backward: one query tile of one head for a run of windows, looping over the key tiles.
     Also writes delta [BW, H, N] for the dk/dv and dbias kernels (launched after): in float32
@@ -412,9 +439,10 @@ def _win_bwd_dq_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, _LOW_QK,
-                             PREC)
-        do, do_lo, cdo = _parts(_load_rows(dOut + rr * sdo_b + h * sdo_h, offs_m, offs_d, sdo_n, sdo_d, N, D),
+        tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, tok_m, offs_m, offs_d, sq_n, sq_d, N, D), False,
+                             _LOW_QK, PREC)
+        do, do_lo, cdo = _parts(_load_rows(dOut + rr * sdo_b + h * sdo_h, tok_m, offs_m, offs_d, sdo_n, sdo_d, N, D),
                                 False, _LOW_ONE, PREC)
         m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
         k_base = K + rr * sk_b + h * sk_h
@@ -424,8 +452,8 @@ def _win_bwd_dq_kernel(
             f = _ds_units(r_r, D_PAD)
         if EXACT and ONE_TILE:
             k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
-                q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n0, offs_d, sk_n, sk_d, sv_n, sv_d,
-                N, NR, scale / cq, 1.0, D, HAS_BIAS, HAS_MASK, PREC, False, False)
+                q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n0, _tok(rr, offs_n0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO), offs_d,
+                sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, 1.0, D, HAS_BIAS, HAS_MASK, PREC, False, False)
             p = _probs2(s, m_r, r_r, EXACT)
             dp = _dot_nt(do, do_lo, v, v_lo, PREC)  # fp16x3: in units of c_dO·c_v
             delta = _mean(tl.sum(p * dp, 1), tl.sum(p, 1))
@@ -434,29 +462,31 @@ def _win_bwd_dq_kernel(
         else:
             cv_w = 1.0
             if PREC == 4:  # one v scale for the window's key tiles (see _window_scale)
-                cv_w = _window_scale(v_base, offs_n0, offs_d, sv_n, sv_d, N, D, BLOCK_N)
+                cv_w = _window_scale(v_base, rr, offs_n0, offs_d, sv_n, sv_d, N, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, D,
+                                     BLOCK_N, GEO)
             if EXACT:
                 delta = tl.zeros([BLOCK_M], tl.float32)
                 l = tl.zeros([BLOCK_M], tl.float32)
                 for start in range(0, N, BLOCK_N):
                     offs_n = start + offs_n0
                     k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
-                        q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n,
-                        sv_d, N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False, True)
+                        q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO),
+                        offs_d, sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False,
+                        True)
                     p = _probs2(s, m_r, r_r, EXACT)
                     delta += tl.sum(p * _dot_nt(do, do_lo, v, v_lo, PREC), 1) * (1.0 / cv)
                     l += tl.sum(p, 1)
                 delta = _mean(delta * (1.0 / cdo), l)
             else:
-                o = _load_rows(Out + rr * so_b + h * so_h, offs_m, offs_d, so_n, so_d, N, D)
+                o = _load_rows(Out + rr * so_b + h * so_h, tok_m, offs_m, offs_d, so_n, so_d, N, D)
                 delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
             tl.store(Delta + (rr * H + h) * N + offs_m, delta, mask=row_ok)
             dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
             for start in range(0, N, BLOCK_N):
                 offs_n = start + offs_n0
                 k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
-                    q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, offs_d, sk_n, sk_d, sv_n, sv_d,
-                    N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False, True)
+                    q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO), offs_d,
+                    sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False, True)
                 p = _probs2(s, m_r, r_r, EXACT)
                 dp = _dot_nt(do, do_lo, v, v_lo, PREC)
                 ds = p * (dp - (delta * cdo * cv)[:, None])
@@ -467,7 +497,7 @@ def _win_bwd_dq_kernel(
         if PREC == 4:
             dq = dq * (1.0 / f)[:, None] * (1.0 / cdo)
         dq = dq * scale
-        tl.store(dQ + rr * sg_b + h * sg_h + offs_m[:, None] * sg_n + offs_d[None, :], _to(dq, dQ.dtype.element_ty),
+        tl.store(dQ + rr * sg_b + h * sg_h + tok_m[:, None] * sg_n + offs_d[None, :], _to(dq, dQ.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
@@ -476,10 +506,10 @@ def _win_bwd_dkdv_kernel(
     Q, K, V, Bias, Mask, dOut, Stats, Delta, dK, dV, dBiasPart,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, sb_h,
-    BW, H, N, NR, nW, WPP, scale,
+    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
-    BIAS_GRAD: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, GEO: tl.constexpr,
 ):
     """One key tile [BLOCK_N] of one head for a run of windows, looping over the query tiles.
     BIAS_GRAD (only when N ≤ BLOCK_M: one query tile holds every row): the program's dS column strip
@@ -498,14 +528,15 @@ def _win_bwd_dkdv_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        k, k_lo, ck = _parts(_load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D), False, _LOW_QK,
-                             PREC)
-        v_raw = _load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D)
+        tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        k, k_lo, ck = _parts(_load_rows(K + rr * sk_b + h * sk_h, tok_n, offs_n, offs_d, sk_n, sk_d, N, D), False,
+                             _LOW_QK, PREC)
+        v_raw = _load_rows(V + rr * sv_b + h * sv_h, tok_n, offs_n, offs_d, sv_n, sv_d, N, D)
         cv_w = 1.0
         if PREC == 4:
             if N > BLOCK_N:  # the window spans several key tiles: one v scale for all (see _window_scale)
-                cv_w = _window_scale(V + rr * sv_b + h * sv_h, tl.arange(0, BLOCK_N), offs_d, sv_n, sv_d, N, D,
-                                     BLOCK_N)
+                cv_w = _window_scale(V + rr * sv_b + h * sv_h, rr, tl.arange(0, BLOCK_N), offs_d, sv_n, sv_d, N,
+                                     nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, D, BLOCK_N, GEO)
             else:
                 cv_w = _f16_scale(tl.max(tl.max(tl.abs(v_raw), 1), 0), _LOW_ONE)
         v, v_lo, cv = _parts_at(v_raw, cv_w, PREC)
@@ -517,8 +548,10 @@ def _win_bwd_dkdv_kernel(
         for start in range(0, N, BLOCK_M):
             offs_m = start + offs_m0
             row_ok = offs_m < N
-            q, q_lo, cq = _parts(_load_rows(q_base, offs_m, offs_d, sq_n, sq_d, N, D), False, _LOW_QK, PREC)
-            do, do_lo, cdo = _parts(_load_rows(do_base, offs_m, offs_d, sdo_n, sdo_d, N, D), False, _LOW_ONE, PREC)
+            tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+            q, q_lo, cq = _parts(_load_rows(q_base, tok_m, offs_m, offs_d, sq_n, sq_d, N, D), False, _LOW_QK, PREC)
+            do, do_lo, cdo = _parts(_load_rows(do_base, tok_m, offs_m, offs_d, sdo_n, sdo_d, N, D), False, _LOW_ONE,
+                                    PREC)
             m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
             delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
             s = _logits(q, q_lo, k, k_lo, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale / cq / ck,
@@ -549,8 +582,8 @@ def _win_bwd_dkdv_kernel(
         dk = dk * scale
         g_base = rr * sg_b + h * sg_h
         kv_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
-        tl.store(dK + g_base + offs_n[:, None] * sg_n + offs_d[None, :], _to(dk, dK.dtype.element_ty), mask=kv_mask)
-        tl.store(dV + g_base + offs_n[:, None] * sg_n + offs_d[None, :], _to(dv, dV.dtype.element_ty), mask=kv_mask)
+        tl.store(dK + g_base + tok_n[:, None] * sg_n + offs_d[None, :], _to(dk, dK.dtype.element_ty), mask=kv_mask)
+        tl.store(dV + g_base + tok_n[:, None] * sg_n + offs_d[None, :], _to(dv, dV.dtype.element_ty), mask=kv_mask)
     if BIAS_GRAD:
         run = tl.program_id(0) // n_nt
         tl.store(dBiasPart + (run.to(tl.int64) * H + h) * mask_stride + offs_m0[:, None] * NR + offs_n[None, :],
@@ -562,9 +595,9 @@ def _win_bwd_dbias_kernel(
     Q, K, V, Bias, Mask, dOut, Stats, Delta, dBiasPart,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, sb_h,
-    BW, H, N, NR, nW, WPP, scale,
+    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
+    HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr, GEO: tl.constexpr,
 ):
     """Tiled backward: a program owns one [BLOCK_M, BLOCK_N] tile of head h's bias and sums dS over a
     run of windows into dBiasPart[run, h] (float32 [NR, NR])."""
@@ -581,14 +614,16 @@ def _win_bwd_dbias_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         # (dS is not split here: each tile's own scales serve)
-        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, offs_m, offs_d, sq_n, sq_d, N, D), False, _LOW_QK,
-                             PREC)
-        do, do_lo, cdo = _parts(_load_rows(dOut + rr * sdo_b + h * sdo_h, offs_m, offs_d, sdo_n, sdo_d, N, D),
+        tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, tok_m, offs_m, offs_d, sq_n, sq_d, N, D), False,
+                             _LOW_QK, PREC)
+        do, do_lo, cdo = _parts(_load_rows(dOut + rr * sdo_b + h * sdo_h, tok_m, offs_m, offs_d, sdo_n, sdo_d, N, D),
                                 False, _LOW_ONE, PREC)
-        k, k_lo, ck = _parts(_load_rows(K + rr * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, N, D), False, _LOW_QK,
-                             PREC)
-        v, v_lo, cv = _parts(_load_rows(V + rr * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, N, D), False, _LOW_ONE,
-                             PREC)
+        k, k_lo, ck = _parts(_load_rows(K + rr * sk_b + h * sk_h, tok_n, offs_n, offs_d, sk_n, sk_d, N, D), False,
+                             _LOW_QK, PREC)
+        v, v_lo, cv = _parts(_load_rows(V + rr * sv_b + h * sv_h, tok_n, offs_n, offs_d, sv_n, sv_d, N, D), False,
+                             _LOW_ONE, PREC)
         row_stats = (rr * H + h) * N
         m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
         delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
@@ -750,6 +785,33 @@ def _bnhd_empty(bw: int, h: int, n: int, d: int, like: torch.Tensor, dtype=None)
     return torch.empty((bw, n, h, d), device=like.device, dtype=dtype or like.dtype).transpose(1, 2)
 
 
+def _out_empty(like: torch.Tensor, geo: Optional[Geometry]) -> torch.Tensor:
+    """A new output (or gradient) for ``like``: window rows [BW, H, N, D] in the [BW, N, H, D] layout,
+    or image rows [T, H, D] (row-major: the [B, height, width, H·D] the projection reads next)."""
+    if geo is not None:
+        return torch.empty(like.shape, device=like.device, dtype=like.dtype)
+    return _bnhd_empty(*like.shape, like)
+
+
+# the kernels' geometry arguments when the rows are window rows (unused there)
+_NO_GEO = (1, 1, 1, 1, 1, 0, 0)
+
+
+def _rows4(t: torch.Tensor, geo: Optional[Geometry]) -> tuple:
+    """The (window, head, token, feature) strides the kernels take for ``t``: window rows [BW, H, N, D]
+    as they are; image rows [T, H, D] have no window stride (the kernels find each token's row)."""
+    if geo is None:
+        return t.stride()
+    return (0, t.stride(1), t.stride(0), t.stride(2))
+
+
+def _shape(q: torch.Tensor, geo: Optional[Geometry]) -> tuple[int, int, int, int]:
+    """(BW, H, N, D) of a call: q [BW, H, N, D], or image rows q [T, H, D] with ``geo``."""
+    if geo is None:
+        return tuple(q.shape)
+    return geo.windows, q.shape[1], geo.tokens, q.shape[2]
+
+
 def _table(x: torch.Tensor, nr: int) -> tuple[torch.Tensor, int]:
     """(table, lead stride): x [L, N, N] as rows of stride ``nr`` (a multiple of 16) with unit column
     stride, so tile loads vectorise. Zero-copy when x already is such (N % 16 == 0, contiguous rows);
@@ -783,15 +845,17 @@ def _tables(bias, mask, n: int, like: torch.Tensor):
 
 
 def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
-            windows_per_program: Optional[int] = None, tables=None):
+            windows_per_program: Optional[int] = None, tables=None, geo: Optional[Geometry] = None):
     """q/k/v [BW,H,N,D]; bias [H,N,N] or None; mask [nW,N,N] float or None; ``block`` 0 = auto.
     Returns (out [BW,H,N,D] in the [BW,N,H,D] layout, the row statistics (m, S) [BW,H,2,N] float32, m
     in natural units: ``attention.natural_lse(stats, True)`` is the lse).
-    ``tables``: :func:`_tables` of (bias, mask), when the caller already has them."""
-    BW, H, N, D = q.shape
-    nW = mask.shape[0] if mask is not None else 1
+    ``tables``: :func:`_tables` of (bias, mask), when the caller already has them.
+    ``geo``: q/k/v are image rows [T, H, D] (T = batch·height·width tokens, see :class:`Geometry`)
+    whose windows the kernels read in place; out is image rows [T, H, D] too; mask [geo.nW, N, N]."""
+    BW, H, N, D = _shape(q, geo)
+    nW = geo.nW if geo is not None else mask.shape[0] if mask is not None else 1
     pl = make_plan(N, D, q.dtype, block, precision)
-    out = _bnhd_empty(BW, H, N, D, q)
+    out = _out_empty(q, geo)
     stats = torch.empty((BW, H, 2, N), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         stats[:, :, 0], stats[:, :, 1] = float("inf"), 1.0
@@ -801,28 +865,30 @@ def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
     wpp, runs = plan_runs(BW, n_mt * H, pl.min_windows, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
     launch(_win_fwd_kernel, (runs * n_mt, H),
         q, k, v, bt, mt, out, stats,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), sb_h,
-        BW, H, N, nr, nW, wpp, scale,
+        *_rows4(q, geo), *_rows4(k, geo), *_rows4(v, geo), *_rows4(out, geo), sb_h,
+        BW, H, N, nr, nW, wpp, scale, *(geo.args if geo is not None else _NO_GEO),
         D=D, D_PAD=_pow2(D), BLOCK_M=pl.fwd_m, BLOCK_N=pl.fwd_n, SINGLE=pl.single,
         HAS_BIAS=bias is not None, BIAS_REGS=pl.bias_regs, HAS_MASK=mask is not None, PREC=_PREC[precision],
-        num_warps=pl.fwd_warps, num_stages=pl.fwd_stages,
+        GEO=geo is not None, num_warps=pl.fwd_warps, num_stages=pl.fwd_stages,
     )
     return out, stats
 
 
 def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, block: int = 0,
-             bias_grad: bool = False, windows_per_program: Optional[int] = None, tables=None, grads=None):
+             bias_grad: bool = False, windows_per_program: Optional[int] = None, tables=None, grads=None,
+             geo: Optional[Geometry] = None):
     """Returns (dq, dk, dv, dbias); dbias [H,N,N] in bias.dtype, or None unless ``bias_grad``.
     ``out`` is read only when ``make_plan(...).reads_out`` (may be None otherwise). ``grads``: the
     (dq, dk, dv) [BW,H,N,D] buffers to write, sharing one set of strides with unit stride along D
-    (the views :func:`qkv_views` gives of a packed gradient); new [BW,N,H,D]-layout ones otherwise."""
-    BW, H, N, D = q.shape
-    nW = mask.shape[0] if mask is not None else 1
+    (the views :func:`qkv_views` gives of a packed gradient); new [BW,N,H,D]-layout ones otherwise.
+    ``geo``: every [BW,H,N,D] tensor above is image rows [T, H, D] instead (see :func:`forward`)."""
+    BW, H, N, D = _shape(q, geo)
+    nW = geo.nW if geo is not None else mask.shape[0] if mask is not None else 1
     pl = make_plan(N, D, q.dtype, block, precision)
     prec = _PREC[precision]
     if grads is None:
-        grads = (_bnhd_empty(BW, H, N, D, q), _bnhd_empty(BW, H, N, D, k), _bnhd_empty(BW, H, N, D, v))
-    elif not (grads[0].stride() == grads[1].stride() == grads[2].stride()) or grads[0].stride(3) != 1:
+        grads = (_out_empty(q, geo), _out_empty(k, geo), _out_empty(v, geo))
+    elif not (grads[0].stride() == grads[1].stride() == grads[2].stride()) or grads[0].stride(-1) != 1:
         raise ValueError("window backward: dq, dk, dv must share strides, with unit stride along D")
     dq, dk, dv = grads
     if dq.numel() == 0:
@@ -830,11 +896,12 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
     has_bias, has_mask = bias is not None, mask is not None
     bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q)
-    qkv_do = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    g3 = dq.stride()[:3]  # dq, dk, dv share one layout
+    qkv_do = (*_rows4(q, geo), *_rows4(k, geo), *_rows4(v, geo), *_rows4(do, geo))
+    g3 = _rows4(dq, geo)[:3]  # dq, dk, dv share one layout
     rest = (BW, H, N, nr, nW)
+    run_args = lambda wpp: (wpp, scale, *(geo.args if geo is not None else _NO_GEO))  # noqa: E731
     common = dict(D=D, D_PAD=_pow2(D), HAS_MASK=has_mask, PREC=prec, EXACT=q.dtype == torch.float32,
-                  num_stages=pl.stages)
+                  GEO=geo is not None, num_stages=pl.stages)
     dparts = None
     if pl.fused_bwd:
         wpp, runs = plan_runs(BW, H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
@@ -842,7 +909,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
             dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
         launch(_win_bwd_fused_kernel, (runs, H),
             q, k, v, bt, mt, do, stats, dq, dk, dv, dparts if bias_grad else stats,
-            *qkv_do, *g3, sb_h, *rest, wpp, scale,
+            *qkv_do, *g3, sb_h, *rest, *run_args(wpp),
             BLOCK=pl.n_pad, HAS_BIAS=has_bias, BIAS_REGS=pl.bias_regs, BIAS_GRAD=bias_grad,
             num_warps=pl.fused_warps, **common)
     else:
@@ -852,7 +919,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
         wpp, runs = plan_runs(BW, n_mt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
         launch(_win_bwd_dq_kernel, (runs * n_mt, H),
             q, k, v, bt, mt, do, o_arg, stats, delta, dq,
-            *qkv_do, *o_arg.stride(), *g3, sb_h, *rest, wpp, scale,
+            *qkv_do, *_rows4(o_arg, geo), *g3, sb_h, *rest, *run_args(wpp),
             BLOCK_M=pl.dq_m, BLOCK_N=pl.dq_n, HAS_BIAS=has_bias, ONE_TILE=pl.n_pad <= pl.dq_n,
             num_warps=pl.dq_warps, **common)
         n_nt = _cdiv(N, pl.kv_n)
@@ -862,7 +929,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
             dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
         launch(_win_bwd_dkdv_kernel, (runs * n_nt, H),
             q, k, v, bt, mt, do, stats, delta, dk, dv, dparts if db_in_kv else delta,
-            *qkv_do, *g3, sb_h, *rest, wpp, scale,
+            *qkv_do, *g3, sb_h, *rest, *run_args(wpp),
             BLOCK_M=pl.kv_m, BLOCK_N=pl.kv_n, HAS_BIAS=has_bias, BIAS_GRAD=db_in_kv, num_warps=pl.kv_warps,
             **common)
         if bias_grad and not db_in_kv:
@@ -871,7 +938,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
             dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
             launch(_win_bwd_dbias_kernel, (runs * n_tiles, H),
                 q, k, v, bt, mt, do, stats, delta, dparts,
-                *qkv_do, sb_h, *rest, wpp, scale,
+                *qkv_do, sb_h, *rest, *run_args(wpp),
                 BLOCK_M=pl.db_m, BLOCK_N=pl.db_n, num_warps=pl.db_warps, **common)
     dbias = None
     if bias_grad:
@@ -953,51 +1020,52 @@ _DOUBLE_BACKWARD = ("elsa_vision.window_attention does not support double backwa
                     "Use backend='reference' for higher-order derivatives.")
 
 
-def _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp):
+def _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp, geo):
     """The forward of both autograd Functions; what the backward needs goes in ``ctx``."""
-    N = q.shape[2]
+    _, _, N, D = _shape(q, geo)
     tables = _tables(bias, mask, N, q) if q.numel() else None
-    out, stats = forward(q, k, v, bias, mask, scale, precision, block, wpp, tables)
-    keep_out = make_plan(N, q.shape[3], q.dtype, block, precision).reads_out
+    out, stats = forward(q, k, v, bias, mask, scale, precision, block, wpp, tables, geo)
+    keep_out = make_plan(N, D, q.dtype, block, precision).reads_out
     ctx.args = (scale, precision, block)
-    ctx.wpp = wpp
+    ctx.wpp, ctx.geo = wpp, geo
     ctx.tables = tables  # the padded bias / mask copies (small), reused by the backward
     return out, (bias, mask, out if keep_out else None, stats)
 
 
-def _backward_ctx(ctx, dout, q, k, v, saved, grads=None):
-    """The backward of both autograd Functions → (dq, dk, dv, dbias)."""
+def _backward_ctx(ctx, dout, q, k, v, saved, bias_input: int, grads=None):
+    """The backward of both autograd Functions → (dq, dk, dv, dbias); ``bias_input``: the bias's
+    position among the Function's inputs."""
     if torch.is_grad_enabled():
         raise RuntimeError(_DOUBLE_BACKWARD)
     bias, mask, out, stats = saved
-    # bias is the sixth input from the end of both Functions
-    bias_grad = bool(bias is not None and ctx.needs_input_grad[-6])
-    return backward(dout, q, k, v, bias, mask, out, stats, *ctx.args, bias_grad, ctx.wpp, ctx.tables, grads)
+    bias_grad = bool(bias is not None and ctx.needs_input_grad[bias_input])
+    return backward(dout, q, k, v, bias, mask, out, stats, *ctx.args, bias_grad, ctx.wpp, ctx.tables, grads,
+                    ctx.geo)
 
 
 class _WindowAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, mask, scale, precision, block, wpp):
-        out, saved = _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp)
+    def forward(ctx, q, k, v, bias, mask, scale, precision, block, wpp, geo):
+        out, saved = _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp, geo)
         ctx.save_for_backward(q, k, v, *saved)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, *saved = ctx.saved_tensors
-        dq, dk, dv, dbias = _backward_ctx(ctx, dout, q, k, v, saved)
-        return dq, dk, dv, dbias, None, None, None, None, None
+        dq, dk, dv, dbias = _backward_ctx(ctx, dout, q, k, v, saved, 3)
+        return dq, dk, dv, dbias, None, None, None, None, None, None
 
 
 class _PackedWindowAttention(torch.autograd.Function):
-    """Takes qkv [BW, N, 3, H, D] itself, so that its gradient is one tensor the backward kernels
-    write in place: q, k, v taken as views outside would get three gradients that autograd then
-    stacks — a copy of the size of qkv, which at Swin-T's first stage (bf16, batch 64) took 0.22
-    ms against 0.25 for the attention kernels."""
+    """Takes qkv [BW, N, 3, H, D] (image rows: [T, 3, H, D]) itself, so that its gradient is one
+    tensor the backward kernels write in place: q, k, v taken as views outside would get three
+    gradients that autograd then stacks — a copy of the size of qkv, which at Swin-T's first stage
+    (bf16, batch 64) took 0.22 ms against 0.25 for the attention kernels."""
 
     @staticmethod
-    def forward(ctx, qkv, bias, mask, scale, precision, block, wpp):
-        out, saved = _forward_ctx(ctx, *qkv_views(qkv), bias, mask, scale, precision, block, wpp)
+    def forward(ctx, qkv, bias, mask, scale, precision, block, wpp, geo):
+        out, saved = _forward_ctx(ctx, *qkv_views(qkv, geo), bias, mask, scale, precision, block, wpp, geo)
         # (views of qkv kept on ctx would save the backward this call, but would hold qkv's memory
         # past saved-tensor hooks: activation checkpointing, offloading)
         ctx.save_for_backward(qkv, *saved)
@@ -1007,26 +1075,41 @@ class _PackedWindowAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qkv, *saved = ctx.saved_tensors
         dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        _, _, _, dbias = _backward_ctx(ctx, dout, *qkv_views(qkv), saved, qkv_views(dqkv))
-        return dqkv, dbias, None, None, None, None, None
+        _, _, _, dbias = _backward_ctx(ctx, dout, *qkv_views(qkv, ctx.geo), saved, 1, qkv_views(dqkv, ctx.geo))
+        return dqkv, dbias, None, None, None, None, None, None
+
+
+def _compiled(q, k, v, bias, mask, scale: float, precision: str, block: int, wpp: int,
+              geo: Optional[Geometry]) -> torch.Tensor:
+    """The call as torch.compile traces it: the window custom op; image rows are rolled and
+    partitioned into window rows around it by torch ops (inductor fuses those copies itself)."""
+    if geo is None:
+        return torch.ops.elsa_vision.window_fwd(q, k, v, bias, mask, scale, precision, block, wpp)[0]
+    q, k, v = (to_windows(t, geo).transpose(1, 2) for t in (q, k, v))
+    out = torch.ops.elsa_vision.window_fwd(q, k, v, bias, mask, scale, precision, block, wpp)[0]
+    return from_windows(out.transpose(1, 2), geo)
 
 
 def window_attention(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
-                     windows_per_program: Optional[int] = None, qkv: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     windows_per_program: Optional[int] = None, qkv: Optional[torch.Tensor] = None,
+                     geo: Optional[Geometry] = None) -> torch.Tensor:
     """Launcher behind the dispatcher's "triton" window backend (inputs already validated by
     :func:`elsa_vision.window_attention`): the custom op under torch.compile, the autograd.Functions
     otherwise. ``qkv``: the packed [BW, N, 3, H, D] tensor q, k, v are the :func:`qkv_views` views of
-    (then its gradient is written in one piece). Returns out [BW,H,N,D]."""
+    (then its gradient is written in one piece). Returns out [BW,H,N,D].
+
+    ``geo`` (:func:`elsa_vision.shifted_window_attention`): q, k, v are image rows [T, H, D] (qkv
+    [T, 3, H, D]) whose shifted windows the kernels read in place; returns image rows [T, H, D]."""
     if torch.compiler.is_compiling():
-        out, _ = torch.ops.elsa_vision.window_fwd(q, k, v, bias, mask, scale, precision, int(block or 0),
-                                                 int(windows_per_program or 0))
-        return out
+        if qkv is not None:
+            q, k, v = qkv_views(qkv, geo)
+        return _compiled(q, k, v, bias, mask, scale, precision, int(block or 0), int(windows_per_program or 0), geo)
     block, wpp = int(block or 0), int(windows_per_program or 0) or None
     leaves = (qkv, bias) if qkv is not None else (q, k, v, bias)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)):
         # inference: no graph to record, so the kernel without an autograd Function around it
-        views = qkv_views(qkv) if qkv is not None else (q, k, v)
-        return forward(*views, bias, mask, scale, precision, block, wpp)[0]
+        views = qkv_views(qkv, geo) if qkv is not None else (q, k, v)
+        return forward(*views, bias, mask, scale, precision, block, wpp, geo=geo)[0]
     if qkv is not None:
-        return _PackedWindowAttention.apply(qkv, bias, mask, scale, precision, block, wpp)
-    return _WindowAttention.apply(q, k, v, bias, mask, scale, precision, block, wpp)
+        return _PackedWindowAttention.apply(qkv, bias, mask, scale, precision, block, wpp, geo)
+    return _WindowAttention.apply(q, k, v, bias, mask, scale, precision, block, wpp, geo)

@@ -48,3 +48,14 @@ def test_windows_benchmark_smoke(tmp_path, args):
     prof = list(csv.DictReader(open(tmp_path / "windows_profile.csv")))
     assert {(r["variant"], r["mode"]) for r in prof} == {(r["variant"], r["mode"]) for r in rows}
     assert all(float(r["host_ms"]) > 0 for r in prof) and any(r.get("kernel") for r in prof)
+
+
+def test_windows_benchmark_blocks_smoke(tmp_path):
+    """--blocks: timm's Swin block _attn against ELSA's module-level and block-fused patches."""
+    from benchmarks import windows
+    import csv
+    windows.main(["--smoke", "--blocks", "--dtypes", "fp32", "--out", str(tmp_path)])
+    rows = list(csv.DictReader(open(tmp_path / "windows_blocks.csv")))
+    assert {r["variant"] for r in rows} == {"timm-sdpa", "timm-math", "elsa-window", "elsa-block"}
+    assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"}
+    assert all(r["ms"] and not r["error"] for r in rows), [r for r in rows if r["error"]]

@@ -657,3 +657,189 @@ def test_window_empty_input_still_checks_backend_and_nan_stays_nan():
     q[1, 0, 3, 0] = float("nan")
     out = elsa_vision.window_attention(q, x, x, backend="reference")
     assert out[1, 0, 3].isnan().all() and not out[0].isnan().any()
+
+
+# ---------------------------------------------------------------------------------------------
+# shifted_window_attention: windows read in place from image rows (Swin blocks)
+
+
+def _shift_mask(ih: int, iw: int, wh: int, ww: int, sh: int, sw: int) -> torch.Tensor:
+    """timm's shifted-window mask (SwinTransformerBlock.get_attn_mask) for an ih × iw image."""
+    from elsa_vision.kernels.reference import Geometry, to_windows
+    img = torch.zeros(ih, iw)
+    cnt = 0
+    for hs in ((0, -wh), (-wh, -sh), (-sh, None)):
+        for ws in ((0, -ww), (-ww, -sw), (-sw, None)):
+            img[hs[0]:hs[1], ws[0]:ws[1]] = cnt
+            cnt += 1
+    # timm partitions the region map without rolling it: the map is drawn in rolled coordinates
+    win = to_windows(img.reshape(-1, 1), Geometry(1, ih, iw, wh, ww, 0, 0))[..., 0]
+    m = win[:, None, :] - win[:, :, None]
+    return m.masked_fill(m != 0, -100.0).masked_fill(m == 0, 0.0)
+
+
+def _image_inputs(B, ih, iw, H, D, dtype, wh, ww, sh, sw, *, device="cpu", seed=0, mask="timm"):
+    g = torch.Generator().manual_seed(seed)
+    N = wh * ww
+    qkv = torch.randn(B, ih, iw, 3, H, D, generator=g).to(device, dtype).requires_grad_(True)
+    bias = (torch.randn(H, N, N, generator=g) * 2).to(device).requires_grad_(True)
+    m = None
+    if mask == "timm" and (sh or sw):
+        m = _shift_mask(ih, iw, wh, ww, sh, sw).to(device)
+    elif mask == "random":
+        m = _swin_mask((ih // wh) * (iw // ww), N, "timm", g).to(device)
+    return qkv, bias, m
+
+
+def _check_shifted(qkv, bias, mask, window, shift, *, packed=True, **kw):
+    """shifted_window_attention on image rows against the oracle of the same windows (DESIGN §7), the
+    windows taken by the reference roll + partition (exact: a permutation). Returns (out, grads)."""
+    from elsa_vision.kernels.reference import Geometry, to_windows
+    B, ih, iw, _, H, D = qkv.shape
+    geo = Geometry(B, ih, iw, *window, *shift)
+    if packed:
+        out = elsa_vision.shifted_window_attention(qkv, window_size=window, shift_size=shift, bias=bias, mask=mask, **kw)
+    else:
+        out = elsa_vision.shifted_window_attention(*qkv.unbind(3), window_size=window, shift_size=shift, bias=bias,
+                                                   mask=mask, **kw)
+    assert out.shape == (B, ih, iw, H, D) and out.dtype == qkv.dtype and out.is_contiguous()
+    qw, kw_, vw = (to_windows(t.reshape(-1, H, D), geo).transpose(1, 2) for t in qkv.unbind(3))
+    ow = to_windows(out.reshape(-1, H, D), geo).transpose(1, 2)
+    sc = 1 / math.sqrt(D)
+    ref = _timm_path(qw, kw_, vw, bias, mask, sc, qkv.dtype)
+    orc = _timm_path(qw, kw_, vw, bias, mask, sc, torch.float64)
+    e, r = max_err(ow, orc), max_err(ref, orc)
+    assert e <= tolerance(r, qkv.dtype), f"output: err {e:.3g} vs torch {r:.3g}"
+    g = torch.randn(ow.shape, generator=torch.Generator().manual_seed(1)).to(qkv.device, qkv.dtype)
+    leaves = (qkv, bias)
+    gx = torch.autograd.grad(ow, leaves, g)
+    gr = torch.autograd.grad(ref, leaves, g)
+    go = torch.autograd.grad(orc, leaves, g.double())
+    for name, a, b, c in zip(("qkv", "bias"), gx, gr, go):
+        e, r = max_err(a, c), max_err(b, c)
+        assert e <= tolerance(r, qkv.dtype, grad=True), f"d{name}: err {e:.3g} vs torch {r:.3g}"
+    return out, gx
+
+
+# (batch, image h, w, heads, D, window, shift, (dtype, precision)): every backward form and shift
+SHIFTED = [
+    (2, 14, 14, 2, 32, (7, 7), (3, 3), BF16),      # Swin-T stage geometry, fused backward
+    (1, 14, 21, 2, 32, (7, 7), (3, 3), F32),       # tiled float32 backward, a non-square image
+    (1, 16, 16, 1, 32, (8, 8), (4, 4), F16X3),     # SwinV2 window 8
+    (1, 12, 8, 2, 16, (6, 4), (3, 1), F32X3),      # non-square window, unequal shifts
+    (1, 24, 12, 1, 32, (12, 12), (6, 6), BF16),    # N = 144: tiled half-precision backward
+    (2, 7, 7, 2, 32, (7, 7), (0, 0), F16),         # one window, no shift (Swin-T's last stage)
+]
+
+
+@needs_interp
+@pytest.mark.parametrize("B,ih,iw,H,D,window,shift,dp", SHIFTED,
+                         ids=[f"{c[1]}x{c[2]}-w{c[5][0]}x{c[5][1]}-s{c[6][0]}{c[6][1]}-{str(c[7][0])[6:]}-{c[7][1]}"
+                              for c in SHIFTED])
+def test_shifted_matches_oracle(B, ih, iw, H, D, window, shift, dp):
+    dtype, precision = dp
+    qkv, bias, mask = _image_inputs(B, ih, iw, H, D, dtype, *window, *shift, mask="timm" if window[0] == 7 else "random")
+    out, grads = _check_shifted(qkv, bias, mask, window, shift, precision=precision, backend="triton")
+    # q, k, v given apart: the same kernels, bitwise
+    out2, grads2 = _check_shifted(qkv, bias, mask, window, shift, packed=False, precision=precision, backend="triton")
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_shifted_is_roll_partition_window_attention(backend):
+    """The definition, on each backend: roll by −shift, partition, window_attention_packed, merge,
+    roll back — the same numbers (bitwise on Triton: the same kernels read the same windows)."""
+    if backend == "triton" and not INTERP:
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    from elsa_vision.kernels.reference import Geometry, from_windows, to_windows
+    B, ih, iw, H, D, (wh, ww), (sh, sw) = 2, 14, 14, 2, 16, (7, 7), (3, 2)
+    qkv, bias, mask = _image_inputs(B, ih, iw, H, D, torch.float32, wh, ww, sh, sw, mask="random")
+    geo = Geometry(B, ih, iw, wh, ww, sh, sw)
+    go = torch.randn(B, ih, iw, H, D)
+    out = elsa_vision.shifted_window_attention(qkv, window_size=(wh, ww), shift_size=(sh, sw), bias=bias, mask=mask,
+                                               backend=backend)
+    g1 = torch.autograd.grad(out, (qkv, bias), go)
+    win = to_windows(qkv.reshape(-1, 3, H, D), geo)
+    ow = elsa_vision.window_attention_packed(win, bias=bias, mask=mask, backend=backend)
+    ref = from_windows(ow.transpose(1, 2), geo).reshape(out.shape)
+    g2 = torch.autograd.grad(ref, (qkv, bias), go)
+    if backend == "triton":
+        assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    else:
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+        for a, b in zip(g1, g2):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_shifted_bad_inputs_raise_clear_errors():
+    swa = elsa_vision.shifted_window_attention
+    qkv = torch.randn(1, 14, 14, 3, 2, 16)
+    q = torch.randn(1, 14, 14, 2, 16)
+    with pytest.raises(ValueError, match="not tiled by 7×6 windows; pad it"):
+        swa(qkv, window_size=(7, 6))
+    with pytest.raises(ValueError, match=r"shift_size \(7, 0\) must lie in \[0, window_size\)"):
+        swa(qkv, window_size=7, shift_size=(7, 0))
+    with pytest.raises(TypeError, match="window_size must be an int or a pair of ints"):
+        swa(qkv, window_size=7.0)
+    with pytest.raises(TypeError, match="shift_size must be an int or a pair of ints"):
+        swa(qkv, window_size=7, shift_size=(1, 2, 3))
+    with pytest.raises(ValueError, match="mask has 3 window slices but a 14×14 image has 4 windows"):
+        swa(qkv, window_size=7, shift_size=3, mask=torch.zeros(3, 49, 49))
+    with pytest.raises(ValueError, match=r"bias must be \[H, N, N\]"):
+        swa(qkv, window_size=7, bias=torch.zeros(2, 48, 48))
+    with pytest.raises(ValueError, match=r"packed qkv must be \[B, height, width, 3, H, D\]"):
+        swa(q, window_size=7)
+    with pytest.raises(ValueError, match="pass both k and v"):
+        swa(q, q, window_size=7)
+    with pytest.raises(ValueError, match="5-D"):
+        swa(q[0], q[0], q[0], window_size=7)
+    with pytest.raises(ValueError, match="one shape"):
+        swa(q, q, q[:, :7], window_size=7)
+    with pytest.raises(TypeError, match="share a dtype"):
+        swa(q, q.double(), q, window_size=7)
+    with pytest.raises(ValueError, match="takes no gradient"):
+        swa(qkv, window_size=7, mask=torch.zeros(4, 49, 49, requires_grad=True))
+    p = dispatch.Problem(op="shifted_window_attention", device="cuda", dtype=torch.float32, head_dim=32,
+                         window_tokens=400)
+    with pytest.raises(elsa_vision.NotSupportedError, match="window of 400 tokens exceeds 256"):
+        dispatch.select(p, "triton")
+
+
+def test_shifted_repeated_calls_keep_their_checks():
+    """A repeated signature skips the checks (kept decisions) and still gives the checked call's
+    result; a call the checks refuse is refused on a kept signature too."""
+    qkv, bias, mask = _image_inputs(1, 14, 14, 2, 16, torch.float32, 7, 7, 3, 3)
+    kw = dict(window_size=7, shift_size=3, bias=bias, mask=mask, backend="reference")
+    a = elsa_vision.shifted_window_attention(qkv, **kw)
+    b = elsa_vision.shifted_window_attention(qkv, **kw)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="shift_size"):
+        elsa_vision.shifted_window_attention(qkv, **{**kw, "shift_size": 9})
+    with pytest.raises(ValueError, match="mask has 1 window slices"):
+        elsa_vision.shifted_window_attention(qkv, **{**kw, "mask": mask[:1]})
+
+
+# Swin-T stages at batch 4 (image, heads, window, shift), SwinV2 window 8 and 16
+GPU_IMAGES = [(56, 3, 7, 3), (28, 6, 7, 3), (14, 12, 7, 3), (7, 24, 7, 0), (64, 3, 8, 4), (64, 3, 16, 8)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("side,H,w,s", GPU_IMAGES, ids=[f"{c[0]}px-w{c[2]}" for c in GPU_IMAGES])
+@pytest.mark.parametrize("dp", [(torch.float32, "fp16x3"), (torch.float32, "tf32x3"), (torch.float32, "ieee"),
+                                (torch.bfloat16, "auto")], ids=["fp32-fp16x3", "fp32-tf32x3", "fp32-ieee", "bf16"])
+def test_gpu_shifted_swin_sizes(side, H, w, s, dp):
+    dtype, precision = dp
+    qkv, bias, mask = _image_inputs(4, side, side, H, 32, dtype, w, w, s, s, device="cuda")
+    out, grads = _check_shifted(qkv, bias, mask, (w, w), (s, s), precision=precision, backend="triton")
+    # the same windows through window_attention_packed after torch's roll + partition: bitwise
+    from elsa_vision.kernels.reference import Geometry, from_windows, to_windows
+    geo = Geometry(4, side, side, w, w, s, s)
+    win = to_windows(qkv.reshape(-1, 3, H, 32), geo)
+    ow = elsa_vision.window_attention_packed(win, bias=bias, mask=mask, precision=precision, backend="triton")
+    ref = from_windows(ow.transpose(1, 2), geo).reshape(out.shape)
+    g = torch.randn(out.shape, device="cuda", dtype=dtype)
+    assert torch.equal(out, ref)
+    a = torch.autograd.grad(out, (qkv, bias), g)
+    b = torch.autograd.grad(ref, (qkv, bias), g)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
