@@ -246,6 +246,11 @@ def window_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     return out.reshape(Bw, H, N, D)  # the kernels return token-major outputs
 
 
+def _gather_heads(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """Swin's relative-position bias, table [(2w−1)², H] gathered by index [N, N] → [H, N, N] row-major."""
+    return table.t()[:, index.view(-1)].view(-1, n, n)
+
+
 def _mask_ok(mask: Optional[torch.Tensor], Bw: int, N: int) -> bool:
     return mask is None or (mask.dim() == 3 and tuple(mask.shape[1:]) == (N, N) and mask.shape[0] > 0
                             and Bw % mask.shape[0] == 0)
@@ -315,11 +320,10 @@ class SwinWindowAttention(_SwinBase):
         return module.qkv(x)
 
     def _prepare(self, module, q, k, image=False):
-        # timm's _get_rel_pos_bias without its row-major copy: the kernels take the permuted view
-        # (padding it, N = 49, makes the one copy they read)
+        # timm's _get_rel_pos_bias gathered head-major: the [H, N, N] table comes out row-major, as
+        # the kernels read it, without the permute + copy (the same values)
         n = module.window_area
-        bias = module.relative_position_bias_table[module.relative_position_index.view(-1)].view(n, n, -1)
-        bias = bias.permute(2, 0, 1)  # [H, N, N]
+        bias = _gather_heads(module.relative_position_bias_table, module.relative_position_index, n)
         scale = None if getattr(module, "fused_attn", False) else float(module.scale)
         return q, k, scale, bias
 
@@ -365,11 +369,9 @@ class SwinV2WindowAttention(_SwinBase):
         k = F.normalize(k, dim=-1)
         H = module.num_heads
         n = module.window_size[0] * module.window_size[1]
-        # 16·sigmoid on the [(2w−1)², H] table before the gather (elementwise, so the same values),
-        # then one copy to the [H, N, N] row-major layout the kernels read
+        # 16·sigmoid on the [(2w−1)², H] table before the gather (elementwise, so the same values)
         table = 16 * torch.sigmoid(module.cpb_mlp(module.relative_coords_table).view(-1, H))
-        bias = table[module.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()
-        return q, k, 1.0, bias
+        return q, k, 1.0, _gather_heads(table, module.relative_position_index, n)
 
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",

@@ -173,6 +173,8 @@ TUNE = {
     "bias-regs": dict(BIAS_IN_REGISTERS=True),
     "stages1": dict(STAGES=1),
     "stages3": dict(STAGES=3),
+    "pad": dict(PAD_TABLES_FROM=0),           # bias / mask tables always padded (vectorised loads)
+    "nopad": dict(PAD_TABLES_FROM=1 << 40),   # never: read in place at row stride N
 }
 
 
@@ -360,9 +362,10 @@ def main(argv=None):
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--no-generic", action="store_true", help="skip elsa_vision.attention on the expanded mask")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
-    ap.add_argument("--tune", action="store_true",
+    ap.add_argument("--tune", nargs="?", const="all", metavar="SWITCHES",
                     help="also run elsa with kernels/window.py's tuning switches varied (programs per SM, "
-                         "bias in registers, pipeline stages) → windows_tune.*")
+                         "bias in registers, pipeline stages, table padding): all, or a comma-separated "
+                         f"subset of {','.join(TUNE)} → windows_tune.*")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one call per variant: CUDA time per kernel and host time → <stem>_profile.csv")
     ap.add_argument("--blocks", action="store_true",
@@ -382,7 +385,11 @@ def main(argv=None):
         shapes = [(n, nW, nW, 1, N) for n, _, nW, _, N in shapes]
     vs = variants(sweep=not (a.quick or a.tune), generic=not (a.quick or a.no_generic or a.tune))
     if a.tune:
-        vs.update({f"elsa-{n}": elsa_tuned(**kn) for n, kn in TUNE.items()})
+        names = list(TUNE) if a.tune == "all" else a.tune.split(",")
+        unknown = sorted(set(names) - set(TUNE))
+        if unknown:
+            ap.error(f"--tune: unknown switch(es) {unknown}; choose from {list(TUNE)}")
+        vs.update({f"elsa-{n}": elsa_tuned(**TUNE[n]) for n in names})
     rounds = 1 if a.smoke else 5 if a.quick else 15
     if a.blocks:
         return run_blocks(a, rounds)

@@ -813,12 +813,13 @@ def _shape(q: torch.Tensor, geo: Optional[Geometry]) -> tuple[int, int, int, int
 
 
 def _table(x: torch.Tensor, nr: int) -> tuple[torch.Tensor, int]:
-    """(table, lead stride): x [L, N, N] as rows of stride ``nr`` (a multiple of 16) with unit column
-    stride, so tile loads vectorise. Zero-copy when x already is such (N % 16 == 0, contiguous rows);
-    otherwise a zero-padded [L, nr, nr] copy — the [H, N, N] / [nW, N, N] input, never per window.
+    """(table, lead stride): x [L, N, N] as rows of stride ``nr`` with unit column stride. ``nr`` a
+    multiple of 16 makes the tile loads vectorise: zero-copy when x already is such (N % 16 == 0,
+    contiguous rows), otherwise a zero-padded [L, nr, nr] copy — the [H, N, N] / [nW, N, N] input,
+    never per window. ``nr`` = N (see :func:`_tables`): x as it is when its rows are contiguous.
     A lead dim broadcast with stride 0 (one bias for all heads) keeps stride 0."""
     n = x.shape[-1]
-    if n == nr and x.stride(-1) == 1 and x.stride(-2) == nr and x.stride(0) % 16 == 0:
+    if n == nr and x.stride(-1) == 1 and x.stride(-2) == nr and (x.stride(0) % 16 == 0 or nr % 16):
         return x, x.stride(0)
     lead0 = x.shape[0] > 1 and x.stride(0) == 0
     src = x[:1] if lead0 else x
@@ -836,9 +837,16 @@ def _mask_table(mask: torch.Tensor, nr: int) -> torch.Tensor:
     return mt if mt.stride(0) == nr * nr else mt.contiguous()
 
 
-def _tables(bias, mask, n: int, like: torch.Tensor):
-    """(bias table, its head stride, mask table, NR); absent inputs become a placeholder pointer."""
-    nr = _cdiv(n, 16) * 16
+# Windows × heads of a call from which the bias and mask tables get padded to a 16-multiple row
+# stride (vectorised loads, one copy of each table per call). Below it the kernels read them in
+# place, row stride N: the copies' host time is then more than what they save the GPU.
+PAD_TABLES_FROM = 8192
+
+
+def _tables(bias, mask, n: int, like: torch.Tensor, work: int = PAD_TABLES_FROM):
+    """(bias table, its head stride, mask table, NR) for a call of ``work`` windows × heads; absent
+    inputs become a placeholder pointer."""
+    nr = _cdiv(n, 16) * 16 if work >= PAD_TABLES_FROM else n
     bt, sb_h = _table(bias, nr) if bias is not None else (like, 0)
     mt = _mask_table(mask, nr) if mask is not None else like
     return bt, sb_h, mt, nr
@@ -860,7 +868,7 @@ def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
     if out.numel() == 0:
         stats[:, :, 0], stats[:, :, 1] = float("inf"), 1.0
         return out.zero_(), stats
-    bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q)
+    bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q, BW * H)
     n_mt = _cdiv(N, pl.fwd_m)
     wpp, runs = plan_runs(BW, n_mt * H, pl.min_windows, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
     launch(_win_fwd_kernel, (runs * n_mt, H),
@@ -895,7 +903,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
         dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if bias_grad else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
     has_bias, has_mask = bias is not None, mask is not None
-    bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q)
+    bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q, BW * H)
     qkv_do = (*_rows4(q, geo), *_rows4(k, geo), *_rows4(v, geo), *_rows4(do, geo))
     g3 = _rows4(dq, geo)[:3]  # dq, dk, dv share one layout
     rest = (BW, H, N, nr, nW)
@@ -1022,8 +1030,8 @@ _DOUBLE_BACKWARD = ("elsa_vision.window_attention does not support double backwa
 
 def _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp, geo):
     """The forward of both autograd Functions; what the backward needs goes in ``ctx``."""
-    _, _, N, D = _shape(q, geo)
-    tables = _tables(bias, mask, N, q) if q.numel() else None
+    BW, H, N, D = _shape(q, geo)
+    tables = _tables(bias, mask, N, q, BW * H) if q.numel() else None
     out, stats = forward(q, k, v, bias, mask, scale, precision, block, wpp, tables, geo)
     keep_out = make_plan(N, D, q.dtype, block, precision).reads_out
     ctx.args = (scale, precision, block)

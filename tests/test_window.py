@@ -344,6 +344,31 @@ def test_mask_table_follows_every_write():
     assert W._tables(None, m64, 64, m64)[2] is m64
 
 
+@pytest.mark.parametrize("N,dp", [(49, BF16), (50, F32), (49, F16X3), (144, F32X3)],
+                         ids=["fused-bf16", "tiled-ieee", "fp16x3", "folded-tf32x3"])
+def test_padded_and_in_place_tables_agree(N, dp, monkeypatch):
+    """Below PAD_TABLES_FROM windows × heads the kernels read the bias and mask at row stride N
+    (no padded copies); above, from 16-aligned padded copies. Same numbers, bitwise, both ways."""
+    if not (INTERP or torch.cuda.is_available()):
+        pytest.skip("needs the Triton kernels")
+    from elsa_vision.kernels import window as W
+    dev = "cpu" if INTERP else "cuda"
+    dtype, precision = dp
+    q, k, v, b, m = _inputs(2, 4, 2, N, 32, dtype)
+    q, k, v = (t.detach().to(dev).requires_grad_(True) for t in (q, k, v))
+    b, m = b.detach().to(dev).requires_grad_(True), m.to(dev)
+    go = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(dev, dtype)
+    res = []
+    for threshold, nr in ((0, -(-N // 16) * 16), (1 << 30, N)):
+        monkeypatch.setattr(W, "PAD_TABLES_FROM", threshold)
+        assert W._tables(b, m, N, q, 16)[3] == nr
+        out = elsa_vision.window_attention(q, k, v, bias=b, mask=m, precision=precision, backend="triton")
+        res.append((out, *torch.autograd.grad(out, (q, k, v, b), go)))
+    for x, y in zip(*res):
+        assert torch.equal(x, y)
+    _check(q, k, v, b, m, precision=precision, backend="triton")  # (and the oracle rule, in place)
+
+
 def test_tables_are_laid_out_for_the_kernel():
     """A bias that needs no padding but is not row-major (Swin v2's is a permuted view) still comes
     out with unit column stride and row stride NR, as the kernel reads it."""
@@ -831,10 +856,12 @@ GPU_IMAGES = [(56, 3, 7, 3), (28, 6, 7, 3), (14, 12, 7, 3), (7, 24, 7, 0), (64, 
 def test_gpu_shifted_swin_sizes(side, H, w, s, dp):
     dtype, precision = dp
     qkv, bias, mask = _image_inputs(4, side, side, H, 32, dtype, w, w, s, s, device="cuda")
-    out, grads = _check_shifted(qkv, bias, mask, (w, w), (s, s), precision=precision, backend="triton")
+    _check_shifted(qkv, bias, mask, (w, w), (s, s), precision=precision, backend="triton")
     # the same windows through window_attention_packed after torch's roll + partition: bitwise
     from elsa_vision.kernels.reference import Geometry, from_windows, to_windows
     geo = Geometry(4, side, side, w, w, s, s)
+    out = elsa_vision.shifted_window_attention(qkv, window_size=w, shift_size=s, bias=bias, mask=mask,
+                                               precision=precision, backend="triton")
     win = to_windows(qkv.reshape(-1, 3, H, 32), geo)
     ow = elsa_vision.window_attention_packed(win, bias=bias, mask=mask, precision=precision, backend="triton")
     ref = from_windows(ow.transpose(1, 2), geo).reshape(out.shape)
