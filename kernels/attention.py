@@ -934,8 +934,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Kernels launched before, by (kernel, device, Triton's specialisation of the arguments, options).
+# Kernels launched before: (kernel, device, _signature of the positional arguments, keyword
+# arguments, debug flag) → (the compiled kernel, the values of the parameters after the positional
+# ones, in signature order). Cleared when it grows past _LAUNCHED_MAX (varying shapes).
 _LAUNCHED: dict = {}
+_LAUNCHED_MAX = 4096
 
 
 def _hooked(hook) -> bool:
@@ -943,32 +946,47 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _signature(args: tuple) -> tuple:
+    """What of a launch's positional arguments can change the compiled kernel, at least as finely as
+    Triton's specialisation: an int by its value (Triton: equal to 1, a multiple of 16, 32 or 64
+    bits), a tensor by its dtype and whether its address is 16-byte aligned, a float by its type
+    alone (Triton does not specialise floats), anything else by type and value."""
+    return tuple(a if type(a) is int else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+                 else float if type(a) is float else (type(a), a) for a in args)
+
+
 def launch(fn, grid: tuple, *args, **meta):
     """``fn[grid](*args, **meta)`` with Triton's per-call host work cut to what a compiled kernel
-    needs. Triton's own launch re-derives the compile options, checks the kernel's global values and
-    builds launch metadata on every call; skipping that saved 10–15 µs a launch on an H200 host,
-    where a ViT-sized attention takes tens of microseconds of GPU time and a Swin-T training step
-    makes dozens of launches. Here the arguments are
-    specialised by Triton's own binder (so a kernel compiled for other strides, alignments or
-    constants is never reused) and a kernel seen before is launched directly. The first launch of
-    each specialisation, the interpreter, and a profiler's launch hooks take Triton's path."""
+    needs. Triton's own launch re-derives the compile options, checks the kernel's global values,
+    builds launch metadata and specialises every argument (its binder: about 2 µs an argument on the
+    H200 hosts here, and the window kernels take 45) on every call; a Swin-T training step makes
+    dozens of launches, and at its later stages the host's launch work, not the GPU, sets the pace.
+    Here a launch whose arguments have the :func:`_signature` of one seen before reuses that
+    launch's compiled kernel directly (the signature is at least as fine as Triton's specialisation,
+    so a kernel compiled for other dtypes, alignments or integer values is never reused). The first
+    launch of each signature, the interpreter, and a profiler's launch hooks take Triton's path."""
     if INTERPRET or _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook):
         return fn[grid](*args, **meta)
     dev = torch.cuda.current_device()
-    caches = fn.device_caches.get(dev)
-    if caches is None:
-        return fn[grid](*args, **meta)
-    params, spec, opts = caches[4](*args, **meta)
-    key = (fn, dev, tuple(spec), tuple(opts.items()), _knobs.runtime.debug)
-    kernel = _LAUNCHED.get(key)
-    if kernel is None:
+    key = (fn, dev, _signature(args), tuple(meta.items()), _knobs.runtime.debug)
+    hit = _LAUNCHED.get(key)
+    if hit is None:
+        caches = fn.device_caches.get(dev)
+        params = caches[4](*args, **meta)[0] if caches is not None else None
         kernel = fn[grid](*args, **meta)
-        _LAUNCHED[key] = kernel.result() if hasattr(kernel, "result") else kernel
+        kernel = kernel.result() if hasattr(kernel, "result") else kernel
+        if params is None:  # (the binder exists once the kernel has been compiled on this device)
+            params = fn.device_caches[dev][4](*args, **meta)[0]
+        values = tuple(params.values())
+        if len(_LAUNCHED) >= _LAUNCHED_MAX:
+            _LAUNCHED.clear()
+        _LAUNCHED[key] = (kernel, values[len(args):])
         return kernel
+    kernel, tail = hit
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     kernel.run(grid[0], g1, g2, _driver.active.get_current_stream(dev), kernel.function, kernel.packed_metadata,
-               None, None, None, *params.values())
+               None, None, None, *args, *tail)
     return kernel
 
 
