@@ -174,7 +174,7 @@ TUNE = {
     "stages1": dict(STAGES=1),
     "stages3": dict(STAGES=3),
     "pad": dict(PAD_TABLES_FROM=0),           # bias / mask tables always padded (vectorised loads)
-    "nopad": dict(PAD_TABLES_FROM=1 << 40),   # never: read in place at row stride N
+    "nopad": dict(PAD_TABLES_FROM=1 << 40),   # half precision never: in place at row stride N
 }
 
 
