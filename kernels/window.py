@@ -65,6 +65,12 @@ sm_90 (registers, spills, shared memory; see :func:`make_plan`):
 
 Outputs are allocated in the [BW, N, H, D] memory layout (returned as the [BW, H, N, D] view), which is
 what Swin consumes next (``out.transpose(1, 2).reshape(BW, N, H·D)`` is then free); dq, dk, dv likewise.
+
+Image rows (``geo``, a :class:`Geometry`; :func:`elsa_vision.shifted_window_attention`): q, k, v, the
+output and the gradients may instead be the [B·height·width, H, D] token rows of a Swin feature map,
+before any partition. The kernels find token t of window r where it lies (_tok: Swin's cyclic shift
+and window partition as index arithmetic), so the roll, the partition, the merge and the roll back
+are never copies; the row statistics, delta and the mask stay in window order.
 """
 from __future__ import annotations
 
