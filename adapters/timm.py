@@ -82,11 +82,19 @@ def _backend(state: PatchState) -> str:
     return state.options.get("backend", "auto")
 
 
-def _check_common(module: torch.nn.Module, options: dict, head_dim: int) -> Optional[str]:
-    """Shared skip reasons (None if the module can be patched); patch() has checked the options."""
+def _old_timm() -> Optional[str]:
+    """Why the installed timm is too old for these adapters (None if it is not)."""
     ver = _timm_version()
     if ver is not None and ver < MIN_TIMM:
         return f"timm {'.'.join(map(str, ver))} is older than 1.0.20; upgrade timm (pip install -U timm)"
+    return None
+
+
+def _check_common(module: torch.nn.Module, options: dict, head_dim: int) -> Optional[str]:
+    """Shared skip reasons (None if the module can be patched); patch() has checked the options."""
+    why = _old_timm()
+    if why:
+        return why
     if head_dim > 256:
         return f"head dim {head_dim} > 256 is not supported by ELSA"
     return None
@@ -403,9 +411,9 @@ class SwinBlock(Adapter):
     def skip_reason(self, module, options):
         if not options.get("fuse_windows", True):
             return "fuse_windows=False: timm's shift and window partition run around the patched attention"
-        ver = _timm_version()
-        if ver is not None and ver < MIN_TIMM:
-            return f"timm {'.'.join(map(str, ver))} is older than 1.0.20; upgrade timm (pip install -U timm)"
+        why = _old_timm()
+        if why:
+            return why
         if not callable(getattr(module, "_attn", None)):
             return "this timm version's block has no _attn method"
         return None
@@ -439,8 +447,8 @@ class SwinBlock(Adapter):
         astate = attn.__dict__["_elsa"]
         mask = block.get_attn_mask(x) if getattr(block, "dynamic_mask", False) else block.attn_mask
         B, IH, IW, _ = x.shape
-        N = block.window_size[0] * block.window_size[1]
-        if mask is not None and tuple(mask.shape) != ((IH // block.window_size[0]) * (IW // block.window_size[1]), N, N):
+        (wh, ww), N = block.window_size, block.window_size[0] * block.window_size[1]
+        if mask is not None and tuple(mask.shape) != ((IH // wh) * (IW // ww), N, N):
             return state.delegate(x, reason="attn_mask is not [nW, N, N] for this feature map")
         astate.count_call()  # the attention module's call, served here
         o = astate.adapter._attend_image(attn, astate, astate.adapter._qkv(attn, x), block.window_size,

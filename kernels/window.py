@@ -328,8 +328,9 @@ def _win_fwd_kernel(
             acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
             for start in range(0, N, BLOCK_N):
                 offs_n = start + offs_n0
+                tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
                 k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
-                    q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO), offs_d,
+                    q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, tok_n, offs_d,
                     sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, 1.0, D, HAS_BIAS, HAS_MASK, PREC, True, False)
                 # monoid merge of the running state with this tile's (m, S, W)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -457,8 +458,9 @@ def _win_bwd_dq_kernel(
         if PREC == 4:
             f = _ds_units(r_r, D_PAD)
         if EXACT and ONE_TILE:
+            tok_n = _tok(rr, offs_n0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
             k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
-                q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n0, _tok(rr, offs_n0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO), offs_d,
+                q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n0, tok_n, offs_d,
                 sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, 1.0, D, HAS_BIAS, HAS_MASK, PREC, False, False)
             p = _probs2(s, m_r, r_r, EXACT)
             dp = _dot_nt(do, do_lo, v, v_lo, PREC)  # fp16x3: in units of c_dO·c_v
@@ -468,15 +470,16 @@ def _win_bwd_dq_kernel(
         else:
             cv_w = 1.0
             if PREC == 4:  # one v scale for the window's key tiles (see _window_scale)
-                cv_w = _window_scale(v_base, rr, offs_n0, offs_d, sv_n, sv_d, N, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, D,
-                                     BLOCK_N, GEO)
+                cv_w = _window_scale(v_base, rr, offs_n0, offs_d, sv_n, sv_d, N, nW, G_NWX, G_WH, G_WW, G_IH, G_IW,
+                                     G_SH, G_SW, D, BLOCK_N, GEO)
             if EXACT:
                 delta = tl.zeros([BLOCK_M], tl.float32)
                 l = tl.zeros([BLOCK_M], tl.float32)
                 for start in range(0, N, BLOCK_N):
                     offs_n = start + offs_n0
+                    tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
                     k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
-                        q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO),
+                        q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, tok_n,
                         offs_d, sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False,
                         True)
                     p = _probs2(s, m_r, r_r, EXACT)
@@ -490,8 +493,9 @@ def _win_bwd_dq_kernel(
             dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
             for start in range(0, N, BLOCK_N):
                 offs_n = start + offs_n0
+                tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
                 k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
-                    q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO), offs_d,
+                    q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, tok_n, offs_d,
                     sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False, True)
                 p = _probs2(s, m_r, r_r, EXACT)
                 dp = _dot_nt(do, do_lo, v, v_lo, PREC)
