@@ -155,13 +155,13 @@ def elsa_tuned(**knobs):
         old = {n: getattr(W, n) for n in knobs}
         for n, val in knobs.items():
             setattr(W, n, val)
-        W.make_plan.cache_clear()
+        W.clear_plans()
         try:
             return elsa_window("auto")(q, k, v, bias, mask, dtype)
         finally:
             for n, val in old.items():
                 setattr(W, n, val)
-            W.make_plan.cache_clear()
+            W.clear_plans()
     return f
 
 

@@ -971,23 +971,68 @@ def launch(fn, grid: tuple, *args, **meta):
     key = (fn, dev, _signature(args), tuple(meta.items()), _knobs.runtime.debug)
     hit = _LAUNCHED.get(key)
     if hit is None:
-        caches = fn.device_caches.get(dev)
-        params = caches[4](*args, **meta)[0] if caches is not None else None
-        kernel = fn[grid](*args, **meta)
-        kernel = kernel.result() if hasattr(kernel, "result") else kernel
-        if params is None:  # (the binder exists once the kernel has been compiled on this device)
-            params = fn.device_caches[dev][4](*args, **meta)[0]
-        values = tuple(params.values())
-        if len(_LAUNCHED) >= _LAUNCHED_MAX:
-            _LAUNCHED.clear()
-        _LAUNCHED[key] = (kernel, values[len(args):])
-        return kernel
+        return _first_launch(key, fn, grid, args, meta)[0]
     kernel, tail = hit
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     kernel.run(grid[0], g1, g2, _driver.active.get_current_stream(dev), kernel.function, kernel.packed_metadata,
                None, None, None, *args, *tail)
     return kernel
+
+
+def _first_launch(key, fn, grid, args, meta) -> tuple:
+    """Triton's own launch (compiling if need be); → (compiled kernel, values of the parameters after
+    the positional ones), kept in _LAUNCHED under ``key``."""
+    dev = key[1]
+    caches = fn.device_caches.get(dev)
+    params = caches[4](*args, **meta)[0] if caches is not None else None
+    kernel = fn[grid](*args, **meta)
+    kernel = kernel.result() if hasattr(kernel, "result") else kernel
+    if params is None:  # (the binder exists once the kernel has been compiled on this device)
+        params = fn.device_caches[dev][4](*args, **meta)[0]
+    values = tuple(params.values())
+    if len(_LAUNCHED) >= _LAUNCHED_MAX:
+        _LAUNCHED.clear()
+    _LAUNCHED[key] = hit = (kernel, values[len(args):])
+    return hit
+
+
+class Launch:
+    """One kernel launch planned once, ``fn[grid](*tensors, *scalars, **meta)`` with the tensors given
+    at each call: what a kernel family's host code decides from a call's shapes, strides and flags
+    (grid, strides, sizes, tile constants) is kept, and a repeat only binds addresses. The compiled
+    kernel is kept per device and per pattern of 16-byte-aligned tensor addresses (what Triton
+    specialises a pointer argument on; the scalars are fixed, so their specialisation is too), and a
+    repeat passes it the addresses as integers: no :func:`_signature` of 40-odd arguments, no
+    per-tensor ``data_ptr`` call and driver pointer query inside Triton's C launcher. The first call
+    of each pattern, the interpreter, and a profiler's launch hooks take :func:`launch`'s path."""
+
+    __slots__ = ("fn", "grid", "scalars", "meta", "_bound")
+
+    def __init__(self, fn, grid: tuple, scalars: tuple, meta: dict):
+        self.fn, self.scalars, self.meta = fn, tuple(scalars), meta
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self._bound: dict = {}
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        if INTERPRET or _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook):
+            self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+            return
+        ptrs = [t.data_ptr() for t in tensors]
+        dev = torch.cuda.current_device()
+        key = (dev, _knobs.runtime.debug, *[p & 15 == 0 for p in ptrs])
+        hit = self._bound.get(key)
+        if hit is None:
+            args = (*tensors, *self.scalars)
+            lkey = (self.fn, dev, _signature(args), tuple(self.meta.items()), key[1])
+            found = _LAUNCHED.get(lkey)
+            kernel, tail = found or _first_launch(lkey, self.fn, self.grid, args, self.meta)
+            self._bound[key] = hit = (kernel, (*self.scalars, *tail))
+            if found is None:
+                return  # (_first_launch launched it)
+        kernel, rest = hit
+        kernel.run(*self.grid, _driver.active.get_current_stream(dev), kernel.function, kernel.packed_metadata,
+                   None, None, None, *ptrs, *rest)
 
 
 # strict float32: keys one uncompensated running sum may fold within the 2e-6 relative-L2 bound

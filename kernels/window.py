@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -84,7 +84,7 @@ import triton.language as tl
 
 from .attention import (INTERPRET, _PREC, _cdiv, _dk_units, _dot, _dot3, _dot_nt, _ds_k, _ds_units, _exp_of,
                         _load_stats, _mean, _pow2, _pow2_of, _pv, _setup_bwd, _sm_count, _split_f16, _store_stats,
-                        _to, launch)
+                        _to, Launch)
 from .reference import Geometry, from_windows, qkv_views, to_windows
 
 BLOCKS = (64, 128, 256)
@@ -823,28 +823,64 @@ def _shape(q: torch.Tensor, geo: Optional[Geometry]) -> tuple[int, int, int, int
 
 
 def _table(x: torch.Tensor, nr: int) -> tuple[torch.Tensor, int]:
-    """(table, lead stride): x [L, N, N] as rows of stride ``nr`` with unit column stride. ``nr`` a
-    multiple of 16 makes the tile loads vectorise: zero-copy when x already is such (N % 16 == 0,
-    contiguous rows), otherwise a zero-padded [L, nr, nr] copy — the [H, N, N] / [nW, N, N] input,
-    never per window. ``nr`` = N (see :func:`_tables`): x as it is when its rows are contiguous.
-    A lead dim broadcast with stride 0 (one bias for all heads) keeps stride 0."""
+    """(table, lead stride) of x [L, N, N] read at row stride ``nr`` = N (see :func:`_tables`): x as
+    it is when its rows are contiguous, else a row-major copy. A lead dim broadcast with stride 0
+    (one bias for all heads) keeps stride 0."""
     n = x.shape[-1]
-    if n == nr and x.stride(-1) == 1 and x.stride(-2) == nr and (x.stride(0) % 16 == 0 or nr % 16):
+    if x.stride(-1) == 1 and x.stride(-2) == nr and (x.stride(0) % 16 == 0 or nr % 16):
         return x, x.stride(0)
     lead0 = x.shape[0] > 1 and x.stride(0) == 0
-    src = x[:1] if lead0 else x
-    if n == nr:  # nothing to pad: one row-major copy
-        return src.contiguous(), (0 if lead0 else nr * nr)
-    # (pad may return its copy in the input's strides: hence contiguous(), a no-op when it is not)
-    return torch.nn.functional.pad(src, (0, nr - n, 0, nr - n)).contiguous(), (0 if lead0 else nr * nr)
+    return (x[:1] if lead0 else x).contiguous(), (0 if lead0 else n * n)
 
 
 def _mask_table(mask: torch.Tensor, nr: int) -> torch.Tensor:
-    """The [nW, NR, NR] table of a shifted-window mask (windows NR·NR apart). Made on every call: a
-    copy kept between calls could not see writes that bypass the tensor's version counter
-    (``mask.data``, memory shared with NumPy) and would then apply a stale mask."""
+    """The [nW, N, N] mask read at row stride N, windows N·N apart. Made on every call, as the padded
+    tables are: a copy kept between calls could not see writes that bypass the tensor's version
+    counter (``mask.data``, memory shared with NumPy) and would then apply a stale mask."""
     mt = _table(mask, nr)[0]
     return mt if mt.stride(0) == nr * nr else mt.contiguous()
+
+
+@triton.jit
+def _pad_tables_kernel(Bias, Mask, Out, sb_l, sb_r, sb_c, sm_l, sm_r, sm_c, LB, N, NR,
+                       BR: tl.constexpr, BC: tl.constexpr):
+    """grid (LB + LM,): program l writes table l of Out [LB + LM, NR, NR] float32 — Bias[l] for
+    l < LB, Mask[l − LB] after — zero past N."""
+    l = tl.program_id(0)
+    cols = tl.arange(0, BC)
+    out = Out + l.to(tl.int64) * NR * NR
+    for r0 in range(0, NR, BR):
+        rows = r0 + tl.arange(0, BR)
+        inside = (rows[:, None] < N) & (cols[None, :] < N)
+        if l < LB:
+            x = tl.load(Bias + l * sb_l + rows[:, None] * sb_r + cols[None, :] * sb_c, mask=inside, other=0.0)
+            x = x.to(tl.float32)
+        else:
+            x = tl.load(Mask + (l - LB) * sm_l + rows[:, None] * sm_r + cols[None, :] * sm_c, mask=inside, other=0.0)
+            x = x.to(tl.float32)
+        tl.store(out + rows[:, None] * NR + cols[None, :], x, mask=(rows[:, None] < NR) & (cols[None, :] < NR))
+
+
+def _pad_launch(lb: int, lm: int, n: int, nr: int, b_strides: tuple, m_strides: tuple) -> Launch:
+    bc = _pow2(nr)
+    return Launch(_pad_tables_kernel, (lb + lm,), (*b_strides, *m_strides, lb, n, nr),
+                  dict(BR=min(bc, 4096 // bc), BC=bc, num_warps=4))
+
+
+def _padded_tables(bias, mask, n: int, nr: int, like: torch.Tensor):
+    """(bias table, its head stride, mask table): bias [H, N, N] and mask [nW, N, N] copied, zero-padded
+    to row stride ``nr`` (a multiple of 16: the kernels' tile loads vectorise), as float32 tables
+    in one buffer, by one launch."""
+    lead0 = bias is not None and bias.shape[0] > 1 and bias.stride(0) == 0  # one bias for all heads
+    lb = 0 if bias is None else 1 if lead0 else bias.shape[0]
+    lm = 0 if mask is None else mask.shape[0]
+    buf = torch.empty((lb + lm, nr, nr), device=like.device, dtype=torch.float32)
+    b = buf if bias is None else bias
+    m = buf if mask is None else mask
+    key = ("pad", buf.device, lb, lm, n, nr, b.dtype, m.dtype, b.stride(), m.stride())
+    _prepared(key, _pad_launch, lb, lm, n, nr, b.stride(), m.stride())(b, m, buf)
+    bt = like if bias is None else buf
+    return bt, (0 if lead0 else nr * nr), (like if mask is None else buf[lb:])
 
 
 # Windows × heads of a half-precision call from which the bias and mask tables get padded to a
@@ -865,9 +901,48 @@ def _tables(bias, mask, n: int, like: torch.Tensor, work: Optional[int] = None):
     """(bias table, its head stride, mask table, NR) for a half-precision call of ``work`` windows ×
     heads (None: float32, always padded); absent inputs become a placeholder pointer."""
     nr = _cdiv(n, 16) * 16 if work is None or work >= PAD_TABLES_FROM else n
+    if nr != n and (bias is not None or mask is not None):
+        return (*_padded_tables(bias, mask, n, nr, like), nr)
     bt, sb_h = _table(bias, nr) if bias is not None else (like, 0)
     mt = _mask_table(mask, nr) if mask is not None else like
     return bt, sb_h, mt, nr
+
+
+# Launches planned per call signature (dtype, device, shape, strides, flags, tuning switches): see
+# attention.Launch. A repeat call only allocates its outputs and binds their addresses. Cleared when
+# it grows past _PREPARED_MAX (varying shapes) and by clear_plans() (tuning switches changed).
+_PREPARED: dict = {}
+_PREPARED_MAX = 1024
+
+
+def _prepared(key: tuple, make, *args):
+    hit = _PREPARED.get(key)
+    if hit is None:
+        if len(_PREPARED) >= _PREPARED_MAX:
+            _PREPARED.clear()
+        hit = _PREPARED[key] = make(*args)
+    return hit
+
+
+def clear_plans() -> None:
+    """Forget every plan (after changing a tuning switch of this module)."""
+    make_plan.cache_clear()
+    plan_runs.cache_clear()
+    _PREPARED.clear()
+
+
+def _fwd_launch(q, k, v, out, has_bias: bool, has_mask: bool, sb_h: int, nr: int, nW: int, scale: float,
+                precision: str, block: int, windows_per_program: Optional[int], geo: Optional[Geometry]) -> Launch:
+    BW, H, N, D = _shape(q, geo)
+    pl = make_plan(N, D, q.dtype, block, precision)
+    n_mt = _cdiv(N, pl.fwd_m)
+    wpp, runs = plan_runs(BW, n_mt * H, pl.min_windows, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
+    return Launch(_win_fwd_kernel, (runs * n_mt, H),
+        (*_rows4(q, geo), *_rows4(k, geo), *_rows4(v, geo), *_rows4(out, geo), sb_h,
+         BW, H, N, nr, nW, wpp, scale, *(geo.args if geo is not None else _NO_GEO)),
+        dict(D=D, D_PAD=_pow2(D), BLOCK_M=pl.fwd_m, BLOCK_N=pl.fwd_n, SINGLE=pl.single, HAS_BIAS=has_bias,
+             BIAS_REGS=pl.bias_regs, HAS_MASK=has_mask, PREC=_PREC[precision], GEO=geo is not None,
+             num_warps=pl.fwd_warps, num_stages=pl.fwd_stages))
 
 
 def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
@@ -880,24 +955,65 @@ def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
     whose windows the kernels read in place; out is image rows [T, H, D] too; mask [geo.nW, N, N]."""
     BW, H, N, D = _shape(q, geo)
     nW = geo.nW if geo is not None else mask.shape[0] if mask is not None else 1
-    pl = make_plan(N, D, q.dtype, block, precision)
     out = _out_empty(q, geo)
     stats = torch.empty((BW, H, 2, N), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         stats[:, :, 0], stats[:, :, 1] = float("inf"), 1.0
         return out.zero_(), stats
     bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q, _work(q, BW, H))
-    n_mt = _cdiv(N, pl.fwd_m)
-    wpp, runs = plan_runs(BW, n_mt * H, pl.min_windows, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
-    launch(_win_fwd_kernel, (runs * n_mt, H),
-        q, k, v, bt, mt, out, stats,
-        *_rows4(q, geo), *_rows4(k, geo), *_rows4(v, geo), *_rows4(out, geo), sb_h,
-        BW, H, N, nr, nW, wpp, scale, *(geo.args if geo is not None else _NO_GEO),
-        D=D, D_PAD=_pow2(D), BLOCK_M=pl.fwd_m, BLOCK_N=pl.fwd_n, SINGLE=pl.single,
-        HAS_BIAS=bias is not None, BIAS_REGS=pl.bias_regs, HAS_MASK=mask is not None, PREC=_PREC[precision],
-        GEO=geo is not None, num_warps=pl.fwd_warps, num_stages=pl.fwd_stages,
-    )
+    has_bias, has_mask = bias is not None, mask is not None
+    key = ("fwd", q.dtype, q.device, q.shape, q.stride(), k.stride(), v.stride(), has_bias, has_mask, sb_h, nr, nW,
+           scale, precision, block, windows_per_program, geo)
+    _prepared(key, _fwd_launch, q, k, v, out, has_bias, has_mask, sb_h, nr, nW, scale, precision, block,
+              windows_per_program, geo)(q, k, v, bt, mt, out, stats)
     return out, stats
+
+
+class _BwdLaunches(NamedTuple):
+    """The backward's launches for one signature (see :func:`backward`)."""
+    fused: Optional[Launch]   # the single-kernel backward, or:
+    dq: Optional[Launch]      # the tiled one: dq (+ delta),
+    dkdv: Optional[Launch]    # dk, dv (+ the bias gradient's partial sums when one query tile holds a window)
+    dbias: Optional[Launch]   # and the bias gradient's partial sums otherwise (None: not wanted or in dkdv)
+    parts: int                # runs of the partial sums [parts, H, NR, NR] (0: no bias gradient)
+
+
+def _bwd_launches(q, k, v, do, dq, o_arg, has_bias: bool, has_mask: bool, sb_h: int, nr: int, nW: int,
+                  scale: float, precision: str, block: int, bias_grad: bool, windows_per_program: Optional[int],
+                  geo: Optional[Geometry]) -> _BwdLaunches:
+    BW, H, N, D = _shape(q, geo)
+    pl = make_plan(N, D, q.dtype, block, precision)
+    qkv_do = (*_rows4(q, geo), *_rows4(k, geo), *_rows4(v, geo), *_rows4(do, geo))
+    g3 = _rows4(dq, geo)[:3]  # dq, dk, dv share one layout
+    rest = (BW, H, N, nr, nW)
+    geo_args = geo.args if geo is not None else _NO_GEO
+    common = dict(D=D, D_PAD=_pow2(D), HAS_MASK=has_mask, PREC=_PREC[precision], EXACT=q.dtype == torch.float32,
+                  GEO=geo is not None, num_stages=pl.stages)
+    if pl.fused_bwd:
+        wpp, runs = plan_runs(BW, H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
+        fused = Launch(_win_bwd_fused_kernel, (runs, H), (*qkv_do, *g3, sb_h, *rest, wpp, scale, *geo_args),
+                       dict(BLOCK=pl.n_pad, HAS_BIAS=has_bias, BIAS_REGS=pl.bias_regs, BIAS_GRAD=bias_grad,
+                            num_warps=pl.fused_warps, **common))
+        return _BwdLaunches(fused, None, None, None, runs if bias_grad else 0)
+    n_mt = _cdiv(N, pl.dq_m)
+    wpp, runs = plan_runs(BW, n_mt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
+    dq_l = Launch(_win_bwd_dq_kernel, (runs * n_mt, H),
+                  (*qkv_do, *_rows4(o_arg, geo), *g3, sb_h, *rest, wpp, scale, *geo_args),
+                  dict(BLOCK_M=pl.dq_m, BLOCK_N=pl.dq_n, HAS_BIAS=has_bias, ONE_TILE=pl.n_pad <= pl.dq_n,
+                       num_warps=pl.dq_warps, **common))
+    n_nt = _cdiv(N, pl.kv_n)
+    wpp, runs = plan_runs(BW, n_nt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
+    db_in_kv = bias_grad and nr <= pl.kv_m  # one query tile covers the [NR, NR] bias table's rows
+    kv_l = Launch(_win_bwd_dkdv_kernel, (runs * n_nt, H), (*qkv_do, *g3, sb_h, *rest, wpp, scale, *geo_args),
+                  dict(BLOCK_M=pl.kv_m, BLOCK_N=pl.kv_n, HAS_BIAS=has_bias, BIAS_GRAD=db_in_kv,
+                       num_warps=pl.kv_warps, **common))
+    if not bias_grad or db_in_kv:
+        return _BwdLaunches(None, dq_l, kv_l, None, runs if db_in_kv else 0)
+    n_tiles = _cdiv(N, pl.db_m) * _cdiv(N, pl.db_n)
+    wpp, runs = plan_runs(BW, n_tiles * H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
+    db_l = Launch(_win_bwd_dbias_kernel, (runs * n_tiles, H), (*qkv_do, sb_h, *rest, wpp, scale, *geo_args),
+                  dict(BLOCK_M=pl.db_m, BLOCK_N=pl.db_n, num_warps=pl.db_warps, **common))
+    return _BwdLaunches(None, dq_l, kv_l, db_l, runs)
 
 
 def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, block: int = 0,
@@ -910,8 +1026,6 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     ``geo``: every [BW,H,N,D] tensor above is image rows [T, H, D] instead (see :func:`forward`)."""
     BW, H, N, D = _shape(q, geo)
     nW = geo.nW if geo is not None else mask.shape[0] if mask is not None else 1
-    pl = make_plan(N, D, q.dtype, block, precision)
-    prec = _PREC[precision]
     if grads is None:
         grads = (_out_empty(q, geo), _out_empty(k, geo), _out_empty(v, geo))
     elif not (grads[0].stride() == grads[1].stride() == grads[2].stride()) or grads[0].stride(-1) != 1:
@@ -922,50 +1036,22 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
     has_bias, has_mask = bias is not None, mask is not None
     bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q, _work(q, BW, H))
-    qkv_do = (*_rows4(q, geo), *_rows4(k, geo), *_rows4(v, geo), *_rows4(do, geo))
-    g3 = _rows4(dq, geo)[:3]  # dq, dk, dv share one layout
-    rest = (BW, H, N, nr, nW)
-    run_args = lambda wpp: (wpp, scale, *(geo.args if geo is not None else _NO_GEO))  # noqa: E731
-    common = dict(D=D, D_PAD=_pow2(D), HAS_MASK=has_mask, PREC=prec, EXACT=q.dtype == torch.float32,
-                  GEO=geo is not None, num_stages=pl.stages)
-    dparts = None
-    if pl.fused_bwd:
-        wpp, runs = plan_runs(BW, H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
-        if bias_grad:
-            dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
-        launch(_win_bwd_fused_kernel, (runs, H),
-            q, k, v, bt, mt, do, stats, dq, dk, dv, dparts if bias_grad else stats,
-            *qkv_do, *g3, sb_h, *rest, *run_args(wpp),
-            BLOCK=pl.n_pad, HAS_BIAS=has_bias, BIAS_REGS=pl.bias_regs, BIAS_GRAD=bias_grad,
-            num_warps=pl.fused_warps, **common)
+    reads_out = make_plan(N, D, q.dtype, block, precision).reads_out
+    o_arg = out if reads_out else q  # float32 forms delta from P and dP
+    key = ("bwd", q.dtype, q.device, q.shape, q.stride(), k.stride(), v.stride(), do.stride(), dq.stride(),
+           reads_out and out.stride(), has_bias, has_mask, sb_h, nr, nW, scale, precision, block, bias_grad,
+           windows_per_program, geo)
+    go = _prepared(key, _bwd_launches, q, k, v, do, dq, o_arg, has_bias, has_mask, sb_h, nr, nW, scale, precision,
+                   block, bias_grad, windows_per_program, geo)
+    dparts = torch.empty((go.parts, H, nr, nr), device=q.device, dtype=torch.float32) if go.parts else None
+    if go.fused is not None:
+        go.fused(q, k, v, bt, mt, do, stats, dq, dk, dv, stats if dparts is None else dparts)
     else:
         delta = torch.empty((BW, H, N), device=q.device, dtype=torch.float32)
-        o_arg = out if pl.reads_out else q  # float32 forms delta from P and dP
-        n_mt = _cdiv(N, pl.dq_m)
-        wpp, runs = plan_runs(BW, n_mt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
-        launch(_win_bwd_dq_kernel, (runs * n_mt, H),
-            q, k, v, bt, mt, do, o_arg, stats, delta, dq,
-            *qkv_do, *_rows4(o_arg, geo), *g3, sb_h, *rest, *run_args(wpp),
-            BLOCK_M=pl.dq_m, BLOCK_N=pl.dq_n, HAS_BIAS=has_bias, ONE_TILE=pl.n_pad <= pl.dq_n,
-            num_warps=pl.dq_warps, **common)
-        n_nt = _cdiv(N, pl.kv_n)
-        wpp, runs = plan_runs(BW, n_nt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
-        db_in_kv = bias_grad and nr <= pl.kv_m  # one query tile covers the [NR, NR] bias table's rows
-        if db_in_kv:
-            dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
-        launch(_win_bwd_dkdv_kernel, (runs * n_nt, H),
-            q, k, v, bt, mt, do, stats, delta, dk, dv, dparts if db_in_kv else delta,
-            *qkv_do, *g3, sb_h, *rest, *run_args(wpp),
-            BLOCK_M=pl.kv_m, BLOCK_N=pl.kv_n, HAS_BIAS=has_bias, BIAS_GRAD=db_in_kv, num_warps=pl.kv_warps,
-            **common)
-        if bias_grad and not db_in_kv:
-            n_tiles = _cdiv(N, pl.db_m) * _cdiv(N, pl.db_n)
-            wpp, runs = plan_runs(BW, n_tiles * H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
-            dparts = torch.empty((runs, H, nr, nr), device=q.device, dtype=torch.float32)
-            launch(_win_bwd_dbias_kernel, (runs * n_tiles, H),
-                q, k, v, bt, mt, do, stats, delta, dparts,
-                *qkv_do, sb_h, *rest, *run_args(wpp),
-                BLOCK_M=pl.db_m, BLOCK_N=pl.db_n, num_warps=pl.db_warps, **common)
+        go.dq(q, k, v, bt, mt, do, o_arg, stats, delta, dq)
+        go.dkdv(q, k, v, bt, mt, do, stats, delta, dk, dv, dparts if go.dbias is None and dparts is not None else delta)
+        if go.dbias is not None:
+            go.dbias(q, k, v, bt, mt, do, stats, delta, dparts)
     dbias = None
     if bias_grad:
         # fixed-order reduction of the per-run partial sums: deterministic

@@ -331,16 +331,21 @@ def test_mask_table_follows_every_write():
     """The padded [nW, NR, NR] table of a shift mask is made from the mask as it is at each call —
     also after writes that bypass the version counter (through .data, or NumPy-shared memory) —
     and not made at all for a mask the kernel reads as is (N a multiple of 16)."""
+    if not (INTERP or torch.cuda.is_available()):
+        pytest.skip("needs the Triton kernels")
     from elsa_vision.kernels import window as W
+    dev = "cpu" if INTERP else "cuda"
     m = torch.randn(4, 49, 49)
-    t1 = W._tables(None, m, 49, m)[2]
-    assert t1.shape == (4, 64, 64) and torch.equal(t1[:, :49, :49], m) and not t1[:, 49:].any()
-    m.data.add_(1)
-    assert torch.equal(W._tables(None, m, 49, m)[2][:, :49, :49], m)
-    arr = m.numpy()
-    arr[:] = 3.0
-    assert torch.equal(W._tables(None, m, 49, m)[2][:, :49, :49], m)
-    m64 = torch.randn(4, 64, 64)
+    md = m.to(dev)
+    t1 = W._tables(None, md, 49, md)[2]
+    assert t1.shape == (4, 64, 64) and torch.equal(t1[:, :49, :49], md) and not t1[:, 49:].any()
+    md.data.add_(1)
+    assert torch.equal(W._tables(None, md, 49, md)[2][:, :49, :49], md)
+    if INTERP:
+        arr = md.numpy()
+        arr[:] = 3.0
+        assert torch.equal(W._tables(None, md, 49, md)[2][:, :49, :49], md)
+    m64 = torch.randn(4, 64, 64).to(dev)
     assert W._tables(None, m64, 64, m64)[2] is m64
 
 
@@ -370,14 +375,24 @@ def test_padded_and_in_place_tables_agree(N, dp, monkeypatch):
 
 
 def test_tables_are_laid_out_for_the_kernel():
-    """A bias that needs no padding but is not row-major (Swin v2's is a permuted view) still comes
-    out with unit column stride and row stride NR, as the kernel reads it."""
+    """A bias that is not row-major (Swin v2's is a permuted view), padded or not, comes out with
+    unit column stride and row stride NR, as the kernel reads it; so does one bias broadcast over the
+    heads (head stride 0), and a bf16 bias (read as float32)."""
+    if not (INTERP or torch.cuda.is_available()):
+        pytest.skip("needs the Triton kernels")
     from elsa_vision.kernels import window as W
+    dev = "cpu" if INTERP else "cuda"
     for n in (49, 64):
-        b = torch.randn(n, n, 3).permute(2, 0, 1)
         nr = W._cdiv(n, 16) * 16
-        t, sb_h = W._table(b, nr)
-        assert t.stride()[1:] == (nr, 1) and sb_h == t.stride(0) and torch.equal(t[:, :n, :n], b)
+        b = torch.randn(n, n, 3, device=dev).permute(2, 0, 1)
+        m = torch.randn(4, n, n, device=dev)
+        for bias in (b, b.to(torch.bfloat16), b[:1].expand(3, n, n)):
+            t, sb_h, mt, nr_ = W._tables(bias, m, n, b)
+            assert nr_ == nr and t.stride()[1:] == (nr, 1) and mt.stride() == (nr * nr, nr, 1)
+            assert sb_h == (0 if bias.stride(0) == 0 else t.stride(0))
+            for h in range(3):
+                assert torch.equal(t.flatten()[h * sb_h:][:nr * nr].view(nr, nr)[:n, :n], bias[h].float())
+            assert torch.equal(mt[:, :n, :n], m)
 
 
 @needs_interp
