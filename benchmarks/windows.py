@@ -1,7 +1,7 @@
 """Swin window-attention benchmark: ELSA's window kernel vs timm's own two paths, same process, interleaved.
 
     python benchmarks/windows.py            # all shapes, fp32 + bf16, fwd and fwd+bwd, block sweep
-    python benchmarks/windows.py --quick    # four shapes, no sweep (about a minute on an H100)
+    python benchmarks/windows.py --quick    # the four Swin-T stages + SwinV2 window 8 and 16, no sweep (~2 min)
     python benchmarks/windows.py --tune --shapes swinT-s1,swinT-s4,v2w16-s1   # kernel tuning switches
     python benchmarks/windows.py --quick --profile   # + CUDA time per kernel and host time per call
     python benchmarks/windows.py --blocks   # Swin blocks' whole _attn: shift + windows + attention
@@ -67,7 +67,7 @@ SHAPES = [
     ("v2w8-s4", 64, 1, 24, 64),
     ("v2w16-s1", 1024, 16, 3, 256), ("v2w16-s2", 256, 4, 6, 256), ("v2w16-s3", 64, 1, 12, 256),
 ]
-QUICK = ("swinT-s1", "swinT-s3", "v2w8-s1", "v2w16-s1")
+QUICK = ("swinT-s1", "swinT-s2", "swinT-s3", "swinT-s4", "v2w8-s1", "v2w16-s1")
 HEAD_DIM = 32
 BASELINES = ("timm-sdpa", "timm-math")
 
@@ -356,7 +356,7 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="four shapes, no block sweep, fewer rounds")
+    ap.add_argument("--quick", action="store_true", help="the Swin-T stages and two SwinV2 shapes, no block sweep, fewer rounds")
     ap.add_argument("--shapes", help="comma-separated shape names (see SHAPES)")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--no-bwd", action="store_true")
