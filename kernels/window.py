@@ -10,7 +10,8 @@ row r, head h are
 The bias and the mask are read in place by head and by window id: the [BW, H, N, N] tensor that
 timm materialises is never built, in the forward or the backward. They are read as tables whose row
 stride is a multiple of 16 so that tile loads vectorise: zero-copy when N % 16 == 0, otherwise a
-zero-padded copy of the [H, N, N] / [nW, N, N] inputs (kilobytes).
+zero-padded float32 copy of the [H, N, N] / [nW, N, N] inputs (kilobytes, both in one buffer, one
+launch of _pad_tables_kernel; small half-precision calls read them in place, see PAD_TABLES_FROM).
 
 Forward. Every window is padded to N_pad = next power of two ≥ N (≥ 16) inside the tile: padded keys
 score −inf, padded query rows are never stored. ``block`` B ∈ {64, 128, 256} is the key tile:
