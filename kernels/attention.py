@@ -941,6 +941,11 @@ _LAUNCHED: dict = {}
 _LAUNCHED_MAX = 4096
 
 
+def _tritons_own_path() -> bool:
+    """Launch through Triton itself: under the interpreter, or when a profiler's launch hooks are set."""
+    return INTERPRET or _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook)
+
+
 def _hooked(hook) -> bool:
     # Triton ≥ 3.6 keeps a (possibly empty) HookChain here, older versions None or a callable
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -965,7 +970,7 @@ def launch(fn, grid: tuple, *args, **meta):
     launch's compiled kernel directly (the signature is at least as fine as Triton's specialisation,
     so a kernel compiled for other dtypes, alignments or integer values is never reused). The first
     launch of each signature, the interpreter, and a profiler's launch hooks take Triton's path."""
-    if INTERPRET or _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook):
+    if _tritons_own_path():
         return fn[grid](*args, **meta)
     dev = torch.cuda.current_device()
     key = (fn, dev, _signature(args), tuple(meta.items()), _knobs.runtime.debug)
@@ -1015,7 +1020,7 @@ class Launch:
         self._bound: dict = {}
 
     def __call__(self, *tensors: torch.Tensor) -> None:
-        if INTERPRET or _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook):
+        if _tritons_own_path():
             self.fn[self.grid](*tensors, *self.scalars, **self.meta)
             return
         ptrs = [t.data_ptr() for t in tensors]

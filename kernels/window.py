@@ -823,23 +823,24 @@ def _shape(q: torch.Tensor, geo: Optional[Geometry]) -> tuple[int, int, int, int
     return geo.windows, q.shape[1], geo.tokens, q.shape[2]
 
 
-def _table(x: torch.Tensor, nr: int) -> tuple[torch.Tensor, int]:
-    """(table, lead stride) of x [L, N, N] read at row stride ``nr`` = N (see :func:`_tables`): x as
-    it is when its rows are contiguous, else a row-major copy. A lead dim broadcast with stride 0
-    (one bias for all heads) keeps stride 0."""
+def _table(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(table, lead stride) of x [L, N, N] read unpadded, row stride N (see :func:`_tables`): x as it
+    is when its rows are contiguous, else a row-major copy. A lead dim broadcast with stride 0 (one
+    bias for all heads) keeps stride 0."""
     n = x.shape[-1]
-    if x.stride(-1) == 1 and x.stride(-2) == nr and (x.stride(0) % 16 == 0 or nr % 16):
+    if x.stride(-1) == 1 and x.stride(-2) == n and (x.stride(0) % 16 == 0 or n % 16):
         return x, x.stride(0)
     lead0 = x.shape[0] > 1 and x.stride(0) == 0
     return (x[:1] if lead0 else x).contiguous(), (0 if lead0 else n * n)
 
 
-def _mask_table(mask: torch.Tensor, nr: int) -> torch.Tensor:
-    """The [nW, N, N] mask read at row stride N, windows N·N apart. Made on every call, as the padded
+def _mask_table(mask: torch.Tensor) -> torch.Tensor:
+    """The [nW, N, N] mask read unpadded, windows N·N apart. Made on every call, as the padded
     tables are: a copy kept between calls could not see writes that bypass the tensor's version
     counter (``mask.data``, memory shared with NumPy) and would then apply a stale mask."""
-    mt = _table(mask, nr)[0]
-    return mt if mt.stride(0) == nr * nr else mt.contiguous()
+    mt = _table(mask)[0]
+    n = mask.shape[-1]
+    return mt if mt.stride(0) == n * n else mt.contiguous()
 
 
 @triton.jit
@@ -904,8 +905,8 @@ def _tables(bias, mask, n: int, like: torch.Tensor, work: Optional[int] = None):
     nr = _cdiv(n, 16) * 16 if work is None or work >= PAD_TABLES_FROM else n
     if nr != n and (bias is not None or mask is not None):
         return (*_padded_tables(bias, mask, n, nr, like), nr)
-    bt, sb_h = _table(bias, nr) if bias is not None else (like, 0)
-    mt = _mask_table(mask, nr) if mask is not None else like
+    bt, sb_h = _table(bias) if bias is not None else (like, 0)
+    mt = _mask_table(mask) if mask is not None else like
     return bt, sb_h, mt, nr
 
 
