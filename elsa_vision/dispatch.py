@@ -16,6 +16,14 @@ HALF = (torch.float16, torch.bfloat16)
 WINDOW_OPS = ("window_attention", "shifted_window_attention")
 
 
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast casts to on this device type now, or None outside autocast (CUDA and CPU
+    autocast only, the two SDPA follows)."""
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 class NotSupportedError(ValueError):
     """No backend can run this problem; the message lists each backend's reasons."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -40,6 +40,41 @@ def oracle(q, k, v, *, bias=None, scale=None, causal=False, return_probs=False):
     p = e / torch.where(z > 0, z, 1.0)
     out = torch.matmul(p, v.to(torch.float64))
     return (out, p) if return_probs else out
+
+
+def capture(step: Callable[[], object], warmup: int = 1, *, mode: str = "global"):
+    """``step`` (no arguments) captured once into a CUDA graph → (graph, what the captured call
+    returned). The warm-up runs on a side stream, as capture requires (it also initialises
+    autograd's streams); ``step`` must not synchronise with the host. ``mode`` is the capture error
+    mode (``"thread_local"`` where another thread allocates while the graph is captured, e.g. a
+    DataLoader's pin-memory thread)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=mode):
+        out = step()
+    return graph, out
+
+
+def unzero_residual_norms(model: torch.nn.Module) -> int:
+    """Set to 1 the weights of normalisation layers that are initialised to exactly 0; returns how many.
+
+    timm's Swin v2 starts with its residual post-norms at zero (``_init_respostnorm``), so a model
+    built with ``pretrained=False`` ignores its attention output entirely: comparing patched and
+    unpatched random-weight models would prove nothing. Call this on such models before comparing
+    them. Pretrained weights never need it."""
+    n = 0
+    with torch.no_grad():
+        for m in model.modules():
+            w = getattr(m, "weight", None)
+            if isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)) and w is not None and not w.any():
+                w.fill_(1.0)
+                n += 1
+    return n
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
