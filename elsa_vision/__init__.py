@@ -18,13 +18,14 @@ if not _os.path.isdir(_os.path.join(_here, "kernels")) and _os.path.isfile(_os.p
     # elsa_vision.kernels / elsa_vision.adapters); let the import system find them there too.
     __path__.append(_root)
 
-from .api import (attention, patch, patched, resolve_precision, shifted_window_attention, unpatch, window_attention,
-                  window_attention_packed)
-from .dispatch import BACKENDS, NotSupportedError
+from .api import (attention, clear_caches, patch, patched, resolve_precision, shifted_window_attention, unpatch,
+                  window_attention, window_attention_packed)
+from .dispatch import BACKENDS, BackendFallbackWarning, NotSupportedError
 from . import verify
 
 __all__ = ["attention", "window_attention", "window_attention_packed", "shifted_window_attention", "patch", "unpatch",
-           "patched", "resolve_precision", "verify", "BACKENDS", "NotSupportedError"]
+           "patched", "resolve_precision", "clear_caches", "verify", "BACKENDS", "NotSupportedError",
+           "BackendFallbackWarning"]
 __version__ = "0.1.0"
 
 from .adapters.vggt import TokenMerging  # noqa: E402  (VGGT token merging, an option of patch())

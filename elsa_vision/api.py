@@ -3,17 +3,19 @@ unpatch / patched."""
 from __future__ import annotations
 
 import contextlib
-import math
-from numbers import Real
+import sys
 from typing import Optional, Sequence
 
 import torch
 
-from .dispatch import HALF, Problem, dispatch_token, select
+from .checks import (autocast, bias4, check_block, check_flag, check_head_dim, check_qkv, check_same_kind, check_scale,
+                     pair, window_bias, window_mask)
+from .dispatch import HALF, Problem, autocast_dtype, clear_memo, dispatch_token, select
+from .kernels.limits import WINDOW_BLOCKS as _BLOCKS
 from .kernels.reference import Geometry, qkv_views
 
 PRECISIONS = ("auto", "ieee", "tf32x3", "fp16x3", "tf32")
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+WINDOW_BLOCKS = ("auto", *_BLOCKS)
 
 
 @torch.compiler.assume_constant_result
@@ -39,110 +41,22 @@ def resolve_precision(precision: str, dtype: torch.dtype) -> str:
     return precision
 
 
-def _autocast(*ts):
-    """SDPA's autocast rule: inside CUDA/CPU autocast, floating inputs run in the autocast dtype."""
-    t0 = ts[0]
-    if not all(t is None or isinstance(t, torch.Tensor) for t in ts):
-        return ts  # the input checks that follow explain what is wrong
-    dev = t0.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        # only floating tensors: a bool keep-mask stays one, other dtypes meet the checks below
-        return tuple(t if t is None or not t.is_floating_point() else t.to(dt) for t in ts)
-    return ts
 
 
-def _check_qkv(q, k, v, fn: str):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{fn}: {name} must be 4-D [batch, heads, tokens, head_dim], got shape {tuple(t.shape)}; "
-                             "reshape e.g. x.view(B, N, H, D).transpose(1, 2)")
-    _check_same_kind(q, k, v, fn)
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"{fn}: batch and head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
-                         "repeat k/v heads to match q (grouped-query attention is not supported)")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"{fn}: k has {k.shape[2]} tokens but v has {v.shape[2]}; they must match")
-    if not (q.shape[3] == k.shape[3] == v.shape[3]):
-        raise ValueError(f"{fn}: head dims differ (q {q.shape[3]}, k {k.shape[3]}, v {v.shape[3]}); they must be equal")
-    _check_head_dim(q.shape[3], fn)
 
 
-def _check_same_kind(q, k, v, fn: str):
-    """q, k, v share one floating dtype and one device."""
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
-                        "cast them to one dtype (or run under torch.autocast)")
-    if q.dtype not in _FLOATS:
-        raise TypeError(f"{fn}: dtype {q.dtype} is not supported; use float32, float16 or bfloat16 "
-                        "(float64 on the reference backend)")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{fn}: q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
 
 
-def _check_head_dim(d: int, fn: str):
-    if d > 256:
-        raise ValueError(f"{fn}: head dim {d} > 256 is not supported; split the heads")
-    if d == 0:
-        raise ValueError(f"{fn}: head dim is 0; q, k, v need at least one feature per head")
 
 
-def _check_scale(scale, d: int, fn: str) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(scale, torch.Tensor):
-        raise TypeError(f"{fn}: scale must be a Python number, not a tensor; pass float(scale) (or fold it into q)")
-    if isinstance(scale, bool) or not isinstance(scale, Real):
-        raise TypeError(f"{fn}: scale must be a Python number, got {type(scale).__name__}")
-    try:
-        value = float(scale)
-    except OverflowError:
-        value = math.inf
-    if not math.isfinite(value):
-        raise ValueError(f"{fn}: scale must be a finite number, got {scale!r}")
-    return value
 
 
-def _check_flag(x, name: str, fn: str) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"{fn}: {name} must be True or False, got {x!r}")
-    return x
 
 
-def _check_tensor_arg(t, name: str, q, fn: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
-    if t.device != q.device:
-        raise ValueError(f"{fn}: {name} is on {t.device} but q is on {q.device}; move it with {name}.to(q.device)")
 
 
-def _additive(t, name: str, q, fn: str, what: str = "additive"):
-    """A float tensor as is; a bool keep-mask (SDPA's convention: True = attend) as 0 / −inf."""
-    if t.dtype == torch.bool:
-        fdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return torch.zeros(t.shape, dtype=fdt, device=q.device).masked_fill_(~t, float("-inf"))
-    if not t.is_floating_point():
-        raise TypeError(f"{fn}: {name} dtype {t.dtype} must be floating point ({what}) or bool (keep-mask, True = attend)")
-    return t
 
 
-def _bias4(bias, B, H, Nq, Nk, q, fn: str):
-    """Validate an additive bias (or boolean keep-mask) and view it as 4-D with size-1 broadcast dims."""
-    if bias is None:
-        return None
-    _check_tensor_arg(bias, "bias", q, fn)
-    if bias.dim() > 4:
-        raise ValueError(f"{fn}: bias has {bias.dim()} dims; it must broadcast to [B, H, Nq, Nk] = {[B, H, Nq, Nk]}")
-    full = (B, H, Nq, Nk)
-    shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
-    for i, (s, f) in enumerate(zip(shape, full)):
-        if s not in (1, f):
-            raise ValueError(f"{fn}: bias shape {tuple(bias.shape)} does not broadcast to [B, H, Nq, Nk] = {list(full)} "
-                             f"(dim {i - 4} is {s}, expected 1 or {f})")
-    bias = _additive(bias, "bias", q, fn)
-    return bias.reshape(shape) if bias.dim() < 4 else bias
 
 
 def attention(
@@ -195,67 +109,36 @@ def attention(
         out, lse = run(q, k, v, bias, sc, causal, prec, partitions, return_lse)
         return (out, lse.detach()) if return_lse else out
     q0, bias0 = q, bias
-    q, k, v, bias = _autocast(q, k, v, bias)
-    _check_qkv(q, k, v, "attention")
+    q, k, v, bias = autocast(q, k, v, bias)
+    check_qkv(q, k, v, "attention")
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    scale = _check_scale(scale, D, "attention")
-    bias = _bias4(bias, B, H, Nq, Nk, q, "attention")
-    causal = _check_flag(causal, "causal", "attention")
+    scale = check_scale(scale, D, "attention")
+    bias = bias4(bias, B, H, Nq, Nk, q, "attention")
+    causal = check_flag(causal, "causal", "attention")
     if partitions is not None and (not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1):
         raise ValueError(f"attention: partitions must be a positive int or None, got {partitions!r}")
     prec = resolve_precision(precision, q.dtype)
     p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=causal,
                 has_bias=bias is not None, precision=prec, positive_scale=scale > 0)
     run = select(p, backend).run["attention"]  # before the shortcut below: an unfit call raises either way
-    if Nk == 0 or Nq == 0:
-        # no key: every row is fully masked and returns 0 (keeps the graph connected for autograd)
-        # (empty sums keep the result connected to the inputs for autograd)
-        empty = q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum()
-        out = torch.zeros(B, H, Nq, D, dtype=q.dtype, device=q.device) + empty
-        lse = torch.full((B, H, Nq), float("inf"), device=q.device)
-        return (out, lse) if return_lse else out
+    if Nk == 0 or Nq == 0:  # no key: every row is fully masked and returns 0
+        out = _nothing_to_attend(q.shape, q, k, v)
+        return (out, torch.full((B, H, Nq), float("inf"), device=q.device)) if return_lse else out
     if q is q0 and bias is bias0:  # no autocast cast, no bool → additive or broadcast view to redo
         _keep(key, (run, scale, prec))
     out, lse = run(q, k, v, bias, scale, causal, prec, partitions, return_lse)
     return (out, lse.detach()) if return_lse else out
 
 
-WINDOW_BLOCKS = ("auto", 64, 128, 256)
+def _nothing_to_attend(shape, q, k, v) -> torch.Tensor:
+    """Zeros of ``shape`` for a call with no key or no query, connected to the inputs by empty sums
+    so that autograd gives them zero gradients."""
+    return torch.zeros(shape, dtype=q.dtype, device=q.device) + (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum())
 
 
-def _window_bias(bias, H: int, N: int, q, fn: str):
-    """Validate a window bias shared by all windows; returns an [H, N, N] view (or None)."""
-    if bias is None:
-        return None
-    _check_tensor_arg(bias, "bias", q, fn)
-    shape = tuple(bias.shape)
-    lead = shape[:-2] if len(shape) >= 2 else ()
-    ok = (2 <= len(shape) <= 4 and shape[-2:] == (N, N) and all(s == 1 for s in lead[:-1])
-          and (not lead or lead[-1] in (1, H)))
-    if not ok:
-        raise ValueError(f"{fn}: bias must be [H, N, N] = [{H}, {N}, {N}] (or [1, H, N, N], [N, N]) and is "
-                         f"shared by every window, got {shape}; a per-window term belongs in mask [nW, N, N]")
-    bias = _additive(bias, "bias", q, fn)
-    # a head-broadcast bias is read with stride 0 (autograd sums its gradient over heads)
-    return bias.reshape(shape[-3:] if len(shape) >= 3 else (1, N, N)).expand(H, N, N)
 
 
-def _window_mask(mask, BW: int, N: int, q, fn: str):
-    """Validate a per-window mask [nW, N, N]; returns it as an additive float tensor (or None)."""
-    if mask is None:
-        return None
-    _check_tensor_arg(mask, "mask", q, fn)
-    if mask.dim() != 3 or tuple(mask.shape[1:]) != (N, N) or mask.shape[0] < 1:
-        raise ValueError(f"{fn}: mask must be [nW, N, N] with N = {N} (one [N, N] slice per window position), "
-                         f"got {tuple(mask.shape)}; for a single mask shared by all windows use mask[None]")
-    nW = mask.shape[0]
-    if BW % nW:
-        raise ValueError(f"{fn}: q has {BW} windows (dim 0 = batch · nW), which is not a multiple of the mask's "
-                         f"nW = {nW}; windows must be ordered batch-major (row r uses mask[r % nW])")
-    if mask.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{fn}: the mask takes no gradient; pass mask.detach(), or put a learned term in bias")
-    return _additive(mask, "mask", q, fn, "additive, e.g. 0 / -100 / -inf")
 
 
 def window_attention(
@@ -304,7 +187,11 @@ def window_attention(
     if kept is not None:
         run, sc, prec, blk = kept
         return run(q, k, v, bias, mask, sc, prec, blk)
-    return _window_attention(q, k, v, None, bias, mask, scale, block, precision, backend, "window_attention", key)
+    q0 = q
+    q, k, v = autocast(q, k, v)
+    # (the bias stays in its own dtype under autocast: the kernels read it as float32 either way)
+    return _window_attention(*_window_rows(q, k, v, "window_attention"), None, bias, mask, scale, block, precision,
+                             backend, "window_attention", key if q is q0 else None)
 
 
 def window_attention_packed(
@@ -336,10 +223,18 @@ def window_attention_packed(
         raise ValueError(f"{fn}: qkv must be [B·nW, N, 3, H, D], got shape {tuple(qkv.shape)}; "
                          "reshape the projection output with .reshape(B·nW, N, 3, H, D)")
     qkv0 = qkv
-    (qkv,) = _autocast(qkv)
-    q, k, v = qkv_views(qkv)
-    return _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn,
+    (qkv,) = autocast(qkv)
+    return _window_attention(*_window_rows(*qkv_views(qkv), fn), qkv, bias, mask, scale, block, precision, backend, fn,
                              key if qkv is qkv0 else None)
+
+
+def _window_rows(q, k, v, fn: str) -> tuple:
+    """q, k, v as window rows [BW, H, N, D] after the shape checks of the window functions."""
+    check_qkv(q, k, v, fn)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"{fn}: q has {q.shape[2]} tokens per window but k/v have {k.shape[2]}; "
+                         "window attention is self-attention inside each window")
+    return q, k, v
 
 
 # A model repeats a few call signatures (one per ViT size, one per Swin stage): what the checks
@@ -367,7 +262,7 @@ def _call_key(op, tensors, args):
         else:
             key.append((t.shape, t.dtype, t.device, t.requires_grad))
     dev = tensors[0].device.type
-    key.append(dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev))
+    key.append(autocast_dtype(dev))
     return tuple(key)
 
 
@@ -377,68 +272,51 @@ def _kept_call(op, tensors, args):
     return key, (_CALLS.get(key) if key is not None else None)
 
 
+def clear_caches() -> None:
+    """Forget everything elsa_vision keeps between calls: the decisions kept for repeated call
+    signatures, the dispatch memo and, when the kernels are loaded, their compiled launches,
+    planned launches and tile plans. Needed only after changing a tuning switch of
+    ``elsa_vision.kernels.tiles`` / ``.window`` (benchmarks/windows.py --tune)."""
+    _CALLS.clear()
+    clear_memo()
+    launch = sys.modules.get(f"{__package__}.kernels.launch")
+    if launch is not None:  # (not imported: Triton absent, or no kernel ran yet)
+        launch.clear_caches()
+
+
 def _keep(key, decided) -> None:
     if key is not None and len(_CALLS) < 256:
         _CALLS[key] = decided
 
 
-def _keep_window_call(key, run, heads: int, bias, bias_in, mask, mask_in, scale: float, precision: str, block: int,
-                      *extra) -> None:
-    """Keep a checked call's decisions when a repeat can pass its tensors straight to ``run``: bias
-    and mask as given (no bool → additive conversion, no broadcast view)."""
-    plain = (bias is bias_in or (bias_in is not None and bias_in.dim() == 3 and bias_in.shape[0] == heads
-                                 and bias_in.dtype == bias.dtype))
-    if plain and mask is mask_in:
-        _keep(key, (run, scale, precision, block, *extra))
-
-
-def _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn: str, key=None) -> torch.Tensor:
-    """Both window entry points: checks, dispatch, the call (``qkv``: the packed tensor q/k/v view).
-    ``key``: the call's :func:`_call_key`, to keep what the checks decide."""
-    # the bias stays in its own dtype under autocast: the kernels read it as float32 either way
-    q0 = q
-    q, k, v = _autocast(q, k, v)
-    if q is not q0:
-        key = None  # a repeat would need the cast too
+def _window_attention(q, k, v, qkv, bias, mask, scale, block, precision, backend, fn: str, key=None,
+                      geo: Optional[Geometry] = None) -> torch.Tensor:
+    """The window entry points after their own shape checks: the shared checks, dispatch, the call.
+    q, k, v (autocast already applied) are window rows [BW, H, N, D], or with ``geo`` image rows
+    [T, H, D] whose shifted windows the kernels read in place; ``qkv``: the packed tensor they are
+    views of, or None. ``key``: the call's :func:`_call_key`, to keep what the checks decide."""
+    check_same_kind(q, k, v, fn)
+    BW, H, N, D = (q.shape if geo is None else (geo.windows, q.shape[1], geo.tokens, q.shape[2]))
+    check_head_dim(D, fn)
+    scale = check_scale(scale, D, fn)
     bias_in, mask_in = bias, mask
-    _check_qkv(q, k, v, fn)
-    BW, H, N, D = q.shape
-    if k.shape[2] != N:
-        raise ValueError(f"{fn}: q has {N} tokens per window but k/v have {k.shape[2]}; "
-                         "window attention is self-attention inside each window")
-    scale = _check_scale(scale, D, fn)
-    bias = _window_bias(bias, H, N, q, fn)
-    mask = _window_mask(mask, BW, N, q, fn)
-    _check_block(block, fn)
+    bias = window_bias(bias, H, N, q, fn)
+    mask = window_mask(mask, BW, N, q, fn)
+    blk = check_block(block, fn)
     prec = resolve_precision(precision, q.dtype)
-    p = Problem(op="window_attention", device=q.device.type, dtype=q.dtype, head_dim=D, has_bias=bias is not None,
+    op = "window_attention" if geo is None else "shifted_window_attention"
+    p = Problem(op=op, device=q.device.type, dtype=q.dtype, head_dim=D, has_bias=bias is not None,
                 has_mask=mask is not None, window_tokens=N, precision=prec)
-    run = select(p, backend).run["window_attention"]  # before the shortcut below: an unfit call raises either way
-    if q.numel() == 0:
-        # no window or no token: nothing to attend (empty sums keep the graph connected for autograd)
-        empty = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device) + empty
-    block = 0 if block == "auto" else int(block)
-    _keep_window_call(key, run, H, bias, bias_in, mask, mask_in, scale, prec, block)
-    if qkv is None:
-        return run(q, k, v, bias, mask, scale, prec, block)
-    return run(q, k, v, bias, mask, scale, prec, block, qkv=qkv)
-
-
-def _check_block(block, fn: str) -> None:
-    if block not in WINDOW_BLOCKS or isinstance(block, bool):
-        raise ValueError(f"{fn}: block must be one of {WINDOW_BLOCKS}, got {block!r}")
-
-
-def _pair(x, name: str, fn: str) -> tuple[int, int]:
-    """An int or a pair of ints as (rows, columns)."""
-    def is_int(i):
-        return isinstance(i, int) and not isinstance(i, bool)
-    if is_int(x):
-        return x, x
-    if isinstance(x, (tuple, list)) and len(x) == 2 and all(map(is_int, x)):
-        return int(x[0]), int(x[1])
-    raise TypeError(f"{fn}: {name} must be an int or a pair of ints (rows, columns), got {x!r}")
+    run = select(p, backend).run[op]  # before the shortcut below: an unfit call raises either way
+    if q.numel() == 0:  # no window or no token: nothing to attend
+        return _nothing_to_attend(q.shape, q, k, v)
+    # keep the decisions when a repeat can pass its tensors straight to ``run``: bias and mask as
+    # given (no bool → additive conversion, no broadcast view)
+    plain_bias = (bias is bias_in or (bias_in is not None and bias_in.dim() == 3 and bias_in.shape[0] == H
+                                      and bias_in.dtype == bias.dtype))
+    if plain_bias and mask is mask_in:
+        _keep(key, (run, scale, prec, blk) if geo is None else (run, scale, prec, blk, geo))
+    return run(q, k, v, bias, mask, scale, prec, blk, qkv=qkv, geo=geo)
 
 
 def shifted_window_attention(
@@ -488,8 +366,8 @@ def shifted_window_attention(
         is free: what Swin's output projection reads).
     """
     fn = "shifted_window_attention"
-    wh, ww = _pair(window_size, "window_size", fn)
-    sh, sw = _pair(shift_size, "shift_size", fn)
+    wh, ww = pair(window_size, "window_size", fn)
+    sh, sw = pair(shift_size, "shift_size", fn)
     packed = k is None and v is None
     key, kept = _kept_call("shifted", (q, k, v, bias, mask), (scale, block, precision, backend, wh, ww, sh, sw))
     if kept is not None:
@@ -508,7 +386,7 @@ def shifted_window_attention(
             raise ValueError(f"{fn}: a packed qkv must be [B, height, width, 3, H, D], got shape {tuple(q.shape)}; "
                              "pass q, k, v as [B, height, width, H, D] each, or reshape the projection output")
         q0 = q
-        (qkv,) = _autocast(q)
+        (qkv,) = autocast(q)
         B, IH, IW, _, H, D = qkv.shape
         qkv = qkv.reshape(B * IH * IW, 3, H, D)
         q3, k3, v3 = qkv.unbind(1)
@@ -524,38 +402,21 @@ def shifted_window_attention(
             raise ValueError(f"{fn}: q, k, v must have one shape [B, height, width, H, D], got {tuple(q.shape)}, "
                              f"{tuple(k.shape)}, {tuple(v.shape)}")
         q0, qkv = q, None
-        q, k, v = _autocast(q, k, v)
+        q, k, v = autocast(q, k, v)
         B, IH, IW, H, D = q.shape
         q3, k3, v3 = (t.reshape(B * IH * IW, H, D) for t in (q, k, v))
     if q is not q0 or (packed and qkv.dtype != q0.dtype):
         key = None  # a repeat would need the cast too
-    _check_same_kind(q3, k3, v3, fn)
-    _check_head_dim(D, fn)
     if min(wh, ww) < 1 or IH % wh or IW % ww:
         raise ValueError(f"{fn}: the {IH}×{IW} token image is not tiled by {wh}×{ww} windows; pad it to a multiple "
                          "of the window first (timm pads the rolled image with zeros)")
     if not (0 <= sh < wh and 0 <= sw < ww):
         raise ValueError(f"{fn}: shift_size {(sh, sw)} must lie in [0, window_size) = [0, {(wh, ww)})")
     geo = Geometry(B, IH, IW, wh, ww, sh, sw)
-    N = geo.tokens
-    scale = _check_scale(scale, D, fn)
-    bias_in, mask_in = bias, mask
-    bias = _window_bias(bias, H, N, q3, fn)
     if isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[0] != geo.nW:
         raise ValueError(f"{fn}: mask has {mask.shape[0]} window slices but a {IH}×{IW} image has {geo.nW} windows "
                          f"of {wh}×{ww}; pass one [N, N] slice per window position")
-    mask = _window_mask(mask, geo.windows, N, q3, fn)
-    _check_block(block, fn)
-    prec = resolve_precision(precision, q3.dtype)
-    p = Problem(op=fn, device=q3.device.type, dtype=q3.dtype, head_dim=D, has_bias=bias is not None,
-                has_mask=mask is not None, window_tokens=N, precision=prec)
-    run = select(p, backend).run[fn]  # before the shortcut below: an unfit call raises either way
-    if q3.numel() == 0:
-        empty = q3.sum() * 0 + k3.sum() * 0 + v3.sum() * 0
-        return torch.zeros((B, IH, IW, H, D), dtype=q3.dtype, device=q3.device) + empty
-    block = 0 if block == "auto" else int(block)
-    _keep_window_call(key, run, H, bias, bias_in, mask, mask_in, scale, prec, block, geo)
-    out = run(q3, k3, v3, bias, mask, scale, prec, block, qkv=qkv, geo=geo)
+    out = _window_attention(q3, k3, v3, qkv, bias, mask, scale, block, precision, backend, fn, key, geo)
     return out.reshape(B, IH, IW, H, D)
 
 

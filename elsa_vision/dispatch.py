@@ -7,10 +7,13 @@ no backend fitting, raises :class:`NotSupportedError` listing every backend's re
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
 import torch
+
+from .kernels import limits
 
 HALF = (torch.float16, torch.bfloat16)
 WINDOW_OPS = ("window_attention", "shifted_window_attention")
@@ -94,6 +97,11 @@ def _triton_available() -> Optional[str]:
     return None
 
 
+class BackendFallbackWarning(UserWarning):
+    """``backend="auto"`` passed over a backend that serves the call's device but is not usable here
+    (e.g. Triton not installed): the call runs on a slower backend."""
+
+
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -148,9 +156,9 @@ TRITON = Backend(
     ops=("attention", *WINDOW_OPS),
     devices=_triton_devices,
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
-    head_dims=(16, 256),
-    op_head_dims={op: (16, 128) for op in WINDOW_OPS},  # kernels/window.py
-    max_window_tokens=256,
+    head_dims=limits.HEAD_DIMS,
+    op_head_dims={op: limits.WINDOW_HEAD_DIMS for op in WINDOW_OPS},
+    max_window_tokens=limits.MAX_WINDOW_TOKENS,
     supports_causal=True,
     supports_bias=True,
     needs_positive_scale=True,
@@ -186,6 +194,11 @@ def check_backend_name(backend) -> None:
 _CHOSEN: dict = {}
 
 
+def clear_memo() -> None:
+    """Forget the backends chosen so far (see :func:`select`)."""
+    _CHOSEN.clear()
+
+
 def dispatch_token() -> tuple:
     """What, besides the problem and the backend name, decides :func:`select`'s answer."""
     return _interpret(), tuple(map(id, BACKENDS))
@@ -203,15 +216,32 @@ def select(p: Problem, backend: str = "auto") -> Backend:
     check_backend_name(backend)
     candidates = BACKENDS if backend == "auto" else [b for b in BACKENDS if b.name == backend]
     refusals = []
+    unusable = []  # backends that serve this device but are not usable here
     for b in candidates:
         reasons = b.not_supported_reasons(p)
         if not reasons and p.op in b.run:
+            for name, why in unusable:
+                _warn_fallback(name, why, b.name, p)
             if memo:
                 _CHOSEN[key] = b
             return b
+        if reasons and reasons == [b.available()] and p.device in (b.devices() if callable(b.devices) else b.devices):
+            unusable.append((b.name, reasons[0]))
         refusals.append(f"  {b.name}: " + "; ".join(reasons or [f"no {p.op} entry point"]))
     what = f"{p.op} with dtype={p.dtype}, device={p.device}, head_dim={p.head_dim}, causal={p.causal}, bias={p.has_bias}"
     raise NotSupportedError(f"no backend can run {what}:\n" + "\n".join(refusals))
+
+
+_WARNED: set = set()
+
+
+def _warn_fallback(name: str, why: str, chosen: str, p: Problem) -> None:
+    """Say once per (backend, reason, device) that ``auto`` fell back past an unusable backend."""
+    if (name, why, p.device) in _WARNED:
+        return
+    _WARNED.add((name, why, p.device))
+    warnings.warn(f"elsa_vision: the {name} backend cannot run here ({why}); {p.op} on {p.device} runs on the "
+                  f"{chosen} backend instead, which is exact but slower", BackendFallbackWarning, stacklevel=4)
 
 
 def device_problem(device: str, backend: str = "auto") -> Optional[str]:

@@ -1,8 +1,16 @@
 """Kernel families of elsa_vision (installed as ``elsa_vision.kernels``).
 
-attention.py — Triton ELSA attention (forward scan, backward, custom ops)
-reference.py — pure-torch chunked monoid scan (any device, autograd)
-window.py    — windowed attention for Swin
-nearest.py   — fused nearest-row search (token merging's similarity)
-rope.py      — q/k LayerNorm + 2-D RoPE in one pass (VGGT)
+Triton-free (importable without Triton):
+  limits.py     what the Triton kernels accept (read by the dispatcher's capability table)
+  reference.py  pure-torch chunked monoid scan (any device, autograd), window geometry
+Shared machinery (Triton):
+  launch.py     launch cache, planned launches, the registry of caches (clear_caches)
+  common.py     @triton.jit building blocks and precision codes
+  tiles.py      tile / launch-shape tables of every family
+  ops.py        the op-registration path: custom ops + fakes + autograd, eager Function, chooser
+Kernel families (Triton), one file each:
+  attention.py  ELSA attention (forward scan, backward)
+  window.py     windowed attention for Swin (plain and shifted windows)
+  nearest.py    fused nearest-row search (token merging's similarity)
+  rope.py       q/k LayerNorm + 2-D RoPE in one pass (VGGT)
 """

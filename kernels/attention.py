@@ -43,106 +43,25 @@ Causal is aligned bottom-right: query i sees key j iff j ≤ i + Nk − Nq.
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from triton import knobs as _knobs
-from triton.runtime import driver as _driver
+from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3, TF32X3, cast, dk_units, dot, dot3,
+                     dot_nt, ds_k, ds_units, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
+from .launch import INTERPRET, cdiv, launch, pow2, register_cache
+from .ops import AUTOGRAD, COMPILED, KernelOp, route
+from .tiles import PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions
 
-INTERPRET = bool(_knobs.runtime.interpret)
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-# Precision codes shared by every kernel of this file. "tf32x3" (code 3) splits each operand into
-# tf32 hi + lo parts itself, so an operand that is reused across the loop (q in the forward) is split
-# once per program instead of once per dot; "tf32x3n" (code 1) is Triton's own per-dot 3xTF32.
-# "fp16x3" (code 4) splits each operand into float16 hi + lo parts
-# after scaling it by a power of two (see _f16_scales_kernel): the same 22 significant bits as a tf32
-# pair, on MMAs of twice tf32's rate, with operands of half the size.
-_PREC = {"ieee": 0, "tf32x3n": 1, "tf32": 2, "native": 2, "tf32x3": 3, "fp16x3": 4}
-
-
-# Triton's CPU interpreter multiplies bfloat16 operands as raw bits; there, half operands are widened
-# to float32 first, which computes the same exact products with float32 accumulation.
-_WIDEN_HALF = tl.constexpr(INTERPRET)
-# Triton's CPU interpreter truncates float32 → bfloat16; the GPU rounds to nearest even. _to rounds
-# explicitly there, so that CPU tests see the GPU's arithmetic.
-_RNE_BF16 = tl.constexpr(INTERPRET)
-# The pre-split 3xTF32 path only means something on tensor cores (exact products of tf32 parts).
-# The interpreter's dots are plain float32 already; emulating the split there adds two extra float32
-# roundings the GPU does not have, so it runs the plain float32 dot instead.
-_SPLIT3 = tl.constexpr(not INTERPRET)
 # The dK/dV kernel forms Sᵀ = k·qᵀ. A tensor core sums each element over the head dim in the same
 # order either way round; NumPy's matmul (the interpreter's dot) does not, so there Sᵀ is formed as
 # (q·kᵀ)ᵀ — the forward's orientation, bitwise its scores — and P stays consistent with the
 # forward's (m, S) as it is on the GPU.
 _SAME_ORIENTATION = tl.constexpr(INTERPRET)
-
-
-@triton.jit
-def _to(x, dt: tl.constexpr):
-    """x.to(dt), rounding to nearest even (see _RNE_BF16)."""
-    if _RNE_BF16 and dt == tl.bfloat16:
-        b = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        x = b.to(tl.float32, bitcast=True)
-    return x.to(dt)
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr):
-    # Half-precision operands take the tensor-core path whatever PREC says; PREC picks the float32 mode.
-    if _WIDEN_HALF:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if PREC == 0:
-        return tl.dot(a, b, input_precision="ieee")
-    elif PREC == 1 or PREC >= 3:
-        return tl.dot(a, b, input_precision="tf32x3")
-    elif a.dtype == tl.float32:
-        # the tensor core truncates to tf32; rounding to nearest first halves the error (as cuBLAS does)
-        return tl.dot(_round_tf32(a), _round_tf32(b))
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _round_tf32(x):
-    """float32 → nearest tf32 value (10 mantissa bits), ties away from zero, still stored as float32."""
-    return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _split_tf32(x):
-    """x = hi + lo exactly, hi the nearest tf32 value (what a tf32 tensor-core op reads exactly)."""
-    hi = _round_tf32(x)
-    return hi, x - hi
-
-
-@triton.jit
-def _split_f16(x):
-    """x = hi + lo, both float16, hi the nearest float16 value. For |x| ≥ 2⁻² the pair holds x to
-    2⁻²² relative (as a tf32 pair does); below, lo is subnormal and the pair holds x to 2⁻²⁵
-    absolute. x is pre-scaled so that its tensor's largest magnitude lies in [2^13, 2^14): every
-    element within 2⁻¹⁵ of it keeps float32-class precision, the rest an absolute error 2⁻³⁸ of it."""
-    hi = x.to(tl.float16)
-    return hi, (x - hi.to(tl.float32)).to(tl.float16)
-
-
-@triton.jit
-def _dot3(a_hi, a_lo, b_hi, b_lo):
-    """3-pass product of pre-split operands (tf32 or float16 parts); the small cross terms first,
-    a_lo·b_lo dropped (≈2⁻²²)."""
-    if _WIDEN_HALF and a_hi.dtype == tl.float16:
-        a_hi, a_lo, b_hi, b_lo = a_hi.to(tl.float32), a_lo.to(tl.float32), b_hi.to(tl.float32), b_lo.to(tl.float32)
-    return tl.dot(a_hi, b_hi, tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo)))
 
 
 @triton.jit
@@ -161,14 +80,14 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
                     mask=(offs_n[None, :] < k_end) & (offs_d[:, None] < D), other=0.0)
     else:
         k = tl.load(k_ptrs + offs_n[None, :] * sk_n, mask=offs_d[:, None] < D, other=0.0)
-    if PREC == 3 and _SPLIT3:
-        k_hi, k_lo = _split_tf32(k)
-        s = _dot3(q, q_lo, k_hi, k_lo)
-    elif PREC == 4:
-        k_hi, k_lo = _split_f16(k * ck)
-        s = _dot3(q, q_lo, k_hi, k_lo)
+    if PREC == TF32X3 and SPLIT3:
+        k_hi, k_lo = split_tf32(k)
+        s = dot3(q, q_lo, k_hi, k_lo)
+    elif PREC == FP16X3:
+        k_hi, k_lo = split_f16(k * ck)
+        s = dot3(q, q_lo, k_hi, k_lo)
     else:
-        s = _dot(q, k, PREC)
+        s = dot(q, k, PREC)
     if HAS_BIAS:
         bmask = (offs_m[:, None] < Nq) & (offs_n[None, :] < k_end)
         s = s * scale + tl.load(bias_ptrs + offs_n[None, :] * sb_n, mask=bmask, other=0.0).to(tl.float32)
@@ -192,26 +111,26 @@ def _fold(p, v, acc, c_acc, s_i, c_s, alpha, cv, PREC: tl.constexpr, KAHAN: tl.c
     softmax that bounds the half-precision forward. In strict float32 ("ieee") the running sums are
     Kahan-compensated (c_acc, c_s): the FMA dot already adds BN terms in sequence, and without
     compensation the error of the tile-to-tile sum grows with the number of key tiles."""
-    if PREC == 3 and _SPLIT3:
-        p_hi, p_lo = _split_tf32(p)
-        v_hi, v_lo = _split_tf32(v)
-        return acc * alpha[:, None] + _dot3(p_hi, p_lo, v_hi, v_lo), c_acc, s_i * alpha + tl.sum(p, 1), c_s
-    elif PREC == 4:  # acc in units of 2^14·cv (see _fwd_kernel's epilogue)
-        p_hi, p_lo = _split_f16(p * 16384.0)
-        v_hi, v_lo = _split_f16(v * cv[None, :])
-        return acc * alpha[:, None] + _dot3(p_hi, p_lo, v_hi, v_lo), c_acc, s_i * alpha + tl.sum(p, 1), c_s
-    elif PREC == 0 and KAHAN:
+    if PREC == TF32X3 and SPLIT3:
+        p_hi, p_lo = split_tf32(p)
+        v_hi, v_lo = split_tf32(v)
+        return acc * alpha[:, None] + dot3(p_hi, p_lo, v_hi, v_lo), c_acc, s_i * alpha + tl.sum(p, 1), c_s
+    elif PREC == FP16X3:  # acc in units of 2^14·cv (see _fwd_kernel's epilogue)
+        p_hi, p_lo = split_f16(p * 16384.0)
+        v_hi, v_lo = split_f16(v * cv[None, :])
+        return acc * alpha[:, None] + dot3(p_hi, p_lo, v_hi, v_lo), c_acc, s_i * alpha + tl.sum(p, 1), c_s
+    elif PREC == IEEE and KAHAN:
         a = acc * alpha[:, None]
-        y = _dot(p, v, PREC) - c_acc * alpha[:, None]
+        y = dot(p, v, PREC) - c_acc * alpha[:, None]
         t = a + y
         sa = s_i * alpha
         ys = tl.sum(p, 1) - c_s * alpha
         ts = sa + ys
         return t, (t - a) - y, ts, (ts - sa) - ys
     elif v.dtype == tl.float32:
-        return acc * alpha[:, None] + _dot(p, v, PREC), c_acc, s_i * alpha + tl.sum(p, 1), c_s
+        return acc * alpha[:, None] + dot(p, v, PREC), c_acc, s_i * alpha + tl.sum(p, 1), c_s
     else:
-        return acc * alpha[:, None] + _dot(_to(p, v.dtype), v, PREC), c_acc, s_i * alpha + tl.sum(p, 1), c_s
+        return acc * alpha[:, None] + dot(cast(p, v.dtype), v, PREC), c_acc, s_i * alpha + tl.sum(p, 1), c_s
 
 
 @triton.jit
@@ -221,8 +140,8 @@ def _softmax_step(s, m_i, qk_scale2, HAS_BIAS: tl.constexpr, MASK: tl.constexpr)
         # natural units: s − m is formed before the log2 e factor, so it is exact where it matters
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
-        p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
+        alpha = tl.math.exp2((m_i - m_safe) * C_LOG2E)
+        p = tl.math.exp2((s - m_safe[:, None]) * C_LOG2E)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale2)
         if MASK:
@@ -294,7 +213,7 @@ def _fwd_kernel(
     the two-level scan inside one program. Rounding then accumulates over CHUNK / BLOCK_N tile sums
     plus Nk / CHUNK merges instead of Nk / BLOCK_N tile sums, at no register cost — Kahan
     compensation, the other way to bound it, doubles the accumulator registers (at 64×64 tiles it
-    spilled to 1.8 TF/s)."""
+    spilled)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     part = tl.program_id(2)
@@ -307,14 +226,14 @@ def _fwd_kernel(
     q_lo = q
     ck = 1.0
     cv = 1.0
-    if PREC == 3 and _SPLIT3:
-        q, q_lo = _split_tf32(q)  # once per program: q is reused by every key tile
-    elif PREC == 4:
+    if PREC == TF32X3 and SPLIT3:
+        q, q_lo = split_tf32(q)  # once per program: q is reused by every key tile
+    elif PREC == FP16X3:
         cs = Scales + bh.to(tl.int64) * (2 + D_PAD)
         cq = tl.load(cs)
         ck = tl.load(cs + 1)
         cv = tl.load(cs + 2 + offs_d)  # per feature column
-        q, q_lo = _split_f16(q * cq)
+        q, q_lo = split_f16(q * cq)
         scale = scale / cq / ck  # powers of two: the logits round as unscaled ones would
         qk_scale2 = qk_scale2 / cq / ck
     k_ptrs = K + b * sk_b + h * sk_h + offs_d[:, None] * sk_d
@@ -376,10 +295,10 @@ def _fwd_kernel(
     if CHUNK > 0:  # the tail joins the chunks' running state
         w_t = tl.load(o_ptrs, mask=o_mask & (full_end > k_lo), other=0.0)
         m_i, s_i, acc = _combine(m_t, s_t, w_t, m_i, s_i, acc, HAS_BIAS)
-    if PREC == 0 and KAHAN:
+    if PREC == IEEE and KAHAN:
         acc -= c_acc
         s_i -= c_s
-    if PREC == 4:
+    if PREC == FP16X3:
         acc = acc * (1.0 / 16384.0) * (1.0 / cv)[None, :]
 
     row_ok = offs_m < Nq
@@ -393,8 +312,8 @@ def _fwd_kernel(
         nonempty = s_i > 0
         out = acc / tl.where(nonempty, s_i, 1.0)[:, None]
         tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
-                 _to(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-        _store_stats(Stats, bh, offs_m, row_ok, Nq, m_i, s_i, nonempty)
+                 cast(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+        store_stats(Stats, bh, offs_m, row_ok, Nq, m_i, s_i, nonempty)
 
 
 @triton.jit
@@ -402,7 +321,7 @@ def _f16_scales_kernel(Q, K, V, dO, Scales, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, 
                        sd_b, sd_h, sd_m, sd_d, H, Nq, Nk, D: tl.constexpr, D_PAD: tl.constexpr,
                        BLOCK: tl.constexpr, V_COLS: tl.constexpr, ROW: tl.constexpr):
     """Scales [BH, ROW] float32: per batch·head the powers of two that put the largest |x| of a tensor
-    into [2^13, 2^14) for the float16 split (_split_f16). Program (bh, t) scales tensor t: q, k, v,
+    into [2^13, 2^14) for the float16 split (split_f16). Program (bh, t) scales tensor t: q, k, v,
     then dO (the backward's grid has four). Slots 0, 1: c_q, c_k; with V_COLS (the forward) slots
     2… hold c_v per feature column (ROW = 2 + D_PAD), else slot 2 holds one c_v per head and slot 3
     c_dO (ROW = 4: the backward's dP = dO·vᵀ sums over the features, so one scale per head).
@@ -441,43 +360,14 @@ def _f16_scales_kernel(Q, K, V, dO, Scales, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, 
 
 
 @triton.jit
-def _store_stats(Stats, bh, offs_m, row_ok, Nq, m, s, nonempty):
-    """Row statistics (m, S) into Stats [BH, 2, Nq]; (+inf, 1) for a row that sees no key."""
-    st = Stats + bh.to(tl.int64) * 2 * Nq + offs_m
-    tl.store(st, tl.where(nonempty, m, float("inf")), mask=row_ok)
-    tl.store(st + Nq, tl.where(nonempty, s, 1.0), mask=row_ok)
-
-
-@triton.jit
-def _mean(delta, l):
-    """delta / l per row (see _bwd_delta_kernel); delta (= 0) as is where a row sees no key."""
-    return delta / tl.where(l > 0, l, 1.0)
-
-
-@triton.jit
-def _load_stats(Stats, bh, offs_m, row_ok, Nq, NATURAL: tl.constexpr, EXACT: tl.constexpr):
-    """Per-row (m, 1/S) when EXACT (float32), else (lse, unused) with lse = m + log S in m's units.
-    Rows past Nq read (+inf, 1): P = 0 there."""
-    st = Stats + bh.to(tl.int64) * 2 * Nq + offs_m
-    m = tl.load(st, mask=row_ok, other=float("inf"))
-    s = tl.load(st + Nq, mask=row_ok, other=1.0)
-    if EXACT:
-        return m, 1.0 / s
-    elif NATURAL:
-        return m + tl.math.log2(s) * 0.6931471805599453, s
-    else:
-        return m + tl.math.log2(s), s
-
-
-@triton.jit
 def _combine(ma, sa, wa, mb, sb, wb, NATURAL: tl.constexpr):
     """The monoid operator on two row states (m [BM], S [BM], W [BM, D_PAD]); m in natural units
     when NATURAL, else log2 units. A pair of empty states (m = −inf) gives the identity, not NaN."""
     m = tl.maximum(ma, mb)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     if NATURAL:
-        a = tl.math.exp2((ma - m_safe) * 1.4426950408889634)
-        c = tl.math.exp2((mb - m_safe) * 1.4426950408889634)
+        a = tl.math.exp2((ma - m_safe) * C_LOG2E)
+        c = tl.math.exp2((mb - m_safe) * C_LOG2E)
     else:
         a = tl.math.exp2(ma - m_safe)
         c = tl.math.exp2(mb - m_safe)
@@ -510,18 +400,18 @@ def _merge_kernel(
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     tl.store(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
-             _to(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-    _store_stats(Stats, bh, offs_m, row_ok, Nq, m, s, nonempty)
+             cast(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+    store_stats(Stats, bh, offs_m, row_ok, Nq, m, s, nonempty)
 
 
 @triton.jit
 def _probs(qk, bias, scale, qk_scale2, m, r, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr):
-    """P (or Pᵀ) from the raw q·k tile, the bias tile and the row statistics of _load_stats (log2
+    """P (or Pᵀ) from the raw q·k tile, the bias tile and the row statistics of load_stats (log2
     units without a bias, natural units with one), already broadcast along the key axis (m[:, None]
     for a [queries, keys] tile, m[None, :] for a transposed one), with the same rounding structure
     as the forward (see _scores)."""
     if HAS_BIAS:  # natural units on this path: s − m is formed before the log2 e factor
-        p = tl.math.exp2(((qk * scale + bias) - m) * 1.4426950408889634)
+        p = tl.math.exp2(((qk * scale + bias) - m) * C_LOG2E)
     else:
         p = tl.math.exp2(qk * qk_scale2 - m)
     if EXACT:
@@ -549,74 +439,11 @@ def _bwd_preprocess(Out, dOut, Delta, so_b, so_h, so_m, so_d, sd_b, sd_h, sd_m, 
 @triton.jit
 def _head_scales(Scales, bh, PREC: tl.constexpr):
     """(c_q, c_k, c_v, c_dO) of head bh for the float16 split (see _f16_scales_kernel); 1s otherwise."""
-    if PREC == 4:
+    if PREC == FP16X3:
         cs = Scales + bh.to(tl.int64) * 4
         return tl.load(cs), tl.load(cs + 1), tl.load(cs + 2), tl.load(cs + 3)
     else:
         return 1.0, 1.0, 1.0, 1.0
-
-
-@triton.jit
-def _pow2_of(e):
-    """2^e as float32 for integer e in [−126, 127]."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp_of(x):
-    """floor(log2 |x|) of a normal float32 x, from its exponent bits."""
-    return ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-
-
-@triton.jit
-def _ds_units(r, D_PAD: tl.constexpr):
-    """fp16x3: the power of two f_i that carries row i of dS (in units of c_dO·c_v) into float16
-    range. P_ij·2^(−floor(log2 r_i)) < 2 (r_i = 1/S_i), and |dP − delta| ≤ 2·D·2^28 in those units,
-    so dS·f_i ≤ 2^14 with f_i = 2^(−floor(log2 r_i) − 16) / D_PAD. Scaling by S_i, not a constant,
-    matters: a row spread over N keys has P ≈ 1/N, which would leave its dS entries below float16's
-    22-bit range of the split at N in the thousands."""
-    return _pow2_of(-_exp_of(r) - 16) / D_PAD
-
-
-@triton.jit
-def _pv(p, v, v_lo, PREC: tl.constexpr):
-    """P·v [BM, D_PAD]; fp16x3: in units of 2^14·c_v (v's parts given), P split as P·2^14."""
-    if PREC == 4:
-        p_hi, p_lo = _split_f16(p * 16384.0)
-        return _dot3(p_hi, p_lo, v, v_lo)
-    else:
-        return _dot(_to(p, v.dtype), v, PREC)
-
-
-@triton.jit
-def _dot_nt(a, a_lo, b, b_lo, PREC: tl.constexpr):
-    """a·bᵀ — dP = dO·vᵀ [BM, BN], or dPᵀ = v·dOᵀ — fp16x3: from the (hi, lo) parts, in units of
-    c_a·c_b."""
-    if PREC == 4:
-        return _dot3(a, a_lo, tl.trans(b), tl.trans(b_lo))
-    else:
-        return _dot(a, tl.trans(b), PREC)
-
-
-@triton.jit
-def _ds_k(ds, f, k, k_lo, PREC: tl.constexpr):
-    """dS·k [BM, D_PAD] (fp16x3: dS's rows scaled by f [BM] into float16 range, see
-    _ds_units; the result in units of f·c_k)."""
-    if PREC == 4:
-        ds_hi, ds_lo = _split_f16(ds * f[:, None])
-        return _dot3(ds_hi, ds_lo, k, k_lo)
-    else:
-        return _dot(_to(ds, k.dtype), k, PREC)
-
-
-@triton.jit
-def _dk_units(r, D_PAD: tl.constexpr):
-    """fp16x3, dK = dSᵀ·q: (u, w) per query i (r_i = 1/S_i). dSᵀ's column i enters the split scaled
-    by u_i = t_i·2⁻¹⁶/D_PAD, t_i = 2^min(−floor(log2 r_i), 10) ≈ S_i (as _ds_units), and q's row i
-    (its float16 parts, exact down to float16's subnormals) by w_i = 1/t_i: t_i cancels in dK. The
-    cap keeps q's rows within 2⁻¹⁰ of their scaled range."""
-    t = _pow2_of(tl.minimum(-_exp_of(r), 10))
-    return t * (1.0 / 65536.0) / D_PAD, (1.0 / t).to(tl.float16)
 
 
 @triton.jit
@@ -636,7 +463,7 @@ def _bwd_dkdv_kernel(
     BLOCK_N = 32 rows there (mma.sync, or duplicated work).
 
     fp16x3 (PREC 4): k, v, q, dO are split at their heads' scales; Pᵀ goes in as Pᵀ·2^14. dSᵀ's
-    column i (query i) is scaled by t_i = 2^min(−floor(log2 r_i), 10) ≈ S_i (see _ds_units) and q's
+    column i (query i) is scaled by t_i = 2^min(−floor(log2 r_i), 10) ≈ S_i (see ds_units) and q's
     row i by 1/t_i after the split (exact in float16 down to its subnormals), so the scalings cancel
     in dK; the cap keeps q's rows at least 2^-10 of their scaled range. EARLY_DP: see early_dp_default."""
     pid_n = tl.program_id(0)
@@ -653,9 +480,9 @@ def _bwd_dkdv_kernel(
     v_lo = v
     s_scale = scale
     s_scale2 = qk_scale2
-    if PREC == 4:
-        k, k_lo = _split_f16(k * ck)
-        v, v_lo = _split_f16(v * cv)
+    if PREC == FP16X3:
+        k, k_lo = split_f16(k * ck)
+        v, v_lo = split_f16(v * cv)
         s_scale = scale / cq / ck  # powers of two: the logits round as the forward's did
         s_scale2 = qk_scale2 / cq / ck
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
@@ -675,23 +502,23 @@ def _bwd_dkdv_kernel(
                      mask=row_ok[None, :] & (offs_d[:, None] < D), other=0.0)
         do = tl.load(do_base + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d,
                      mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
+        m_r, r_r = load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
         delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
         do_lo = do
-        if PREC == 4:
-            qT, qT_lo = _split_f16(qT * cq)
-            do, do_lo = _split_f16(do * cdo)
+        if PREC == FP16X3:
+            qT, qT_lo = split_f16(qT * cq)
+            do, do_lo = split_f16(do * cdo)
             delta = delta * cdo * cv
             if _SAME_ORIENTATION:
-                qkT = tl.trans(_dot3(tl.trans(qT), tl.trans(qT_lo), tl.trans(k), tl.trans(k_lo)))
+                qkT = tl.trans(dot3(tl.trans(qT), tl.trans(qT_lo), tl.trans(k), tl.trans(k_lo)))
             else:
-                qkT = _dot3(k, k_lo, qT, qT_lo)
+                qkT = dot3(k, k_lo, qT, qT_lo)
         elif _SAME_ORIENTATION:
-            qkT = tl.trans(_dot(tl.trans(qT), tl.trans(k), PREC))
+            qkT = tl.trans(dot(tl.trans(qT), tl.trans(k), PREC))
         else:
-            qkT = _dot(k, qT, PREC)
+            qkT = dot(k, qT, PREC)
         if EARLY_DP:
-            dpT = _dot_nt(v, v_lo, do, do_lo, PREC)
+            dpT = dot_nt(v, v_lo, do, do_lo, PREC)
         btT = 0.0
         if HAS_BIAS:
             btT = tl.load(bias_base + offs_m[None, :] * sb_m + offs_n[:, None] * sb_n,
@@ -700,23 +527,23 @@ def _bwd_dkdv_kernel(
         if CAUSAL:
             visible = visible & (offs_n[:, None] <= offs_m[None, :] + (Nk - Nq))
         pT = tl.where(visible, _probs(qkT, btT, s_scale, s_scale2, m_r[None, :], r_r[None, :], HAS_BIAS, EXACT), 0.0)
-        dv += _pv(pT, do, do_lo, PREC)
+        dv += pv(pT, do, do_lo, PREC)
         if not EARLY_DP:
-            dpT = _dot_nt(v, v_lo, do, do_lo, PREC)
+            dpT = dot_nt(v, v_lo, do, do_lo, PREC)
         dsT = pT * (dpT - delta[None, :])
-        if PREC == 4:
-            u, w = _dk_units(r_r, D_PAD)
-            a_hi, a_lo = _split_f16(dsT * u[None, :])
-            dk += _dot3(a_hi, a_lo, tl.trans(qT) * w[:, None], tl.trans(qT_lo) * w[:, None])
+        if PREC == FP16X3:
+            u, w = dk_units(r_r, D_PAD)
+            a_hi, a_lo = split_f16(dsT * u[None, :])
+            dk += dot3(a_hi, a_lo, tl.trans(qT) * w[:, None], tl.trans(qT_lo) * w[:, None])
         else:
-            dk += _dot(_to(dsT, qT.dtype), tl.trans(qT), PREC)
-    if PREC == 4:  # one power of two at a time: their product may leave float32's range
+            dk += dot(cast(dsT, qT.dtype), tl.trans(qT), PREC)
+    if PREC == FP16X3:  # one power of two at a time: their product may leave float32's range
         dk = dk * (65536.0 * D_PAD) * (1.0 / cq) * (1.0 / cdo) * (1.0 / cv)
         dv = dv * (1.0 / 16384.0) * (1.0 / cdo)
     dk = dk * scale
-    tl.store(dK + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], _to(dk, dK.dtype.element_ty),
+    tl.store(dK + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], cast(dk, dK.dtype.element_ty),
              mask=kv_mask)
-    tl.store(dV + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], _to(dv, dV.dtype.element_ty),
+    tl.store(dV + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], cast(dv, dV.dtype.element_ty),
              mask=kv_mask)
 
 
@@ -732,15 +559,15 @@ def _p_dp_tile(q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, offs_n, of
     kvm = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
     k = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kvm, other=0.0)
     v = tl.load(v_base + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kvm, other=0.0)
-    if PREC == 4:
-        k, k_lo = _split_f16(k * ck)
-        v, v_lo = _split_f16(v * cv)
-        qk = _dot3(q, q_lo, tl.trans(k), tl.trans(k_lo))
+    if PREC == FP16X3:
+        k, k_lo = split_f16(k * ck)
+        v, v_lo = split_f16(v * cv)
+        qk = dot3(q, q_lo, tl.trans(k), tl.trans(k_lo))
     else:
         k_lo = k
         v_lo = v
-        qk = _dot(q, tl.trans(k), PREC)
-    dp = _dot_nt(do, do_lo, v, v_lo, PREC)
+        qk = dot(q, tl.trans(k), PREC)
+    dp = dot_nt(do, do_lo, v, v_lo, PREC)
     bt = 0.0
     if HAS_BIAS:
         bt = tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
@@ -758,7 +585,7 @@ def _query_tile(Q, dOut, Stats, Scales, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d
                 HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
     """What a backward program that owns query tile pid_m of head bh reads once: (b, h, offs_m,
     offs_d, row_ok, q/dO mask, q, q_lo, dO, dO_lo [BLOCK_M, D_PAD], the rows' statistics of
-    _load_stats, the logits' scale and scale·log2 e, and the head's c_k, c_v, c_dO). fp16x3: q and
+    load_stats, the logits' scale and scale·log2 e, and the head's c_k, c_v, c_dO). fp16x3: q and
     dO as float16 (hi, lo) pairs of the scaled tensors, the logits' scales with 1/(c_q·c_k) folded in;
     otherwise the _lo parts are the tensors themselves and the c's are 1."""
     b = (bh // H).to(tl.int64)
@@ -769,13 +596,13 @@ def _query_tile(Q, dOut, Stats, Scales, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d
     qm = row_ok[:, None] & (offs_d[None, :] < D)
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
     do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
-    m_r, r_r = _load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
+    m_r, r_r = load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
     cq, ck, cv, cdo = _head_scales(Scales, bh, PREC)
     q_lo = q
     do_lo = do
-    if PREC == 4:
-        q, q_lo = _split_f16(q * cq)
-        do, do_lo = _split_f16(do * cdo)
+    if PREC == FP16X3:
+        q, q_lo = split_f16(q * cq)
+        do, do_lo = split_f16(do * cdo)
         scale = scale / cq / ck
         qk_scale2 = qk_scale2 / cq / ck
     return b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, scale, qk_scale2, ck, cv, cdo
@@ -821,9 +648,9 @@ def _bwd_delta_kernel(
                                     D, HAS_BIAS, CAUSAL, PREC, EXACT)
         delta += tl.sum(p * dp, 1)
         l += tl.sum(p, 1)
-    if PREC == 4:
+    if PREC == FP16X3:
         delta = delta * (1.0 / cdo) * (1.0 / cv)
-    tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, _mean(delta, l), mask=row_ok)
+    tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, row_mean(delta, l), mask=row_ok)
 
 
 @triton.jit
@@ -836,7 +663,7 @@ def _bwd_dq_kernel(
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """One query tile per program; loops over the key tiles it can see. fp16x3: dS row i enters the
-    product scaled by f_i (_ds_units), undone on dQ's row i at the end."""
+    product scaled by f_i (ds_units), undone on dQ's row i at the end."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, s_scale, s_scale2, ck, cv, cdo = _query_tile(
@@ -852,18 +679,18 @@ def _bwd_dq_kernel(
     bias_base = Bias + b * sb_b + h * sb_h
     delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
     f = 1.0
-    if PREC == 4:
+    if PREC == FP16X3:
         delta = delta * cdo * cv
-        f = _ds_units(r_r, D_PAD)
+        f = ds_units(r_r, D_PAD)
     for start in range(0, k_hi, BLOCK_N):
         k, k_lo, p, dp = _p_dp_tile(q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, start + offs_n0, offs_d,
                                     row_ok, m_r, r_r, Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, s_scale, s_scale2,
                                     ck, cv, D, HAS_BIAS, CAUSAL, PREC, EXACT)
-        dq += _ds_k(p * (dp - delta[:, None]), f, k, k_lo, PREC)
-    if PREC == 4:  # one power of two at a time: their product may leave float32's range
+        dq += ds_k(p * (dp - delta[:, None]), f, k, k_lo, PREC)
+    if PREC == FP16X3:  # one power of two at a time: their product may leave float32's range
         dq = dq * (1.0 / f)[:, None] * (1.0 / ck) * (1.0 / cdo) * (1.0 / cv)
     dq = dq * scale
-    tl.store(dQ + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :], _to(dq, dQ.dtype.element_ty),
+    tl.store(dQ + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :], cast(dq, dQ.dtype.element_ty),
              mask=qm)
 
 
@@ -900,7 +727,7 @@ def _bwd_dbias_kernel(
                                         sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, s_scale, s_scale2, ck, cv,
                                         D, True, CAUSAL, PREC, EXACT)
             delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
-            if PREC == 4:
+            if PREC == FP16X3:
                 acc += p * (dp - (delta * cdo * cv)[:, None]) * (1.0 / cdo) * (1.0 / cv)
             else:
                 acc += p * (dp - delta[:, None])
@@ -911,272 +738,6 @@ def _bwd_dbias_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # host side
-
-
-@dataclass(frozen=True)
-class Config:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    kahan: bool = True  # strict float32 only: compensated tile-to-tile sums
-    chunk: int = 0      # float32 forward: keys per chunk of the in-program two-level scan (0 = off)
-    pipeline: bool = False  # forward: the next key tile's q·kᵀ issued before this one's softmax
-
-
-def _pow2(d: int) -> int:
-    return 1 << max(4, (int(d) - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    # host arithmetic in plain Python: triton.cdiv / next_power_of_2 are constexpr functions since
-    # Triton 3.5, a few microseconds a call on the launch path
-    return -(-a // b)
-
-
-# Kernels launched before: (kernel, device, _signature of the positional arguments, keyword
-# arguments, debug flag) → (the compiled kernel, the values of the parameters after the positional
-# ones, in signature order). Cleared when it grows past _LAUNCHED_MAX (varying shapes).
-_LAUNCHED: dict = {}
-_LAUNCHED_MAX = 4096
-
-
-def _tritons_own_path() -> bool:
-    """Launch through Triton itself: under the interpreter, or when a profiler's launch hooks are set."""
-    return INTERPRET or _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook)
-
-
-def _hooked(hook) -> bool:
-    # Triton ≥ 3.6 keeps a (possibly empty) HookChain here, older versions None or a callable
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _signature(args: tuple) -> tuple:
-    """What of a launch's positional arguments can change the compiled kernel, at least as finely as
-    Triton's specialisation: an int by its value (Triton: equal to 1, a multiple of 16, 32 or 64
-    bits), a tensor by its dtype and whether its address is 16-byte aligned, a float by its type
-    alone (Triton does not specialise floats), anything else by type and value."""
-    return tuple(a if type(a) is int else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
-                 else float if type(a) is float else (type(a), a) for a in args)
-
-
-def launch(fn, grid: tuple, *args, **meta):
-    """``fn[grid](*args, **meta)`` with Triton's per-call host work cut to what a compiled kernel
-    needs. Triton's own launch re-derives the compile options, checks the kernel's global values,
-    builds launch metadata and specialises every argument (its binder: about 2 µs an argument on the
-    H200 hosts here, and the window kernels take 45) on every call; a Swin-T training step makes
-    dozens of launches, and at its later stages the host's launch work, not the GPU, sets the pace.
-    Here a launch whose arguments have the :func:`_signature` of one seen before reuses that
-    launch's compiled kernel directly (the signature is at least as fine as Triton's specialisation,
-    so a kernel compiled for other dtypes, alignments or integer values is never reused). The first
-    launch of each signature, the interpreter, and a profiler's launch hooks take Triton's path."""
-    if _tritons_own_path():
-        return fn[grid](*args, **meta)
-    dev = torch.cuda.current_device()
-    key = (fn, dev, _signature(args), tuple(meta.items()), _knobs.runtime.debug)
-    hit = _LAUNCHED.get(key)
-    if hit is None:
-        return _first_launch(key, fn, grid, args, meta)[0]
-    kernel, tail = hit
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    kernel.run(grid[0], g1, g2, _driver.active.get_current_stream(dev), kernel.function, kernel.packed_metadata,
-               None, None, None, *args, *tail)
-    return kernel
-
-
-def _first_launch(key, fn, grid, args, meta) -> tuple:
-    """Triton's own launch (compiling if need be); → (compiled kernel, values of the parameters after
-    the positional ones), kept in _LAUNCHED under ``key``."""
-    dev = key[1]
-    caches = fn.device_caches.get(dev)
-    params = caches[4](*args, **meta)[0] if caches is not None else None
-    kernel = fn[grid](*args, **meta)
-    kernel = kernel.result() if hasattr(kernel, "result") else kernel
-    if params is None:  # (the binder exists once the kernel has been compiled on this device)
-        params = fn.device_caches[dev][4](*args, **meta)[0]
-    values = tuple(params.values())
-    if len(_LAUNCHED) >= _LAUNCHED_MAX:
-        _LAUNCHED.clear()
-    _LAUNCHED[key] = hit = (kernel, values[len(args):])
-    return hit
-
-
-class Launch:
-    """One kernel launch planned once, ``fn[grid](*tensors, *scalars, **meta)`` with the tensors given
-    at each call: what a kernel family's host code decides from a call's shapes, strides and flags
-    (grid, strides, sizes, tile constants) is kept, and a repeat only binds addresses. The compiled
-    kernel is kept per device and per pattern of 16-byte-aligned tensor addresses (what Triton
-    specialises a pointer argument on; the scalars are fixed, so their specialisation is too), and a
-    repeat passes it the addresses as integers: no :func:`_signature` of 40-odd arguments, no
-    per-tensor ``data_ptr`` call and driver pointer query inside Triton's C launcher. The first call
-    of each pattern, the interpreter, and a profiler's launch hooks take :func:`launch`'s path."""
-
-    __slots__ = ("fn", "grid", "scalars", "meta", "_bound")
-
-    def __init__(self, fn, grid: tuple, scalars: tuple, meta: dict):
-        self.fn, self.scalars, self.meta = fn, tuple(scalars), meta
-        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        self._bound: dict = {}
-
-    def __call__(self, *tensors: torch.Tensor) -> None:
-        if _tritons_own_path():
-            self.fn[self.grid](*tensors, *self.scalars, **self.meta)
-            return
-        ptrs = [t.data_ptr() for t in tensors]
-        dev = torch.cuda.current_device()
-        key = (dev, _knobs.runtime.debug, *[p & 15 == 0 for p in ptrs])
-        hit = self._bound.get(key)
-        if hit is None:
-            args = (*tensors, *self.scalars)
-            lkey = (self.fn, dev, _signature(args), tuple(self.meta.items()), key[1])
-            found = _LAUNCHED.get(lkey)
-            kernel, tail = found or _first_launch(lkey, self.fn, self.grid, args, self.meta)
-            self._bound[key] = hit = (kernel, (*self.scalars, *tail))
-            if found is None:
-                return  # (_first_launch launched it)
-        kernel, rest = hit
-        kernel.run(*self.grid, _driver.active.get_current_stream(dev), kernel.function, kernel.packed_metadata,
-                   None, None, None, *ptrs, *rest)
-
-
-# strict float32: keys one uncompensated running sum may fold within the 2e-6 relative-L2 bound
-_PLAIN_KEYS = 8192
-
-
-def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_bias: bool = False) -> Config:
-    """Forward tile shape by dtype / padded head dim / float32 mode: the fastest of the candidates in
-    benchmarks/attention.py --tune, measured on an H200 (N = 16K, B = 1, H = 16).
-
-    Strict float32 with d ≤ 64 runs uncompensated 64×64 tiles (20 TF/s); beyond 8K keys, where the
-    error of one running sum passes 2e-6 relative L2, the keys are folded 2048 at a time (``chunk``):
-    19.9 TF/s at 16K against 11.6 for the Kahan-compensated 32×32 tiles it replaced, at their
-    accuracy. At d = 128 the compensated 32×32 tiles are the fastest measured (9.0 TF/s).
-
-    ``pipeline`` (the split float32 modes, no bias, from 2048 keys; the interpreter runs it at every
-    length so that the CPU tests cover it), H200, bitwise equal outputs: fp16x3 d = 64 +6–10% at
-    2K–16K keys (causal +8%), tf32x3 d = 64 / 128 +3%. Not where it was slower: ViT's 197 keys −3%,
-    fp16x3 d = 128 −29%, d = 32 −15% (tf32x3 −44%), with a bias −40–45%, bf16 −2–22%."""
-    cfg = Config(32, 32, 1, 1) if INTERPRET else _fwd_tiles(dtype, d_pad, precision, nk, has_bias)
-    if (dtype == torch.float32 and not has_bias and (INTERPRET or nk >= 2048)
-            and (precision == "fp16x3" and d_pad == 64 or precision == "tf32x3" and d_pad in (64, 128))):
-        cfg = dataclasses.replace(cfg, pipeline=True)
-    return cfg
-
-
-def _fwd_tiles(dtype: torch.dtype, d_pad: int, precision: str, nk: int, has_bias: bool) -> Config:
-    if dtype != torch.float32:
-        if d_pad <= 32:
-            return Config(128, 64, 4, 3)
-        if d_pad <= 64:
-            return Config(128, 64, 8, 3)
-        if d_pad <= 128:
-            return Config(64, 64, 4, 3)
-        return Config(64, 32, 4, 2)
-    if precision == "ieee":
-        if d_pad <= 64:
-            return Config(64, 64, 4, 2, kahan=False, chunk=0 if nk <= _PLAIN_KEYS else 2048)
-        return Config(32, 32, 4, 2) if d_pad <= 128 else Config(32, 32, 4, 1)
-    if precision == "fp16x3":  # float16 parts: half tf32x3's shared memory and registers
-        return Config(128, 64, 8, 3) if d_pad <= 64 else (Config(128, 64, 8, 2) if d_pad <= 128 else Config(64, 32, 4, 1))
-    if d_pad <= 32 and not (precision == "tf32x3" and has_bias):
-        # (with a bias the 128×128 tf32x3 tile needs 256 KiB of shared memory, over sm_90's 227)
-        return Config(128, 128, 8, 3) if precision == "tf32x3" else Config(128, 64, 4, 3)
-    if d_pad <= 64:
-        return Config(128, 64, 8, 3) if precision == "tf32x3" else Config(128, 64, 4, 3)
-    if d_pad <= 128:
-        return Config(128, 32, 8, 2)
-    return Config(32, 32, 4, 1)
-
-
-def bwd_config(dtype: torch.dtype, d_pad: int, precision: str, nq: int = 0) -> Config:
-    """Backward tile shape (same sweep): block_n small enough that the dK/dV accumulators stay in registers.
-
-    Half precision from 4096 queries on: the larger dQ tiles measured 3–5% faster over the whole
-    backward at 4K–16K (H200: bf16 d = 64 at 16K 9.57 against 9.92 ms, d = 128 16.9 against 17.6),
-    and 4% slower at ViT sizes (197 or 1500 rows), where fewer programs fill the GPU less well."""
-    if INTERPRET:
-        return Config(32, 32, 1, 1)
-    if dtype != torch.float32:
-        if d_pad <= 64:
-            return Config(128, 64, 8, 3) if nq >= 4096 else Config(64, 32, 4, 3)
-        if d_pad <= 128:
-            return Config(64, 64, 4, 2) if nq >= 4096 else Config(64, 32, 4, 2)
-        return Config(32, 32, 4, 1)
-    if precision == "fp16x3":
-        return Config(128, 64, 8, 3) if d_pad <= 64 else (Config(128, 32, 8, 2) if d_pad <= 128 else Config(64, 32, 4, 1))
-    if precision == "tf32x3" and d_pad <= 64:
-        return Config(128, 64, 8, 2)
-    # strict float32 (FMA products) stages its operands through shared memory: no multi-buffering
-    stages = 1 if precision == "ieee" else 2
-    if d_pad <= 64:
-        return Config(64, 32, 4, stages)
-    if d_pad <= 128:
-        return Config(32, 32, 4, 1)
-    return Config(16, 16, 4, 1)
-
-
-def early_dp_default(dtype: torch.dtype, d_pad: int, precision: str) -> bool:
-    """Whether the dK/dV kernel issues dPᵀ = v·dOᵀ right after Sᵀ, before the exponentials, so that
-    the tensor cores work under them (the dQ kernel always does). Measured on an H200 at 4K–16K:
-    backward bf16/fp16 d ≤ 64 +2–8% (16K d = 64: 9.59 → 8.89 ms), fp16x3 d = 128 +5%; slower where
-    the extra live [BLOCK_N, BLOCK_M] tile costs registers: bf16 d = 128 −1%, tf32x3 −4%, ieee −8%."""
-    if dtype != torch.float32:
-        return d_pad <= 64
-    return precision == "fp16x3"
-
-
-def kv_config(dtype: torch.dtype, d_pad: int, precision: str, dq_cfg: Config) -> Config:
-    """Tile shape of the dK/dV kernel: block_m query rows per step, block_n keys per program (the
-    MMAs' M side). Measured separately from the dQ kernel's (benchmarks/attention.py --tune bwdkv);
-    elsewhere the dQ tile with its larger side as keys."""
-    if not INTERPRET:
-        if dtype != torch.float32:
-            if d_pad <= 64:
-                return Config(*_KV_HALF_64)
-            if d_pad <= 128:
-                return Config(*_KV_HALF_128)
-        elif precision == "tf32x3" and d_pad <= 64:
-            return Config(*_KV_TF32X3_64)
-        elif precision == "fp16x3" and d_pad <= 128:
-            return Config(*(_KV_FP16X3_64 if d_pad <= 64 else _KV_FP16X3_128))
-    return Config(min(dq_cfg.block_m, dq_cfg.block_n), max(dq_cfg.block_m, dq_cfg.block_n),
-                  dq_cfg.num_warps, dq_cfg.num_stages)
-
-
-_KV_HALF_64 = (32, 128, 4, 4)
-_KV_HALF_128 = (64, 64, 4, 2)
-_KV_TF32X3_64 = (64, 128, 8, 2)
-_KV_FP16X3_64 = (64, 128, 8, 3)
-_KV_FP16X3_128 = (32, 128, 8, 2)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def plan_partitions(batch_heads: int, nq: int, nk: int, block_m: int, block_n: int, device: torch.device,
-                    requested: Optional[int] = None) -> tuple[int, int]:
-    """(n_part, part_len): how phase 1 splits the keys. part_len is a multiple of block_n.
-
-    One partition when (query blocks × batch·heads) gives every SM a program; otherwise keys are
-    split so the phase-1 grid reaches about two programs per SM, each partition with the same number
-    of key tiles (±1 over all partitions). The summaries cost P float32 copies of the output, so a
-    grid that already fills the SMs once is not split (at N = 1041, B·H = 16 a split doubled the
-    peak memory for no gain).
-    """
-    n_tiles = max(1, _cdiv(nk, block_n))
-    if requested is not None:
-        want = max(1, min(int(requested), n_tiles))
-    else:
-        base = _cdiv(nq, block_m) * batch_heads
-        sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
-        want = 1 if base >= sms else min(n_tiles, _cdiv(2 * sms, base))
-        # a partition shorter than four tiles pays more in summary traffic than it gains in parallelism
-        want = max(1, min(want, n_tiles // 4 or 1))
-    tiles_per = _cdiv(n_tiles, want)
-    return _cdiv(n_tiles, tiles_per), tiles_per * block_n
 
 
 def _strides4(t: Optional[torch.Tensor]) -> tuple[int, int, int, int]:
@@ -1211,19 +772,22 @@ def launch_plan(q, k, bias, precision: str, partitions: Optional[int] = None,
 def _launch_plan(bh: int, nq: int, nk: int, d: int, dtype: torch.dtype, has_bias: bool, precision: str,
                  device: torch.device, partitions: Optional[int], config: Optional[Config]) -> tuple[Config, int, int]:
     # (memoised: a model repeats a few shapes, and this is host time on every call)
-    cfg = config or fwd_config(dtype, _pow2(d), precision, nk, has_bias)
+    cfg = config or fwd_config(dtype, pow2(d), precision, nk, has_bias)
     n_part, part_len = plan_partitions(bh, nq, nk, cfg.block_m, cfg.block_n, device, partitions)
-    if config is None and cfg.chunk and n_part > 1 and part_len > _PLAIN_KEYS:
+    if config is None and cfg.chunk and n_part > 1 and part_len > PLAIN_KEYS:
         # a split program folds its partition in one running sum (no chunks): compensate it instead
         cfg = Config(32, 32, 4, 2)
         n_part, part_len = plan_partitions(bh, nq, nk, cfg.block_m, cfg.block_n, device, partitions)
     return cfg, n_part, part_len
 
 
+register_cache(_launch_plan.cache_clear)
+
+
 def _f16_scales(q, k, v, do=None):
     """The Scales tensor of _f16_scales_kernel: forward (do None) [B·H, 2 + D_PAD], backward [B·H, 4]."""
     B, H, Nq, D = q.shape
-    d_pad = _pow2(D)
+    d_pad = pow2(D)
     row = 2 + d_pad if do is None else 4
     scales = torch.empty((B * H, row), device=q.device, dtype=torch.float32)
     dd = q if do is None else do
@@ -1231,6 +795,23 @@ def _f16_scales(q, k, v, do=None):
            *v.stride(), *dd.stride(), H, Nq, k.shape[2], D=D, D_PAD=d_pad, BLOCK=16 if INTERPRET else 64,
            V_COLS=do is None, ROW=row, num_warps=4)
     return scales
+
+
+_ALLOCATIONS_ONLY = False
+
+
+@contextlib.contextmanager
+def allocations_only():
+    """Inside ``with allocations_only():`` :func:`forward` allocates exactly what it would — the
+    output, the row statistics and, for a split launch, the phase-1 summaries — and launches no
+    kernel: the outputs are uninitialised memory. What a call's peak memory is, without its
+    arithmetic (benchmarks/frames.py --memory-rehearsal sizes thousands of frames this way)."""
+    global _ALLOCATIONS_ONLY
+    before, _ALLOCATIONS_ONLY = _ALLOCATIONS_ONLY, True
+    try:
+        yield
+    finally:
+        _ALLOCATIONS_ONLY = before
 
 
 def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
@@ -1245,7 +826,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         raise ValueError(f"the Triton forward needs scale > 0, got {scale}; use the reference backend")
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    d_pad = _pow2(D)
+    d_pad = pow2(D)
     cfg, n_part, part_len = launch_plan(q, k, bias, precision, partitions, config)
     out = _out_like(q)
     stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
@@ -1258,16 +839,18 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         ws = torch.empty((B * H, n_part, Nq, d_pad), device=q.device, dtype=torch.float32)
     else:
         ms = ss = ws = stats  # unused placeholders
+    if _ALLOCATIONS_ONLY:
+        return out, stats
     bias_arg = bias if bias is not None else q
     scales = _f16_scales(q, k, v) if precision == "fp16x3" else stats
-    grid = (_cdiv(Nq, cfg.block_m), B * H, n_part)
+    grid = (cdiv(Nq, cfg.block_m), B * H, n_part)
     launch(_fwd_kernel, grid,
         q, k, v, bias_arg, out, stats, ms, ss, ws, scales,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_strides4(bias),
         H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
         D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split,
-        PREC=_PREC[precision], KAHAN=cfg.kahan and not chunk, CHUNK=chunk, PIPELINE=cfg.pipeline,
+        PREC=PRECISION_CODES[precision], KAHAN=cfg.kahan and not chunk, CHUNK=chunk, PIPELINE=cfg.pipeline,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
@@ -1285,7 +868,7 @@ def phase2(ms, ss, ws, out, stats, natural: bool):
     B, H, Nq, D = out.shape
     d_pad = ws.shape[-1]
     bm2 = 16 if INTERPRET else (64 if d_pad <= 128 else 32)
-    launch(_merge_kernel, (_cdiv(Nq, bm2), B * H),
+    launch(_merge_kernel, (cdiv(Nq, bm2), B * H),
         ms, ss, ws, out, stats, *out.stride(), H, Nq, ms.shape[1],
         D=D, D_PAD=d_pad, BLOCK_M=bm2, NATURAL=natural, num_warps=4,
     )
@@ -1298,9 +881,9 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     the measured choices of bwd_config / kv_config / early_dp_default (for tuning)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    d_pad = _pow2(D)
+    d_pad = pow2(D)
     cfg = config or bwd_config(q.dtype, d_pad, precision, Nq)
-    prec = _PREC[precision]
+    prec = PRECISION_CODES[precision]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
     scales = _f16_scales(q, k, v, do) if precision == "fp16x3" else delta
     dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
@@ -1311,19 +894,19 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
                   EXACT=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *_strides4(bias))
     if bias_grad and q.dtype == torch.float32:  # delta from P and dP (see _bwd_delta_kernel)
-        launch(_bwd_delta_kernel, (_cdiv(Nq, cfg.block_m), B * H),
+        launch(_bwd_delta_kernel, (cdiv(Nq, cfg.block_m), B * H),
             q, k, v, bias_arg, do, stats, delta, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
             HAS_BIAS=bias is not None, **common)
     else:
         bm0 = 16 if INTERPRET else 64
-        launch(_bwd_preprocess, (_cdiv(Nq, bm0), B * H),
+        launch(_bwd_preprocess, (cdiv(Nq, bm0), B * H),
             out, do, delta, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0)
-    launch(_bwd_dq_kernel, (_cdiv(Nq, cfg.block_m), B * H),
+    launch(_bwd_dq_kernel, (cdiv(Nq, cfg.block_m), B * H),
         q, k, v, bias_arg, do, stats, delta, dq, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
         HAS_BIAS=bias is not None, **common)
     kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
     early_dp = early_dp_default(q.dtype, d_pad, precision) if early_dp is None else early_dp
-    launch(_bwd_dkdv_kernel, (_cdiv(Nk, kv.block_n), B * H),
+    launch(_bwd_dkdv_kernel, (cdiv(Nk, kv.block_n), B * H),
         q, k, v, bias_arg, do, stats, delta, dk, dv, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
         HAS_BIAS=bias is not None, EARLY_DP=early_dp,
         **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n, "num_warps": kv.num_warps,
@@ -1337,7 +920,7 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
         # tiles of d ≥ 128, ptxas (sm_90) gave this kernel 32 registers and 14 KB of spills; 64×32
         # has 255 and 320 bytes. (The FMA products of "ieee" go the other way: they keep 32 rows.)
         db_m = cfg.block_m if INTERPRET or precision == "ieee" else max(64, cfg.block_m)
-        launch(_bwd_dbias_kernel, (_cdiv(Nq, db_m), _cdiv(Nk, cfg.block_n), Bb * Hb),
+        launch(_bwd_dbias_kernel, (cdiv(Nq, db_m), cdiv(Nk, cfg.block_n), Bb * Hb),
             q, k, v, bias, do, stats, delta, dfull, scales, *strides, B, H, Hb, Nq, Nk, scale, scale * LOG2E,
             BIAS_B1=b1, BIAS_H1=h1,
             **{**common, "BLOCK_M": db_m, "num_stages": 1})  # its batch/head loop needs no prefetch
@@ -1350,99 +933,49 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library custom ops: opaque to torch.compile, with fake (meta) implementations and autograd
+# registration: custom ops for torch.compile, an autograd Function for eager calls (kernels/ops.py)
 
 
-@torch.library.custom_op("elsa_vision::attention_fwd", mutates_args=())
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
-                  scale: float, causal: bool, precision: str, partitions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor], scale: float,
+                causal: bool, precision: str, partitions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B,H,Nq,D], k/v [B,H,Nk,D], bias 4-D broadcastable (size-1 dims) → out [B,H,Nq,D], row
-    statistics [B,H,2,Nq] (as in ``forward``).
-    ``partitions`` ≤ 0 lets the planner choose."""
+    statistics [B,H,2,Nq] (as in ``forward``). ``partitions`` ≤ 0 lets the planner choose."""
     return forward(q, k, v, bias, scale, causal, precision, partitions if partitions > 0 else None)
 
 
-@attention_fwd.register_fake
-def _(q, k, v, bias, scale, causal, precision, partitions):
-    return _out_like(q), q.new_empty((*q.shape[:2], 2, q.shape[2]), dtype=torch.float32)
-
-
-@torch.library.custom_op("elsa_vision::attention_bwd", mutates_args=())
-def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  bias: Optional[torch.Tensor], out: torch.Tensor, stats: torch.Tensor, scale: float,
-                  causal: bool, precision: str, bias_grad: bool) -> list[torch.Tensor]:
+def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 bias: Optional[torch.Tensor], out: torch.Tensor, stats: torch.Tensor, scale: float,
+                 causal: bool, precision: str, bias_grad: bool) -> list[torch.Tensor]:
     """→ [dq, dk, dv, dbias]; dbias is an empty tensor unless ``bias_grad``."""
     dq, dk, dv, dbias = backward(do, q, k, v, bias, out, stats, scale, causal, precision, bias_grad)
     return [dq, dk, dv, dbias if dbias is not None else q.new_empty(0)]
 
 
-@attention_bwd.register_fake
-def _(do, q, k, v, bias, out, stats, scale, causal, precision, bias_grad):
+def _fake_forward(q, k, v, bias, scale, causal, precision, partitions):
+    return _out_like(q), q.new_empty((*q.shape[:2], 2, q.shape[2]), dtype=torch.float32)
+
+
+def _fake_backward(do, q, k, v, bias, out, stats, scale, causal, precision, bias_grad):
     db = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), db]
 
 
-def _setup_fwd(ctx, inputs, output):
+def _save(inputs, outputs):
     q, k, v, bias, scale, causal, precision, _ = inputs
-    out, stats = output
-    ctx.save_for_backward(q, k, v, bias, out, stats)
-    ctx.args = (scale, causal, precision)
+    return (q, k, v, bias, *outputs), (scale, causal, precision)
 
 
-def _backward_fwd(ctx, dout, dstats):
-    q, k, v, bias, out, stats = ctx.saved_tensors
-    bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
-    dq, dk, dv, dbias = torch.ops.elsa_vision.attention_bwd(dout, q, k, v, bias, out, stats, *ctx.args, bias_grad)
-    return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None
-
-
-_DOUBLE_BACKWARD = ("elsa_vision.attention does not support double backward (gradients of gradients). "
-                    "Use backend='reference' for higher-order derivatives.")
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(_DOUBLE_BACKWARD)
-
-
-def _setup_bwd(ctx, inputs, output):
-    pass
-
-
-attention_fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
-attention_bwd.register_autograd(_no_double_backward, setup_context=_setup_bwd)
-
-
-# ---------------------------------------------------------------------------------------------
-# eager path: the same kernels behind a plain autograd.Function. The custom op's dispatch costs
-# tens of microseconds a call, which is most of the time of a ViT-sized problem; it is only needed
-# when torch.compile traces the call.
-
-
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bias, scale, causal, precision, partitions):
-        out, stats = forward(q, k, v, bias, scale, causal, precision, partitions or None)
-        ctx.save_for_backward(q, k, v, bias, out, stats)
-        ctx.args = (scale, causal, precision)
-        ctx.mark_non_differentiable(stats)
-        return out, stats
-
-    @staticmethod
-    def backward(ctx, dout, dstats):
-        if torch.is_grad_enabled():
-            raise RuntimeError(_DOUBLE_BACKWARD)
-        q, k, v, bias, out, stats = ctx.saved_tensors
-        bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
-        dq, dk, dv, dbias = backward(dout, q, k, v, bias, out, stats, *ctx.args, bias_grad)  # any strides
-        return dq, dk, dv, dbias, None, None, None, None
+OP = KernelOp("attention", "attention", forward=_op_forward, backward=_op_backward, fake_forward=_fake_forward,
+              fake_backward=_fake_backward, save=_save)
+attention_fwd, attention_bwd = OP.fwd, OP.bwd  # torch.ops.elsa_vision.attention_fwd / _bwd
 
 
 def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int]):
-    """(out, stats) with autograd: the custom op under torch.compile, the autograd.Function otherwise.
-    stats [B,H,2,Nq]: the row statistics (m, S) of ``forward`` (``natural_lse`` gives the lse)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.elsa_vision.attention_fwd(q, k, v, bias, scale, causal, precision, partitions or 0)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))):
-        # inference: no graph to record, so the kernels without an autograd Function around them
-        return forward(q, k, v, bias, scale, causal, precision, partitions or None)
-    return _Attention.apply(q, k, v, bias, scale, causal, precision, partitions)
+    """(out, stats) with autograd (see :func:`kernels.ops.route`). stats [B,H,2,Nq]: the row
+    statistics (m, S) of ``forward`` (``natural_lse`` gives the lse)."""
+    how = route((q, k, v, bias))
+    if how is COMPILED:
+        return OP.fwd(q, k, v, bias, scale, causal, precision, partitions or 0)
+    if how is AUTOGRAD:
+        return OP.function.apply(q, k, v, bias, scale, causal, precision, partitions or 0)
+    return forward(q, k, v, bias, scale, causal, precision, partitions or None)

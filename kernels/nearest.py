@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _WIDEN_HALF, INTERPRET, _cdiv, launch
+from .common import WIDEN_HALF
+from .launch import INTERPRET, cdiv, launch
 
 
 @triton.jit
@@ -49,7 +50,7 @@ def _nearest_kernel(
                 k_ok = (k0 + ks) < C
                 a = tl.load(s_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(d_ptr + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            if _WIDEN_HALF:
+            if WIDEN_HALF:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc)
         acc = tl.where(col_ok[None, :], acc, float("-inf"))
@@ -92,9 +93,8 @@ def nearest(src: torch.Tensor, dst: torch.Tensor, config: Optional[tuple] = None
     idx = torch.empty(ns, device=src.device, dtype=torch.int64)
     if ns == 0:
         return val, idx
-    # H200, 131K × 151K × 1024 bf16: 128×256 tiles 535 TF/s (a matmul then a max: 529 with aligned
-    # rows, 102 without); 128×128 453, 256×128 415, 128×128×128 319
+    # 128×256 tiles: the fastest of the candidates swept at VGGT-merging sizes (benchmarks/frames.py profiles)
     bm, bn, bk, warps, stages = config or ((16, 16, 16, 1, 1) if INTERPRET else (128, 256, 64, 8, 3))
-    launch(_nearest_kernel, (_cdiv(ns, bm),), src, dst, val, idx, ns, dst.shape[0], C, src.stride(0), dst.stride(0),
+    launch(_nearest_kernel, (cdiv(ns, bm),), src, dst, val, idx, ns, dst.shape[0], C, src.stride(0), dst.stride(0),
            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=C % bk == 0, num_warps=warps, num_stages=stages)
     return val, idx

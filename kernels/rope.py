@@ -3,7 +3,7 @@
 VGGT's attention forms q and k as qkv → per-head LayerNorm over the head dim → 2-D RoPE (the first
 half of the head dim rotates with the token's y position, the second half with x). In PyTorch that
 is a copy of each strided q/k slice, a LayerNorm over rows of 64 (a launch configuration made for
-long rows: 1.2 s of a 13 s, 400-frame aggregator call), then a dozen float32 elementwise passes.
+long rows, a large share of a long VGGT call), then a dozen float32 elementwise passes.
 Here one program normalizes and rotates a block of tokens of one head, in float32 registers, and
 writes q or k once, in the dtype attention will read (the autocast dtype under autocast).
 
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import INTERPRET, _cdiv, launch
+from .launch import INTERPRET, cdiv, launch
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def qk_norm_rope(x: torch.Tensor, heads: int, out: torch.Tensor, norm: Optional[
     else:
         cos = sin = x
     block_t = 64 if INTERPRET else max(1, 4096 // D)
-    launch(_qk_norm_rope_kernel, (_cdiv(n, block_t), B * heads),
+    launch(_qk_norm_rope_kernel, (cdiv(n, block_t), B * heads),
            x, pos if rope else x, w if w is not None else x, bias if bias is not None else x, cos, sin, out,
            n, heads, float(norm.eps) if norm is not None else 0.0,
            x.stride(0), x.stride(1), pos.stride(0) if rope else 0, pos.stride(1) if rope else 0,

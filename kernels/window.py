@@ -56,7 +56,7 @@ sm_90 (registers, spills, shared memory; see :func:`make_plan`):
   B = 256  N ≤ 64: as 64, with runs of ≥ 4 windows ("auto" for 33-64 tokens). 64 < N ≤ 256 in
            one tile of 16-row query strips: single pass, no rescale; k and v are re-read (from L2)
            by each strip. Spill-free in half precision; 3xTF32 spills ~1 KB
-           per thread. At N = 256 (bf16, H200) 35% slower forward than B = 64 despite the single pass.
+           per thread. At N = 256 slower than B = 64 despite the single pass (benchmarks/windows.py).
   The block does not change the backward's tiles (only "fused or tiled") nor memory: every block
   allocates the outputs, the row statistics (m, S) [BW, H, 2, N] float32 and, in the backward, the
   dbias partials and (tiled) delta [BW, H, N]; the tiled half-precision backward keeps the forward
@@ -75,38 +75,20 @@ are never copies; the row statistics, delta and the mask stay in window order.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .attention import (INTERPRET, _PREC, _cdiv, _dk_units, _dot, _dot3, _dot_nt, _ds_k, _ds_units, _exp_of,
-                        _load_stats, _mean, _pow2, _pow2_of, _pv, _setup_bwd, _sm_count, _split_f16, _store_stats,
-                        _to, Launch)
+from . import tiles
+from .common import (C_LOG2E, FP16X3, PRECISION_CODES, cast, dk_units, dot, dot3, dot_nt, ds_k, ds_units, exp_of,
+                     load_stats, pow2_of, pv, row_mean, split_f16, store_stats)
+from .launch import Launch, cdiv, clear_caches, pow2, register_cache
+from .ops import AUTOGRAD, COMPILED, KernelOp, check_first_order, route
 from .reference import Geometry, from_windows, qkv_views, to_windows
+from .tiles import make_plan, plan_runs
 
-BLOCKS = (64, 128, 256)
-MAX_TOKENS = 256
-MAX_HEAD_DIM = 128
-
-# Programs per SM the planners aim for (a few resident per SM hide latency; the rest is loop length).
-FWD_PROGRAMS_PER_SM = 8
-BWD_PROGRAMS_PER_SM = 4
-# Tuning switches (measured by benchmarks/windows.py): keep the bias tile in registers across a run
-# instead of re-reading it (an L1 hit) per window; pipelining depth of the window loop.
-BIAS_IN_REGISTERS = False
-STAGES = 2
-# No register cap (ptx .maxnreg): ptxas gives most of these kernels 255 registers (sm_90, Triton 3.6),
-# two 4-warp programs per SM, but capping at 168 or 128 spills 150-950 bytes per thread in every
-# kernel except the bf16 forward (N = 49 and 256, d = 32; benchmarks/window_compile.py).
-# float32 dq kernel: widest window (N_pad) whose whole row is one key tile (see _win_bwd_dq_kernel)
-ONE_TILE_DQ_MAX = 64
-
-_L2E = tl.constexpr(1.4426950408889634)
-_LN2 = tl.constexpr(0.6931471805599453)
 # ---------------------------------------------------------------------------------------------
 # jit helpers
 
@@ -155,8 +137,8 @@ _LOW_ONE = tl.constexpr(-100)
 @triton.jit
 def _f16_scale(top, LOW: tl.constexpr):
     """fp16x3: the power of two that puts ``top`` (a largest |x|, scalar or per column) into
-    [2^13, 2^14) for the float16 split (kernels/attention.py _split_f16); at most 2^(13 − LOW)."""
-    return _pow2_of(13 - tl.maximum(_exp_of(top), LOW))
+    [2^13, 2^14) for the float16 split (kernels/attention.py split_f16); at most 2^(13 − LOW)."""
+    return pow2_of(13 - tl.maximum(exp_of(top), LOW))
 
 
 @triton.jit
@@ -164,14 +146,14 @@ def _parts(x, PER_COL: tl.constexpr, LOW: tl.constexpr, PREC: tl.constexpr):
     """fp16x3: (hi, lo, c) with x·c = hi + lo in float16 parts, c the tile's own scale — each
     column's with PER_COL (c [D_PAD]), else the tile's (c scalar): a window's few dozen rows need no
     prepass over the tensor. Otherwise (x, x, 1)."""
-    if PREC == 4:
+    if PREC == FP16X3:
         a = tl.abs(x)
         if PER_COL:
             c = _f16_scale(tl.max(a, 0), LOW)
-            hi, lo = _split_f16(x * c[None, :])
+            hi, lo = split_f16(x * c[None, :])
         else:
             c = _f16_scale(tl.max(tl.max(a, 1), 0), LOW)
-            hi, lo = _split_f16(x * c)
+            hi, lo = split_f16(x * c)
         return hi, lo, c
     else:
         return x, x, 1.0
@@ -180,8 +162,8 @@ def _parts(x, PER_COL: tl.constexpr, LOW: tl.constexpr, PREC: tl.constexpr):
 @triton.jit
 def _parts_at(x, c, PREC: tl.constexpr):
     """(hi, lo, c) of x split at a given scalar scale c under fp16x3; (x, x, 1) otherwise."""
-    if PREC == 4:
-        hi, lo = _split_f16(x * c)
+    if PREC == FP16X3:
+        hi, lo = split_f16(x * c)
         return hi, lo, c
     else:
         return x, x, 1.0
@@ -211,10 +193,10 @@ def _logits(q, q_lo, k, k_lo, bias2, bias_base, mask_base, offs_m, offs_n, N, NR
     (fp16x3: float16 parts of the scaled tiles, ``scale`` including 1/(c_q·c_k); otherwise the _lo
     arguments are unused). With BIAS_REGS the bias tile is ``bias2`` (held in registers by the
     caller), else it is read from ``bias_base`` (an L1 hit after the first window)."""
-    if PREC == 4:
-        s = _dot3(q, q_lo, tl.trans(k), tl.trans(k_lo)) * scale
+    if PREC == FP16X3:
+        s = dot3(q, q_lo, tl.trans(k), tl.trans(k_lo)) * scale
     else:
-        s = _dot(q, tl.trans(k), PREC) * scale
+        s = dot(q, tl.trans(k), PREC) * scale
     if HAS_BIAS:
         if BIAS_REGS:
             s += bias2
@@ -250,12 +232,12 @@ def _exp_rel(s, m):
     (exact for the dominant terms), then scaled by log2 e: in the log2 domain the logit would be
     rounded, three times, at 1.44× its magnitude — with a [H, N, N] bias of a few units that made
     float32 bias gradients 3–4× less accurate than PyTorch's."""
-    return tl.math.exp2((s - m[:, None]) * _L2E)
+    return tl.math.exp2((s - m[:, None]) * C_LOG2E)
 
 
 @triton.jit
 def _probs2(s, m, r, EXACT: tl.constexpr):
-    """P from logits s [BM, BN] and the row statistics of _load_stats (natural units; see
+    """P from logits s [BM, BN] and the row statistics of load_stats (natural units; see
     kernels/attention.py: in float32 the normaliser divides, it is not folded into the exponent)."""
     p = _exp_rel(s, m)
     if EXACT:
@@ -320,8 +302,8 @@ def _win_fwd_kernel(
             m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row with no visible key
             p = _exp_rel(s, m_safe)
             s_i = tl.sum(p, 1)
-            acc = _pv(p, v, v_lo, PREC)
-            if PREC == 4:
+            acc = pv(p, v, v_lo, PREC)
+            if PREC == FP16X3:
                 acc = acc * (1.0 / 16384.0) * (1.0 / cv)[None, :]
         else:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -336,20 +318,20 @@ def _win_fwd_kernel(
                 # monoid merge of the running state with this tile's (m, S, W)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # identity tile: nothing visible
-                alpha = tl.math.exp2((m_i - m_safe) * _L2E)
+                alpha = tl.math.exp2((m_i - m_safe) * C_LOG2E)
                 p = _exp_rel(s, m_safe)
                 s_i = s_i * alpha + tl.sum(p, 1)
-                if PREC == 4:  # each key tile has its own v scales
-                    acc = acc * alpha[:, None] + _pv(p, v, v_lo, PREC) * (1.0 / 16384.0) * (1.0 / cv)[None, :]
+                if PREC == FP16X3:  # each key tile has its own v scales
+                    acc = acc * alpha[:, None] + pv(p, v, v_lo, PREC) * (1.0 / 16384.0) * (1.0 / cv)[None, :]
                 else:
-                    acc = acc * alpha[:, None] + _pv(p, v, v_lo, PREC)
+                    acc = acc * alpha[:, None] + pv(p, v, v_lo, PREC)
                 m_i = m_new
         nonempty = s_i > 0
         den = tl.where(nonempty, s_i, 1.0)
         out = acc / den[:, None]
         tl.store(Out + rr * so_b + h * so_h + tok_m[:, None] * so_n + offs_d[None, :] * so_d,
-                 _to(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-        _store_stats(Stats, rr * H + h, offs_m, row_ok, N, m_i, s_i, nonempty)
+                 cast(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+        store_stats(Stats, rr * H + h, offs_m, row_ok, N, m_i, s_i, nonempty)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,24 +373,24 @@ def _win_bwd_fused_kernel(
         k = _load_rows(K + rr * sk_b + h * sk_h, tok, offs, offs_d, sk_n, sk_d, N, D)
         v = _load_rows(V + rr * sv_b + h * sv_h, tok, offs, offs_d, sv_n, sv_d, N, D)
         do = _load_rows(dOut + rr * sdo_b + h * sdo_h, tok, offs, offs_d, sdo_n, sdo_d, N, D)
-        m_r, r_r = _load_stats(Stats, rr * H + h, offs, tok_ok, N, True, EXACT)
+        m_r, r_r = load_stats(Stats, rr * H + h, offs, tok_ok, N, True, EXACT)
         s = _logits(q, q, k, k, bias2, bias_h, Mask + (rr % nW) * mask_stride, offs, offs, N, NR, scale,
                     HAS_BIAS, BIAS_REGS, HAS_MASK, PREC)
-        # before the exponentials, so that the MMA runs under them (H200, bf16 at the Swin-T stages:
-        # this kernel 2–7% faster)
-        dp = _dot(do, tl.trans(v), PREC)
+        # before the exponentials, so that the MMA runs under them (measured faster at every Swin-T
+        # stage in bf16)
+        dp = dot(do, tl.trans(v), PREC)
         p = _probs2(s, m_r, r_r, EXACT)  # 0 on padded keys, padded rows, fully masked rows
-        dv = _dot(tl.trans(_to(p, do.dtype)), do, PREC)
+        dv = dot(tl.trans(cast(p, do.dtype)), do, PREC)
         delta = tl.sum(p * dp, 1)  # = rowsum(dO ⊙ O), exact: the tile holds every key of the row
         if EXACT:  # Σ_j dS_ij = 0 (see kernels/attention.py _bwd_delta_kernel)
-            delta = _mean(delta, tl.sum(p, 1))
+            delta = row_mean(delta, tl.sum(p, 1))
         ds = p * (dp - delta[:, None])
-        dq = _dot(_to(ds, k.dtype), k, PREC) * scale
-        dk = _dot(tl.trans(_to(ds, q.dtype)), q, PREC) * scale
+        dq = dot(cast(ds, k.dtype), k, PREC) * scale
+        dk = dot(tl.trans(cast(ds, q.dtype)), q, PREC) * scale
         g_ptrs = rr * sg_b + h * sg_h + tok[:, None] * sg_n + offs_d[None, :]
-        tl.store(dQ + g_ptrs, _to(dq, dQ.dtype.element_ty), mask=io_mask)
-        tl.store(dK + g_ptrs, _to(dk, dK.dtype.element_ty), mask=io_mask)
-        tl.store(dV + g_ptrs, _to(dv, dV.dtype.element_ty), mask=io_mask)
+        tl.store(dQ + g_ptrs, cast(dq, dQ.dtype.element_ty), mask=io_mask)
+        tl.store(dK + g_ptrs, cast(dk, dK.dtype.element_ty), mask=io_mask)
+        tl.store(dV + g_ptrs, cast(dv, dV.dtype.element_ty), mask=io_mask)
         if BIAS_GRAD:
             dbias += ds
     if BIAS_GRAD:
@@ -452,25 +434,25 @@ def _win_bwd_dq_kernel(
                              _LOW_QK, PREC)
         do, do_lo, cdo = _parts(_load_rows(dOut + rr * sdo_b + h * sdo_h, tok_m, offs_m, offs_d, sdo_n, sdo_d, N, D),
                                 False, _LOW_ONE, PREC)
-        m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
+        m_r, r_r = load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
         k_base = K + rr * sk_b + h * sk_h
         v_base = V + rr * sv_b + h * sv_h
         f = 1.0
-        if PREC == 4:
-            f = _ds_units(r_r, D_PAD)
+        if PREC == FP16X3:
+            f = ds_units(r_r, D_PAD)
         if EXACT and ONE_TILE:
             tok_n = _tok(rr, offs_n0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
             k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
                 q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n0, tok_n, offs_d,
                 sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, 1.0, D, HAS_BIAS, HAS_MASK, PREC, False, False)
             p = _probs2(s, m_r, r_r, EXACT)
-            dp = _dot_nt(do, do_lo, v, v_lo, PREC)  # fp16x3: in units of c_dO·c_v
-            delta = _mean(tl.sum(p * dp, 1), tl.sum(p, 1))
+            dp = dot_nt(do, do_lo, v, v_lo, PREC)  # fp16x3: in units of c_dO·c_v
+            delta = row_mean(tl.sum(p * dp, 1), tl.sum(p, 1))
             tl.store(Delta + (rr * H + h) * N + offs_m, delta * (1.0 / cdo) * (1.0 / cv), mask=row_ok)
-            dq = _ds_k(p * (dp - delta[:, None]), f, k, k_lo, PREC) * (1.0 / ck) * (1.0 / cv)
+            dq = ds_k(p * (dp - delta[:, None]), f, k, k_lo, PREC) * (1.0 / ck) * (1.0 / cv)
         else:
             cv_w = 1.0
-            if PREC == 4:  # one v scale for the window's key tiles (see _window_scale)
+            if PREC == FP16X3:  # one v scale for the window's key tiles (see _window_scale)
                 cv_w = _window_scale(v_base, rr, offs_n0, offs_d, sv_n, sv_d, N, nW, G_NWX, G_WH, G_WW, G_IH, G_IW,
                                      G_SH, G_SW, D, BLOCK_N, GEO)
             if EXACT:
@@ -484,9 +466,9 @@ def _win_bwd_dq_kernel(
                         offs_d, sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False,
                         True)
                     p = _probs2(s, m_r, r_r, EXACT)
-                    delta += tl.sum(p * _dot_nt(do, do_lo, v, v_lo, PREC), 1) * (1.0 / cv)
+                    delta += tl.sum(p * dot_nt(do, do_lo, v, v_lo, PREC), 1) * (1.0 / cv)
                     l += tl.sum(p, 1)
-                delta = _mean(delta * (1.0 / cdo), l)
+                delta = row_mean(delta * (1.0 / cdo), l)
             else:
                 o = _load_rows(Out + rr * so_b + h * so_h, tok_m, offs_m, offs_d, so_n, so_d, N, D)
                 delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
@@ -499,16 +481,16 @@ def _win_bwd_dq_kernel(
                     q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, tok_n, offs_d,
                     sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False, True)
                 p = _probs2(s, m_r, r_r, EXACT)
-                dp = _dot_nt(do, do_lo, v, v_lo, PREC)
+                dp = dot_nt(do, do_lo, v, v_lo, PREC)
                 ds = p * (dp - (delta * cdo * cv)[:, None])
-                if PREC == 4:  # each key tile has its own c_k
-                    dq += _ds_k(ds, f, k, k_lo, PREC) * (1.0 / ck) * (1.0 / cv)
+                if PREC == FP16X3:  # each key tile has its own c_k
+                    dq += ds_k(ds, f, k, k_lo, PREC) * (1.0 / ck) * (1.0 / cv)
                 else:
-                    dq += _ds_k(ds, f, k, k_lo, PREC)
-        if PREC == 4:
+                    dq += ds_k(ds, f, k, k_lo, PREC)
+        if PREC == FP16X3:
             dq = dq * (1.0 / f)[:, None] * (1.0 / cdo)
         dq = dq * scale
-        tl.store(dQ + rr * sg_b + h * sg_h + tok_m[:, None] * sg_n + offs_d[None, :], _to(dq, dQ.dtype.element_ty),
+        tl.store(dQ + rr * sg_b + h * sg_h + tok_m[:, None] * sg_n + offs_d[None, :], cast(dq, dQ.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
@@ -544,7 +526,7 @@ def _win_bwd_dkdv_kernel(
                              _LOW_QK, PREC)
         v_raw = _load_rows(V + rr * sv_b + h * sv_h, tok_n, offs_n, offs_d, sv_n, sv_d, N, D)
         cv_w = 1.0
-        if PREC == 4:
+        if PREC == FP16X3:
             if N > BLOCK_N:  # the window spans several key tiles: one v scale for all (see _window_scale)
                 cv_w = _window_scale(V + rr * sv_b + h * sv_h, rr, tl.arange(0, BLOCK_N), offs_d, sv_n, sv_d, N,
                                      nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, D, BLOCK_N, GEO)
@@ -563,38 +545,38 @@ def _win_bwd_dkdv_kernel(
             q, q_lo, cq = _parts(_load_rows(q_base, tok_m, offs_m, offs_d, sq_n, sq_d, N, D), False, _LOW_QK, PREC)
             do, do_lo, cdo = _parts(_load_rows(do_base, tok_m, offs_m, offs_d, sdo_n, sdo_d, N, D), False, _LOW_ONE,
                                     PREC)
-            m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
+            m_r, r_r = load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
             delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
             s = _logits(q, q_lo, k, k_lo, 0.0, bias_h, mask_base, offs_m, offs_n, N, NR, scale / cq / ck,
                         HAS_BIAS, False, HAS_MASK, PREC)
-            if PREC != 4:
-                dp = _dot(do, tl.trans(v), PREC)  # before the exponentials, as in the fused kernel
+            if PREC != FP16X3:
+                dp = dot(do, tl.trans(v), PREC)  # before the exponentials, as in the fused kernel
             p = _probs2(s, m_r, r_r, EXACT)
-            if PREC == 4:
+            if PREC == FP16X3:
                 # as attention's dK/dV kernel: Pᵀ·2^14; dSᵀ's column i scaled by t_i ≈ S_i and q's row
                 # i by 1/t_i after the split; each query tile has its own c_q, c_dO
-                p_hi, p_lo = _split_f16(p * 16384.0)
-                dv += _dot3(tl.trans(p_hi), tl.trans(p_lo), do, do_lo) * (1.0 / cdo)
-                ds = p * (_dot_nt(do, do_lo, v, v_lo, PREC) - (delta * cdo * cv)[:, None])
-                u, w = _dk_units(r_r, D_PAD)
-                a_hi, a_lo = _split_f16(ds * u[:, None])
-                dk += _dot3(tl.trans(a_hi), tl.trans(a_lo), q * w[:, None], q_lo * w[:, None]) * (1.0 / cdo) * (1.0 / cq)
+                p_hi, p_lo = split_f16(p * 16384.0)
+                dv += dot3(tl.trans(p_hi), tl.trans(p_lo), do, do_lo) * (1.0 / cdo)
+                ds = p * (dot_nt(do, do_lo, v, v_lo, PREC) - (delta * cdo * cv)[:, None])
+                u, w = dk_units(r_r, D_PAD)
+                a_hi, a_lo = split_f16(ds * u[:, None])
+                dk += dot3(tl.trans(a_hi), tl.trans(a_lo), q * w[:, None], q_lo * w[:, None]) * (1.0 / cdo) * (1.0 / cq)
                 if BIAS_GRAD:
                     dbias += ds * (1.0 / cdo) * (1.0 / cv)
             else:
-                dv += _dot(tl.trans(_to(p, do.dtype)), do, PREC)
+                dv += dot(tl.trans(cast(p, do.dtype)), do, PREC)
                 ds = p * (dp - delta[:, None])
-                dk += _dot(tl.trans(_to(ds, q.dtype)), q, PREC)
+                dk += dot(tl.trans(cast(ds, q.dtype)), q, PREC)
                 if BIAS_GRAD:
                     dbias += ds  # 0 on padded rows and keys
-        if PREC == 4:
+        if PREC == FP16X3:
             dk = dk * (65536.0 * D_PAD) * (1.0 / cv)
             dv = dv * (1.0 / 16384.0)
         dk = dk * scale
         g_base = rr * sg_b + h * sg_h
         kv_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
-        tl.store(dK + g_base + tok_n[:, None] * sg_n + offs_d[None, :], _to(dk, dK.dtype.element_ty), mask=kv_mask)
-        tl.store(dV + g_base + tok_n[:, None] * sg_n + offs_d[None, :], _to(dv, dV.dtype.element_ty), mask=kv_mask)
+        tl.store(dK + g_base + tok_n[:, None] * sg_n + offs_d[None, :], cast(dk, dK.dtype.element_ty), mask=kv_mask)
+        tl.store(dV + g_base + tok_n[:, None] * sg_n + offs_d[None, :], cast(dv, dV.dtype.element_ty), mask=kv_mask)
     if BIAS_GRAD:
         run = tl.program_id(0) // n_nt
         tl.store(dBiasPart + (run.to(tl.int64) * H + h) * mask_stride + offs_m0[:, None] * NR + offs_n[None, :],
@@ -636,13 +618,13 @@ def _win_bwd_dbias_kernel(
         v, v_lo, cv = _parts(_load_rows(V + rr * sv_b + h * sv_h, tok_n, offs_n, offs_d, sv_n, sv_d, N, D), False,
                              _LOW_ONE, PREC)
         row_stats = (rr * H + h) * N
-        m_r, r_r = _load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
+        m_r, r_r = load_stats(Stats, rr * H + h, offs_m, row_ok, N, True, EXACT)
         delta = tl.load(Delta + row_stats + offs_m, mask=row_ok, other=0.0)
         s = _logits(q, q_lo, k, k_lo, bias2, Bias, Mask + (rr % nW) * mask_stride, offs_m, offs_n, N, NR,
                     scale / cq / ck, True, True, HAS_MASK, PREC)
         p = _probs2(s, m_r, r_r, EXACT)
-        dp = _dot_nt(do, do_lo, v, v_lo, PREC)
-        if PREC == 4:  # dP back in plain units: this tile's own c_v need not bound delta's range
+        dp = dot_nt(do, do_lo, v, v_lo, PREC)
+        if PREC == FP16X3:  # dP back in plain units: this tile's own c_v need not bound delta's range
             acc += p * (dp * (1.0 / cdo) * (1.0 / cv) - delta[:, None])
         else:
             acc += p * (dp - delta[:, None])
@@ -653,142 +635,6 @@ def _win_bwd_dbias_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # host side
-
-
-def choose_block(n: int) -> int:
-    """``block="auto"``: the key tile for windows of ``n`` tokens, from benchmarks/windows.py on an
-    H200 (2026-11-23, d = 32, every Swin-T and SwinV2-T stage, float32 and bf16).
-
-    Windows of 33-64 tokens (Swin 7×7, SwinV2 8×8): 256. Every block gives them the same single
-    tile; 256 only makes each program run at least four windows. A first sweep had 256 faster than
-    64 in 24 of the 32 stage × dtype × pass cases; the rerun with the variant order shuffled each
-    round (the first followed a slow neighbour, see benchmarks/harness.py) puts them within
-    -14%/+11% of each other, 256 ahead in 15 of 32 eagerly and 17 of 32 replayed from CUDA graphs:
-    a tie. Smaller windows keep 64 (not measured; 256 would mean runs of 8-16 windows, fewer
-    programs). Larger windows: 64, folding 64-wide key tiles, although 256 would be a single pass
-    without rescaling: at N = 256 (SwinV2 16×16, stage 1, graph-replayed) 64 ran the bf16 forward
-    in 0.39 ms against 0.59 (256) and 0.71 (128), forward+backward 1.9 against 2.1 and 2.2, and in
-    float32 a 128- or 256-wide score tile spills (see :func:`make_plan`)."""
-    return 256 if _pow2(n) == 64 else 64
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How one call is tiled (see the module docstring)."""
-    block: int
-    n_pad: int
-    single: bool          # forward: N ≤ block, the whole window is one key tile
-    fwd_m: int            # forward query tile
-    fwd_n: int            # forward key tile
-    fwd_warps: int
-    fused_bwd: bool       # backward: one kernel, one [N_pad, N_pad] tile per window
-    reads_out: bool       # tiled half-precision backward: delta = rowsum(dO ⊙ O) (see _win_bwd_dq_kernel)
-    fused_warps: int
-    dq_m: int             # tiled backward, dq kernel: query tile it owns, key tile of its loop
-    dq_n: int
-    dq_warps: int
-    kv_m: int             # dk/dv kernel: query tile of its loop, key tile it owns
-    kv_n: int
-    kv_warps: int
-    db_m: int             # dbias kernel: the bias tile it owns
-    db_n: int
-    db_warps: int
-    min_windows: int      # G = max(1, block // N_pad): shortest run of windows per forward program
-    bias_regs: bool       # single-tile kernels hold the head's bias tile in registers for the whole run
-    stages: int           # software-pipelining depth of the backward's loops over windows
-    fwd_stages: int       # and of the forward's
-
-
-# Backward tiles (query tile, key tile, warps) per precision class, from ptxas reports for sm_90 at
-# head dim ≤ 64: the largest shapes that do not spill. Triton's 3xTF32 and IEEE-FMA dots keep several
-# copies of their operands in registers, so those classes get narrower key tiles. fp16x3 (float16
-# parts) takes the half-precision tiles although its dk/dv kernel then spills (~0.5 KB per thread at
-# N = 49): on an H200 its float32 forward+backward of Swin-T stages 1-3 ran 1.32-1.40x faster than
-# with the 3xTF32 tiles, SwinV2 window 16 1.53x (benchmarks/results/nvidia-h200/windows_fp16x3_tiles.txt).
-_BWD_TILES = {
-    #          dq kernel      dk/dv kernel    dbias kernel
-    "half":   ((64, 64, 4), (64, 64, 4), (64, 64, 4)),
-    "tf32":   ((64, 32, 4), (64, 16, 4), (64, 32, 4)),
-    "tf32x3": ((64, 32, 4), (64, 16, 4), (64, 32, 4)),
-    "fp16x3": ((64, 64, 4), (64, 64, 4), (64, 64, 4)),
-    "ieee":   ((64, 32, 8), (64, 32, 8), (32, 32, 8)),
-}
-
-
-def _precision_class(dtype: torch.dtype, precision: str) -> str:
-    if dtype in (torch.float16, torch.bfloat16):
-        return "half"
-    return {"ieee": "ieee", "tf32x3": "tf32x3", "tf32x3n": "tf32x3", "fp16x3": "fp16x3"}.get(precision, "tf32")
-
-
-@functools.lru_cache(maxsize=None)
-def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "native") -> Plan:
-    """Tile shapes for windows of ``n`` tokens, head dim ``d``, key tile ``block`` (0: :func:`choose_block`).
-
-    Chosen from ptxas reports for sm_90 (registers, spills, shared memory): a float32 [BM, BN] tile
-    costs BM·BN / (32·warps) registers per thread. The forward's single tile is [min(N_pad, 64), N_pad]
-    up to N_pad = 128 and [16, 256] for N_pad = 256 (a 64×256 score tile spills). The single-kernel
-    backward (five dots on [N_pad, N_pad] tiles) fits registers for half precision and TF32 with
-    N_pad ≤ 64; otherwise the backward runs as three kernels with the tiles of ``_BWD_TILES``."""
-    block = block or choose_block(n)
-    if block not in BLOCKS:
-        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
-    n_pad = _pow2(n)
-    d_pad = _pow2(d)
-    cls = _precision_class(dtype, precision)
-    single = n_pad <= block
-    fwd_n = n_pad if single else block
-    # Four warps throughout: with eight, Triton lays 64-row (wgmma) and 32-row tiles out as eight warps
-    # along the rows, which computes every product twice. Key tiles wider than 64 keep 16 query rows
-    # (a 64×128 float32 score tile already spills).
-    fwd_m = min(n_pad, 64) if fwd_n <= 64 else 16
-    fused = n_pad <= 64 and cls == "half" and d_pad <= 32
-    (dq_m, dq_n, w1), (kv_m, kv_n, w2), (db_m, db_n, w3) = _BWD_TILES[cls]
-    if cls != "half" and n_pad <= ONE_TILE_DQ_MAX:
-        # float32 forms delta from P and dP: with the whole row in one key tile that is free (three
-        # dots a window instead of five on 32-wide tiles; ptxas sm_90, Triton 3.6: no spill in tf32
-        # and ieee, 56 bytes in 3xTF32, which spills a few dozen with the 32-wide tiles too)
-        dq_n = n_pad
-    stages = fwd_stages = STAGES
-    # shared memory: the k and v tiles of every pipeline stage must fit (H100: 227 KiB per block)
-    esize = 2 if cls == "half" else 4
-    kv_bytes = lambda width, st: 2 * width * d_pad * esize * st  # noqa: E731
-    if kv_bytes(fwd_n, fwd_stages) > 96 * 1024:
-        fwd_stages = 1
-    while kv_bytes(fwd_n, 1) > 128 * 1024:
-        fwd_n //= 2  # the window no longer fits one key tile: fold several
-    single = fwd_n >= n_pad
-    if d_pad >= 64:
-        # wider operand tiles: narrower key tiles, and at 128 one pipeline stage (shared memory)
-        cap = 16 if (cls != "half" or d_pad >= 128) else 32
-        dq_n, kv_n, db_n = min(dq_n, cap), min(kv_n, cap), min(db_n, cap)
-        if d_pad >= 128:
-            fwd_m, stages, fwd_stages = min(fwd_m, 32), 1, 1
-    if INTERPRET:
-        # the CPU interpreter pays per loop step, not per register: fewer, wider backward tiles
-        dq_n = kv_n = db_n = 64
-        db_m = 64
-    return Plan(block=block, n_pad=n_pad, single=single, fwd_m=fwd_m, fwd_n=fwd_n, fwd_warps=4,
-                fused_bwd=fused, reads_out=not fused and cls == "half", fused_warps=4,
-                dq_m=dq_m, dq_n=dq_n, dq_warps=w1, kv_m=kv_m, kv_n=kv_n, kv_warps=w2,
-                db_m=db_m, db_n=db_n, db_warps=w3, min_windows=max(1, block // n_pad),
-                bias_regs=BIAS_IN_REGISTERS, stages=stages, fwd_stages=fwd_stages)
-
-
-@functools.lru_cache(maxsize=1024)
-def plan_runs(bw: int, programs_per_run: int, min_windows: int, device: torch.device, per_sm: int,
-              requested: Optional[int] = None) -> tuple[int, int]:
-    """(windows per program, runs): split the BW windows of each head into runs of consecutive
-    windows so that runs × programs_per_run is about ``per_sm`` programs per SM (never runs shorter
-    than ``min_windows``). ``requested`` forces the run length (tests)."""
-    if requested is not None and requested > 0:
-        wpp = int(requested)
-    else:
-        sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
-        runs = max(1, min(bw, _cdiv(per_sm * sms, programs_per_run)))
-        wpp = max(min_windows, _cdiv(bw, runs))
-    wpp = max(1, min(wpp, bw))
-    return wpp, _cdiv(bw, wpp)
 
 
 def _bnhd_empty(bw: int, h: int, n: int, d: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -864,7 +710,7 @@ def _pad_tables_kernel(Bias, Mask, Out, sb_l, sb_r, sb_c, sm_l, sm_r, sm_c, LB, 
 
 
 def _pad_launch(lb: int, lm: int, n: int, nr: int, b_strides: tuple, m_strides: tuple) -> Launch:
-    bc = _pow2(nr)
+    bc = pow2(nr)
     return Launch(_pad_tables_kernel, (lb + lm,), (*b_strides, *m_strides, lb, n, nr),
                   dict(BR=min(bc, 4096 // bc), BC=bc, num_warps=4))
 
@@ -888,9 +734,9 @@ def _padded_tables(bias, mask, n: int, nr: int, like: torch.Tensor):
 # Windows × heads of a half-precision call from which the bias and mask tables get padded to a
 # 16-multiple row stride (vectorised loads, one copy of each table per call). Below it the kernels
 # read them in place, row stride N: the copies' host time is then more than what they save the
-# GPU (H200, Swin-T bf16 forward+backward at stage 3, 256 windows × 12 heads: 0.76 against 0.96 ms
-# eagerly, 0.20 against 0.15 ms replayed from a CUDA graph). Float32 always pads: its tiled
-# backward reads the tables in many narrow tiles (stage 3 replayed: 0.49 ms in place, 0.29 padded).
+# GPU (measured at Swin-T's stage 3 eagerly; replayed from a CUDA graph padding wins). Float32
+# always pads: its tiled backward reads the tables in many narrow tiles, where in place measured
+# much slower (benchmarks/windows.py --tune pad,nopad).
 PAD_TABLES_FROM = 8192
 
 
@@ -902,7 +748,7 @@ def _work(q: torch.Tensor, bw: int, h: int) -> Optional[int]:
 def _tables(bias, mask, n: int, like: torch.Tensor, work: Optional[int] = None):
     """(bias table, its head stride, mask table, NR) for a half-precision call of ``work`` windows ×
     heads (None: float32, always padded); absent inputs become a placeholder pointer."""
-    nr = _cdiv(n, 16) * 16 if work is None or work >= PAD_TABLES_FROM else n
+    nr = cdiv(n, 16) * 16 if work is None or work >= PAD_TABLES_FROM else n
     if nr != n and (bias is not None or mask is not None):
         return (*_padded_tables(bias, mask, n, nr, like), nr)
     bt, sb_h = _table(bias) if bias is not None else (like, 0)
@@ -910,11 +756,12 @@ def _tables(bias, mask, n: int, like: torch.Tensor, work: Optional[int] = None):
     return bt, sb_h, mt, nr
 
 
-# Launches planned per call signature (dtype, device, shape, strides, flags, tuning switches): see
-# attention.Launch. A repeat call only allocates its outputs and binds their addresses. Cleared when
-# it grows past _PREPARED_MAX (varying shapes) and by clear_plans() (tuning switches changed).
+# Launches planned per call signature (dtype, device, shape, strides, flags): see launch.Launch. A
+# repeat call only allocates its outputs and binds their addresses. Cleared when it grows past
+# _PREPARED_MAX (varying shapes) and by elsa_vision.clear_caches() (a tuning switch changed).
 _PREPARED: dict = {}
 _PREPARED_MAX = 1024
+register_cache(_PREPARED.clear)
 
 
 def _prepared(key: tuple, make, *args):
@@ -927,23 +774,21 @@ def _prepared(key: tuple, make, *args):
 
 
 def clear_plans() -> None:
-    """Forget every plan (after changing a tuning switch of this module)."""
-    make_plan.cache_clear()
-    plan_runs.cache_clear()
-    _PREPARED.clear()
+    """Forget every plan: kept for existing callers, same as ``elsa_vision.clear_caches()``."""
+    clear_caches()
 
 
 def _fwd_launch(q, k, v, out, has_bias: bool, has_mask: bool, sb_h: int, nr: int, nW: int, scale: float,
                 precision: str, block: int, windows_per_program: Optional[int], geo: Optional[Geometry]) -> Launch:
     BW, H, N, D = _shape(q, geo)
     pl = make_plan(N, D, q.dtype, block, precision)
-    n_mt = _cdiv(N, pl.fwd_m)
-    wpp, runs = plan_runs(BW, n_mt * H, pl.min_windows, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
+    n_mt = cdiv(N, pl.fwd_m)
+    wpp, runs = plan_runs(BW, n_mt * H, pl.min_windows, q.device, tiles.FWD_PROGRAMS_PER_SM, windows_per_program)
     return Launch(_win_fwd_kernel, (runs * n_mt, H),
         (*_rows4(q, geo), *_rows4(k, geo), *_rows4(v, geo), *_rows4(out, geo), sb_h,
          BW, H, N, nr, nW, wpp, scale, *(geo.args if geo is not None else _NO_GEO)),
-        dict(D=D, D_PAD=_pow2(D), BLOCK_M=pl.fwd_m, BLOCK_N=pl.fwd_n, SINGLE=pl.single, HAS_BIAS=has_bias,
-             BIAS_REGS=pl.bias_regs, HAS_MASK=has_mask, PREC=_PREC[precision], GEO=geo is not None,
+        dict(D=D, D_PAD=pow2(D), BLOCK_M=pl.fwd_m, BLOCK_N=pl.fwd_n, SINGLE=pl.single, HAS_BIAS=has_bias,
+             BIAS_REGS=pl.bias_regs, HAS_MASK=has_mask, PREC=PRECISION_CODES[precision], GEO=geo is not None,
              num_warps=pl.fwd_warps, num_stages=pl.fwd_stages))
 
 
@@ -989,30 +834,30 @@ def _bwd_launches(q, k, v, do, dq, o_arg, has_bias: bool, has_mask: bool, sb_h: 
     g3 = _rows4(dq, geo)[:3]  # dq, dk, dv share one layout
     rest = (BW, H, N, nr, nW)
     geo_args = geo.args if geo is not None else _NO_GEO
-    common = dict(D=D, D_PAD=_pow2(D), HAS_MASK=has_mask, PREC=_PREC[precision], EXACT=q.dtype == torch.float32,
+    common = dict(D=D, D_PAD=pow2(D), HAS_MASK=has_mask, PREC=PRECISION_CODES[precision], EXACT=q.dtype == torch.float32,
                   GEO=geo is not None, num_stages=pl.stages)
     if pl.fused_bwd:
-        wpp, runs = plan_runs(BW, H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
+        wpp, runs = plan_runs(BW, H, 1, q.device, tiles.BWD_PROGRAMS_PER_SM, windows_per_program)
         fused = Launch(_win_bwd_fused_kernel, (runs, H), (*qkv_do, *g3, sb_h, *rest, wpp, scale, *geo_args),
                        dict(BLOCK=pl.n_pad, HAS_BIAS=has_bias, BIAS_REGS=pl.bias_regs, BIAS_GRAD=bias_grad,
                             num_warps=pl.fused_warps, **common))
         return _BwdLaunches(fused, None, None, None, runs if bias_grad else 0)
-    n_mt = _cdiv(N, pl.dq_m)
-    wpp, runs = plan_runs(BW, n_mt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
+    n_mt = cdiv(N, pl.dq_m)
+    wpp, runs = plan_runs(BW, n_mt * H, 1, q.device, tiles.FWD_PROGRAMS_PER_SM, windows_per_program)
     dq_l = Launch(_win_bwd_dq_kernel, (runs * n_mt, H),
                   (*qkv_do, *_rows4(o_arg, geo), *g3, sb_h, *rest, wpp, scale, *geo_args),
                   dict(BLOCK_M=pl.dq_m, BLOCK_N=pl.dq_n, HAS_BIAS=has_bias, ONE_TILE=pl.n_pad <= pl.dq_n,
                        num_warps=pl.dq_warps, **common))
-    n_nt = _cdiv(N, pl.kv_n)
-    wpp, runs = plan_runs(BW, n_nt * H, 1, q.device, FWD_PROGRAMS_PER_SM, windows_per_program)
+    n_nt = cdiv(N, pl.kv_n)
+    wpp, runs = plan_runs(BW, n_nt * H, 1, q.device, tiles.FWD_PROGRAMS_PER_SM, windows_per_program)
     db_in_kv = bias_grad and nr <= pl.kv_m  # one query tile covers the [NR, NR] bias table's rows
     kv_l = Launch(_win_bwd_dkdv_kernel, (runs * n_nt, H), (*qkv_do, *g3, sb_h, *rest, wpp, scale, *geo_args),
                   dict(BLOCK_M=pl.kv_m, BLOCK_N=pl.kv_n, HAS_BIAS=has_bias, BIAS_GRAD=db_in_kv,
                        num_warps=pl.kv_warps, **common))
     if not bias_grad or db_in_kv:
         return _BwdLaunches(None, dq_l, kv_l, None, runs if db_in_kv else 0)
-    n_tiles = _cdiv(N, pl.db_m) * _cdiv(N, pl.db_n)
-    wpp, runs = plan_runs(BW, n_tiles * H, 1, q.device, BWD_PROGRAMS_PER_SM, windows_per_program)
+    n_tiles = cdiv(N, pl.db_m) * cdiv(N, pl.db_n)
+    wpp, runs = plan_runs(BW, n_tiles * H, 1, q.device, tiles.BWD_PROGRAMS_PER_SM, windows_per_program)
     db_l = Launch(_win_bwd_dbias_kernel, (runs * n_tiles, H), (*qkv_do, sb_h, *rest, wpp, scale, *geo_args),
                   dict(BLOCK_M=pl.db_m, BLOCK_N=pl.db_n, num_warps=pl.db_warps, **common))
     return _BwdLaunches(None, dq_l, kv_l, db_l, runs)
@@ -1063,75 +908,52 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library custom ops: opaque to torch.compile, with fake (meta) implementations and autograd
+# registration: custom ops for torch.compile (kernels/ops.py); the eager path has autograd Functions
+# of its own below, which reuse the padded tables between forward and backward, write a packed qkv
+# gradient in one piece and read image rows in place.
 
 
-@torch.library.custom_op("elsa_vision::window_fwd", mutates_args=())
-def window_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
-               mask: Optional[torch.Tensor], scale: float, precision: str, block: int,
-               windows_per_program: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+                mask: Optional[torch.Tensor], scale: float, precision: str, block: int,
+                windows_per_program: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q/k/v [BW,H,N,D], bias [H,N,N], mask [nW,N,N] (float) → out [BW,H,N,D] ([BW,N,H,D] layout),
     row statistics [BW,H,2,N]. ``block`` 0 = auto; ``windows_per_program`` ≤ 0 lets the planner choose."""
-    return forward(q, k, v, bias, mask, scale, precision, block, windows_per_program)
+    return forward(q, k, v, bias, mask, scale, precision, block, windows_per_program if windows_per_program > 0 else None)
 
 
-@window_fwd.register_fake
-def _(q, k, v, bias, mask, scale, precision, block, windows_per_program):
-    BW, H, N, D = q.shape
-    return _bnhd_empty(BW, H, N, D, q), q.new_empty((BW, H, 2, N), dtype=torch.float32)
-
-
-@torch.library.custom_op("elsa_vision::window_bwd", mutates_args=())
-def window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], out: Optional[torch.Tensor],
-               stats: torch.Tensor, scale: float, precision: str, block: int, windows_per_program: int,
-               bias_grad: bool) -> list[torch.Tensor]:
+def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], out: Optional[torch.Tensor],
+                 stats: torch.Tensor, scale: float, precision: str, block: int, windows_per_program: int,
+                 bias_grad: bool) -> list[torch.Tensor]:
     """→ [dq, dk, dv, dbias]; dbias [H,N,N] is an empty tensor unless ``bias_grad``."""
     dq, dk, dv, dbias = backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, bias_grad,
-                                 windows_per_program)
+                                 windows_per_program if windows_per_program > 0 else None)
     # dbias is the [H, N, N] corner of the padded [H, NR, NR] sum: a compiled graph expects the
     # fake's strides (inductor asserts them), so the op returns it row-major
     return [dq, dk, dv, dbias.contiguous() if dbias is not None else q.new_empty(0)]
 
 
-@window_bwd.register_fake
-def _(do, q, k, v, bias, mask, out, stats, scale, precision, block, windows_per_program, bias_grad):
+def _fake_forward(q, k, v, bias, mask, scale, precision, block, windows_per_program):
+    BW, H, N, D = q.shape
+    return _bnhd_empty(BW, H, N, D, q), q.new_empty((BW, H, 2, N), dtype=torch.float32)
+
+
+def _fake_backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, windows_per_program, bias_grad):
     BW, H, N, D = q.shape
     db = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     return [_bnhd_empty(BW, H, N, D, q), _bnhd_empty(BW, H, N, D, k), _bnhd_empty(BW, H, N, D, v), db]
 
 
-def _setup_fwd(ctx, inputs, output):
+def _save(inputs, outputs):
     q, k, v, bias, mask, scale, precision, block, wpp = inputs
-    out, stats = output
-    N = q.shape[2]
-    keep_out = make_plan(N, q.shape[3], q.dtype, block, precision).reads_out
-    ctx.save_for_backward(q, k, v, bias, mask, out if keep_out else None, stats)
-    ctx.args = (scale, precision, block, wpp)
+    out, stats = outputs
+    keep_out = make_plan(q.shape[2], q.shape[3], q.dtype, block, precision).reads_out
+    return (q, k, v, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp)
 
 
-def _backward_fwd(ctx, dout, dstats):
-    q, k, v, bias, mask, out, stats = ctx.saved_tensors
-    bias_grad = bool(bias is not None and ctx.needs_input_grad[3])
-    dq, dk, dv, dbias = torch.ops.elsa_vision.window_bwd(dout, q, k, v, bias, mask, out, stats, *ctx.args, bias_grad)
-    return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None, None
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(_DOUBLE_BACKWARD)
-
-
-window_fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
-window_bwd.register_autograd(_no_double_backward, setup_context=_setup_bwd)
-
-
-# ---------------------------------------------------------------------------------------------
-# eager path: the same kernels behind a plain autograd.Function. The custom op's dispatch costs tens
-# of microseconds a call — as much as the kernels of a late Swin stage; it is only needed when
-# torch.compile traces the call.
-
-_DOUBLE_BACKWARD = ("elsa_vision.window_attention does not support double backward (gradients of gradients). "
-                    "Use backend='reference' for higher-order derivatives.")
+OP = KernelOp("window", "window_attention", forward=_op_forward, backward=_op_backward, fake_forward=_fake_forward,
+              fake_backward=_fake_backward, save=_save)
+window_fwd, window_bwd = OP.fwd, OP.bwd  # torch.ops.elsa_vision.window_fwd / _bwd
 
 
 def _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp, geo):
@@ -1149,8 +971,7 @@ def _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp, geo):
 def _backward_ctx(ctx, dout, q, k, v, saved, bias_input: int, grads=None):
     """The backward of both autograd Functions → (dq, dk, dv, dbias); ``bias_input``: the bias's
     position among the Function's inputs."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(_DOUBLE_BACKWARD)
+    check_first_order("window_attention")
     bias, mask, out, stats = saved
     bias_grad = bool(bias is not None and ctx.needs_input_grad[bias_input])
     return backward(dout, q, k, v, bias, mask, out, stats, *ctx.args, bias_grad, ctx.wpp, ctx.tables, grads,
@@ -1175,7 +996,7 @@ class _PackedWindowAttention(torch.autograd.Function):
     """Takes qkv [BW, N, 3, H, D] (image rows: [T, 3, H, D]) itself, so that its gradient is one
     tensor the backward kernels write in place: q, k, v taken as views outside would get three
     gradients that autograd then stacks — a copy of the size of qkv, which at Swin-T's first stage
-    (bf16, batch 64) took 0.22 ms against 0.25 for the attention kernels."""
+    takes nearly as long as the attention kernels themselves."""
 
     @staticmethod
     def forward(ctx, qkv, bias, mask, scale, precision, block, wpp, geo):
@@ -1198,9 +1019,9 @@ def _compiled(q, k, v, bias, mask, scale: float, precision: str, block: int, wpp
     """The call as torch.compile traces it: the window custom op; image rows are rolled and
     partitioned into window rows around it by torch ops (inductor fuses those copies itself)."""
     if geo is None:
-        return torch.ops.elsa_vision.window_fwd(q, k, v, bias, mask, scale, precision, block, wpp)[0]
+        return OP.fwd(q, k, v, bias, mask, scale, precision, block, wpp)[0]
     q, k, v = (to_windows(t, geo).transpose(1, 2) for t in (q, k, v))
-    out = torch.ops.elsa_vision.window_fwd(q, k, v, bias, mask, scale, precision, block, wpp)[0]
+    out = OP.fwd(q, k, v, bias, mask, scale, precision, block, wpp)[0]
     return from_windows(out.transpose(1, 2), geo)
 
 
@@ -1214,14 +1035,13 @@ def window_attention(q, k, v, bias, mask, scale: float, precision: str, block: i
 
     ``geo`` (:func:`elsa_vision.shifted_window_attention`): q, k, v are image rows [T, H, D] (qkv
     [T, 3, H, D]) whose shifted windows the kernels read in place; returns image rows [T, H, D]."""
-    if torch.compiler.is_compiling():
+    how = route((qkv, bias) if qkv is not None else (q, k, v, bias))
+    if how is COMPILED:
         if qkv is not None:
             q, k, v = qkv_views(qkv, geo)
         return _compiled(q, k, v, bias, mask, scale, precision, int(block or 0), int(windows_per_program or 0), geo)
     block, wpp = int(block or 0), int(windows_per_program or 0) or None
-    leaves = (qkv, bias) if qkv is not None else (q, k, v, bias)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)):
-        # inference: no graph to record, so the kernel without an autograd Function around it
+    if how is not AUTOGRAD:
         views = qkv_views(qkv, geo) if qkv is not None else (q, k, v)
         return forward(*views, bias, mask, scale, precision, block, wpp, geo=geo)[0]
     if qkv is not None:

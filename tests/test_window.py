@@ -383,7 +383,7 @@ def test_tables_are_laid_out_for_the_kernel():
     from elsa_vision.kernels import window as W
     dev = "cpu" if INTERP else "cuda"
     for n in (49, 64):
-        nr = W._cdiv(n, 16) * 16
+        nr = -(-n // 16) * 16
         b = torch.randn(n, n, 3, device=dev).permute(2, 0, 1)
         m = torch.randn(4, n, n, device=dev)
         for bias in (b, b.to(torch.bfloat16), b[:1].expand(3, n, n)):

@@ -1,0 +1,194 @@
+"""Launch machinery shared by every kernel family: a launch cache keyed by call signature, launches
+planned once per call signature, and the registry of the kernel layer's caches.
+
+Triton's own launch, ``fn[grid](*args, **meta)``, re-derives the compile options, checks the
+kernel's global values, builds launch metadata and specialises every argument (its binder) on
+every call. A Swin training step makes dozens of launches of kernels with ~45 arguments, and at its
+later stages that host work, not the GPU, sets the pace. :func:`launch` and :class:`Launch` reuse
+what a first launch of the same signature compiled and bound, and call the compiled kernel's
+launcher directly.
+
+That reaches into two Triton internals: ``JITFunction.device_caches[device][4]`` (the binder, for
+the values of the parameters after the positional ones) and ``CompiledKernel.run`` (the C
+launcher). Both are only used where :data:`FAST_LAUNCH` holds: a Triton version this module was
+checked against (:data:`CHECKED_TRITON`), and the environment variable ``ELSA_TRITON_LAUNCH`` not
+set to ``"triton"``. Otherwise — and under the interpreter, or while a profiler's launch hooks are
+set — every launch is Triton's own.
+
+Caches. Every cache of the kernel layer (compiled launches, planned launches, tile plans) registers
+its clearing function here with :func:`register_cache`; :func:`clear_caches` (behind
+``elsa_vision.clear_caches()``) empties them all, e.g. after a tuning switch changes.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import triton
+from triton import knobs as _knobs
+from triton.runtime import driver as _driver
+
+INTERPRET = bool(_knobs.runtime.interpret)
+
+# Triton versions whose binder layout and launcher call this module's fast path was checked against
+CHECKED_TRITON = ((3, 6),)
+
+
+def _version(v: str) -> tuple[int, int]:
+    parts = (v.split("+")[0].split(".") + ["0", "0"])[:2]
+    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)
+
+
+def _fast_launch_reason() -> str:
+    """Why launches take Triton's own path ("" when the fast path is used)."""
+    if os.environ.get("ELSA_TRITON_LAUNCH", "").strip().lower() == "triton":
+        return "ELSA_TRITON_LAUNCH=triton"
+    if _version(triton.__version__) not in CHECKED_TRITON:
+        return f"triton {triton.__version__} is not one of the checked versions {CHECKED_TRITON}"
+    return ""
+
+
+FAST_LAUNCH_OFF = _fast_launch_reason()
+FAST_LAUNCH = not FAST_LAUNCH_OFF
+
+_CLEARERS: list[Callable[[], None]] = []
+
+
+def register_cache(clear: Callable[[], None]) -> Callable[[], None]:
+    """Add a cache's clearing function to :func:`clear_caches`; returns it (usable as a decorator)."""
+    _CLEARERS.append(clear)
+    return clear
+
+
+def clear_caches() -> None:
+    """Empty every registered cache of the kernel layer."""
+    for clear in _CLEARERS:
+        clear()
+
+
+def cdiv(a: int, b: int) -> int:
+    # host arithmetic in plain Python: triton.cdiv / next_power_of_2 are constexpr functions since
+    # Triton 3.5, a few microseconds a call on the launch path
+    return -(-a // b)
+
+
+def pow2(d: int) -> int:
+    """The padded width of a head dim: the next power of two, at least 16."""
+    return 1 << max(4, (int(d) - 1).bit_length())
+
+
+# Kernels launched before: (kernel, device, _signature of the positional arguments, keyword
+# arguments, debug flag) → (the compiled kernel, the values of the parameters after the positional
+# ones, in signature order). Cleared when it grows past _LAUNCHED_MAX (varying shapes).
+_LAUNCHED: dict = {}
+_LAUNCHED_MAX = 4096
+register_cache(_LAUNCHED.clear)
+
+
+def tritons_own_path() -> bool:
+    """Launch through Triton itself: fast path off, the interpreter, or a profiler's launch hooks set."""
+    return (not FAST_LAUNCH or INTERPRET or _hooked(_knobs.runtime.launch_enter_hook)
+            or _hooked(_knobs.runtime.launch_exit_hook))
+
+
+def _hooked(hook) -> bool:
+    # Triton ≥ 3.6 keeps a (possibly empty) HookChain here, older versions None or a callable
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _signature(args: tuple) -> tuple:
+    """What of a launch's positional arguments can change the compiled kernel, at least as finely as
+    Triton's specialisation: an int by its value (Triton: equal to 1, a multiple of 16, 32 or 64
+    bits), a tensor by its dtype and whether its address is 16-byte aligned, a float by its type
+    alone (Triton does not specialise floats), anything else by type and value."""
+    return tuple(a if type(a) is int else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+                 else float if type(a) is float else (type(a), a) for a in args)
+
+
+def launch(fn, grid: tuple, *args, **meta):
+    """``fn[grid](*args, **meta)`` with Triton's per-call host work cut to what a compiled kernel
+    needs: a launch whose arguments have the :func:`_signature` of one seen before reuses that
+    launch's compiled kernel directly (the signature is at least as fine as Triton's
+    specialisation, so a kernel compiled for other dtypes, alignments or integer values is never
+    reused). The first launch of each signature takes Triton's path, and so does every launch
+    where :func:`tritons_own_path` holds."""
+    if tritons_own_path():
+        return fn[grid](*args, **meta)
+    dev = torch.cuda.current_device()
+    key = (fn, dev, _signature(args), tuple(meta.items()), _knobs.runtime.debug)
+    hit = _LAUNCHED.get(key)
+    if hit is None:
+        return _first_launch(key, fn, grid, args, meta)[0]
+    kernel, tail = hit
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    kernel.run(grid[0], g1, g2, _driver.active.get_current_stream(dev), kernel.function, kernel.packed_metadata,
+               None, None, None, *args, *tail)
+    return kernel
+
+
+def _first_launch(key, fn, grid, args, meta) -> tuple:
+    """Triton's own launch (compiling if need be); → (compiled kernel, values of the parameters after
+    the positional ones), kept in _LAUNCHED under ``key``."""
+    dev = key[1]
+    caches = fn.device_caches.get(dev)
+    params = caches[4](*args, **meta)[0] if caches is not None else None
+    kernel = fn[grid](*args, **meta)
+    kernel = kernel.result() if hasattr(kernel, "result") else kernel
+    if params is None:  # (the binder exists once the kernel has been compiled on this device)
+        params = fn.device_caches[dev][4](*args, **meta)[0]
+    values = tuple(params.values())
+    if len(_LAUNCHED) >= _LAUNCHED_MAX:
+        _LAUNCHED.clear()
+    _LAUNCHED[key] = hit = (kernel, values[len(args):])
+    return hit
+
+
+class Launch:
+    """One kernel launch planned once, ``fn[grid](*tensors, *scalars, **meta)`` with the tensors given
+    at each call: what a kernel family's host code decides from a call's shapes, strides and flags
+    (grid, strides, sizes, tile constants) is kept, and a repeat only binds addresses. The compiled
+    kernel is kept per device and per pattern of 16-byte-aligned tensor addresses (what Triton
+    specialises a pointer argument on; the scalars are fixed, so their specialisation is too), and a
+    repeat passes it the addresses as integers: no :func:`_signature` of 40-odd arguments, no
+    per-tensor ``data_ptr`` call and driver pointer query inside Triton's C launcher. The first call
+    of each pattern, and every call where :func:`tritons_own_path` holds, take :func:`launch`'s path."""
+
+    __slots__ = ("fn", "grid", "scalars", "meta", "_bound")
+
+    def __init__(self, fn, grid: tuple, scalars: tuple, meta: dict):
+        self.fn, self.scalars, self.meta = fn, tuple(scalars), meta
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self._bound: dict = {}
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        if tritons_own_path():
+            self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+            return
+        ptrs = [t.data_ptr() for t in tensors]
+        dev = torch.cuda.current_device()
+        key = (dev, _knobs.runtime.debug, *[p & 15 == 0 for p in ptrs])
+        hit = self._bound.get(key)
+        if hit is None:
+            args = (*tensors, *self.scalars)
+            lkey = (self.fn, dev, _signature(args), tuple(self.meta.items()), key[1])
+            found = _LAUNCHED.get(lkey)
+            kernel, tail = found or _first_launch(lkey, self.fn, self.grid, args, self.meta)
+            self._bound[key] = hit = (kernel, (*self.scalars, *tail))
+            if found is None:
+                return  # (_first_launch launched it)
+        kernel, rest = hit
+        kernel.run(*self.grid, _driver.active.get_current_stream(dev), kernel.function, kernel.packed_metadata,
+                   None, None, None, *ptrs, *rest)
+
+
+def sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device ``index`` (memoised: host time on every planned call)."""
+    n = _SMS.get(index)
+    if n is None:
+        n = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
+_SMS: dict = {}

@@ -1,0 +1,8 @@
+"""What the Triton kernel families accept, declared without importing Triton: the dispatcher's
+capability table reads these, so a call is refused (or sent to another backend) with its reason
+before any kernel module is loaded, and a machine without Triton can still say why."""
+
+HEAD_DIMS = (16, 256)          # attention: head dims padded to a power of two inside the tile
+WINDOW_HEAD_DIMS = (16, 128)   # window attention: its per-window tiles hold q, k, v of a whole window
+MAX_WINDOW_TOKENS = 256        # window attention: tokens per window
+WINDOW_BLOCKS = (64, 128, 256)  # window attention: the key tiles a call may ask for

@@ -1,0 +1,123 @@
+"""The one op-registration path of the kernel families: custom ops with fake implementations and
+autograd registered on the op, the eager autograd path beside them, and the chooser between the two.
+
+A kernel family hands :class:`KernelOp` its host-side ``forward`` and ``backward`` (plain Python
+functions that launch its kernels):
+
+    forward(q, k, v, bias, *rest)  → (out, stats)             stats: float32 row statistics, no gradient
+    backward(do, *saved, *args, bias_grad) → [dq, dk, dv, dbias]   dbias an empty tensor unless bias_grad
+
+``save(inputs, outputs)`` says which tensors the backward reads (``saved``) and which non-tensor
+arguments it takes (``args``). From these, :class:`KernelOp` registers
+
+- ``elsa_vision::<name>_fwd`` and ``elsa_vision::<name>_bwd`` as ``torch.library`` custom ops with
+  the given fake (meta) implementations: what ``torch.compile`` traces, one node per call, and
+  inductor plans its buffers from the fakes;
+- autograd on the forward op (its backward calls the backward op), and a clear error on the
+  backward op's own backward (no double backward);
+- :attr:`KernelOp.function`: an ``autograd.Function`` running the same ``forward`` / ``backward``
+  directly. The custom op's dispatch costs tens of microseconds a call, as much as the kernels of a
+  ViT-sized problem; eager calls need none of it.
+
+:func:`route` is the chooser every family's entry point uses: the custom op while torch.compile
+traces, the bare kernels when no gradient is wanted, the autograd Function otherwise.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+COMPILED, INFERENCE, AUTOGRAD = "compiled", "inference", "autograd"
+
+
+def route(leaves: Sequence[Optional[torch.Tensor]]) -> str:
+    """How an entry point runs a call whose differentiable inputs are ``leaves``: :data:`COMPILED`
+    (torch.compile is tracing: the custom op), :data:`INFERENCE` (no gradient wanted: the kernels
+    alone, no graph to record) or :data:`AUTOGRAD` (the eager autograd Function)."""
+    if torch.compiler.is_compiling():
+        return COMPILED
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves):
+        return AUTOGRAD
+    return INFERENCE
+
+
+def double_backward_error(what: str) -> RuntimeError:
+    return RuntimeError(f"elsa_vision.{what} does not support double backward (gradients of gradients). "
+                        "Use backend='reference' for higher-order derivatives.")
+
+
+def check_first_order(what: str) -> None:
+    """Raise if a backward is being differentiated (create_graph=True)."""
+    if torch.is_grad_enabled():
+        raise double_backward_error(what)
+
+
+class KernelOp:
+    """One kernel family's forward/backward pair registered as custom ops (see the module docstring).
+
+    ``what``: the public function's name, for error messages. ``bias_input``: the position of the
+    bias among the forward's inputs (its gradient is computed only when it requires one); the
+    inputs before it are q, k, v, whose gradients the backward always returns."""
+
+    def __init__(self, name: str, what: str, *, forward: Callable, backward: Callable,
+                 fake_forward: Callable, fake_backward: Callable,
+                 save: Callable[[tuple, tuple], tuple[tuple, tuple]], bias_input: int = 3):
+        self.what, self.bias_input = what, bias_input
+        self.forward, self.backward, self.save = forward, backward, save
+        self.fwd = torch.library.custom_op(f"elsa_vision::{name}_fwd", forward, mutates_args=())
+        self.fwd.register_fake(fake_forward)
+        self.bwd = torch.library.custom_op(f"elsa_vision::{name}_bwd", backward, mutates_args=())
+        self.bwd.register_fake(fake_backward)
+        self.fwd.register_autograd(self._op_backward, setup_context=self._setup)
+        self.bwd.register_autograd(self._op_double_backward, setup_context=lambda ctx, inputs, output: None)
+        self.function = self._eager_function()
+
+    # -- the custom ops' autograd
+
+    def _setup(self, ctx, inputs, output) -> None:
+        saved, args = self.save(inputs, output)
+        ctx.save_for_backward(*saved)
+        ctx.args = args
+        ctx.n_inputs = len(inputs)
+
+    def _grads(self, ctx, dq, dk, dv, dbias, bias_grad: bool) -> tuple:
+        return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (ctx.n_inputs - self.bias_input - 1)
+
+    def _bias_grad(self, ctx, saved) -> bool:
+        return bool(saved[self.bias_input] is not None and ctx.needs_input_grad[self.bias_input])
+
+    def _op_backward(self, ctx, dout, dstats):
+        saved = ctx.saved_tensors
+        bias_grad = self._bias_grad(ctx, saved)
+        dq, dk, dv, dbias = self.bwd(dout, *saved, *ctx.args, bias_grad)
+        return self._grads(ctx, dq, dk, dv, dbias, bias_grad)
+
+    def _op_double_backward(self, ctx, *grads):
+        raise double_backward_error(self.what)
+
+    # -- the eager path
+
+    def _eager_function(self) -> type:
+        op = self
+
+        class Function(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                out, stats = op.forward(*inputs)
+                saved, args = op.save(inputs, (out, stats))
+                ctx.save_for_backward(*saved)
+                ctx.args, ctx.n_inputs = args, len(inputs)
+                ctx.mark_non_differentiable(stats)
+                return out, stats
+
+            @staticmethod
+            def backward(ctx, dout, dstats):
+                check_first_order(op.what)
+                saved = ctx.saved_tensors
+                bias_grad = op._bias_grad(ctx, saved)
+                dq, dk, dv, dbias = op.backward(dout, *saved, *ctx.args, bias_grad)
+                return op._grads(ctx, dq, dk, dv, dbias, bias_grad)
+
+        Function.__name__ = Function.__qualname__ = f"{op.what}_function"
+        return Function
