@@ -1,5 +1,5 @@
-"""The DESIGN §7 pass rule as test helpers: compare against the float64 oracle with a bound tied to
-the error of a plain torch implementation in the inputs' own dtype."""
+"""The exactness rule as test helpers: compare against the float64 oracle with a bound tied to the
+error of a plain torch implementation in the inputs' own dtype (``elsa_vision.verify.tolerance``)."""
 from __future__ import annotations
 
 import math
@@ -92,16 +92,8 @@ def check_case(q, k, v, *, bias=None, causal=False, precision="auto", backend="a
 def assert_graph_replay_matches_eager(step, refill):
     """Capture ``step`` (no arguments; returns a tuple of tensors) once in a CUDA graph, call ``refill``
     to write new values into its input buffers, replay, and check the captured outputs are bitwise
-    those of an eager ``step()`` on the new values. The warm-up runs on a side stream, as capture
-    requires."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    those of an eager ``step()`` on the new values."""
+    graph, captured = verify.capture(step)
     with torch.no_grad():
         refill()
     graph.replay()

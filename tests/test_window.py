@@ -1,7 +1,7 @@
 """Windowed attention (Swin): the Triton window kernel (under TRITON_INTERPRET=1 on CPU), the chunked
 reference backend, the public API's validation, dispatch, and GPU runs at real Swin sizes.
 
-Correctness rule (DESIGN §7): against a float64 oracle, max|elsa − oracle| ≤ 2 × max|torch − oracle|
+Correctness rule (elsa_vision.verify.tolerance): against a float64 oracle, max|elsa − oracle| ≤ 2 × max|torch − oracle|
 + 1e-6 where "torch" is timm's own unfused path in the inputs' dtype (q·kᵀ·scale + bias + mask,
 softmax, ·v); gradients (dq, dk, dv, dbias) 3×.
 """
@@ -732,7 +732,7 @@ def _image_inputs(B, ih, iw, H, D, dtype, wh, ww, sh, sw, *, device="cpu", seed=
 
 
 def _check_shifted(qkv, bias, mask, window, shift, *, packed=True, **kw):
-    """shifted_window_attention on image rows against the oracle of the same windows (DESIGN §7), the
+    """shifted_window_attention on image rows against the oracle of the same windows (the exactness rule), the
     windows taken by the reference roll + partition (exact: a permutation). Returns (out, grads)."""
     from elsa_vision.kernels.reference import Geometry, to_windows
     B, ih, iw, _, H, D = qkv.shape
