@@ -43,8 +43,6 @@ Causal is aligned bottom-right: query i sees key j iff j ≤ i + Nk − Nq.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 from typing import Optional
 
 import torch
@@ -53,7 +51,7 @@ import triton.language as tl
 
 from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3, TF32X3, cast, dk_units, dot, dot3,
                      dot_nt, ds_k, ds_units, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
-from .launch import INTERPRET, cdiv, launch, pow2, register_cache
+from .launch import INTERPRET, allocations_only, cdiv, host_cache, launch, pow2  # noqa: F401 (allocations_only: benchmarks)
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
 from .tiles import PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions
 
@@ -214,6 +212,7 @@ def _fwd_kernel(
     plus Nk / CHUNK merges instead of Nk / BLOCK_N tile sums, at no register cost — Kahan
     compensation, the other way to bound it, doubles the accumulator registers (at 64×64 tiles it
     spilled)."""
+    scale, qk_scale2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32)  # inductor passes float64
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     part = tl.program_id(2)
@@ -466,6 +465,7 @@ def _bwd_dkdv_kernel(
     column i (query i) is scaled by t_i = 2^min(−floor(log2 r_i), 10) ≈ S_i (see ds_units) and q's
     row i by 1/t_i after the split (exact in float16 down to its subnormals), so the scalings cancel
     in dK; the cap keeps q's rows at least 2^-10 of their scaled range. EARLY_DP: see early_dp_default."""
+    qk_scale2, scale = tl.cast(qk_scale2, tl.float32), tl.cast(scale, tl.float32)  # inductor passes float64
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -630,6 +630,7 @@ def _bwd_delta_kernel(
     dQ/dK came out 3–8× less accurate than PyTorch's on the H200. Dividing delta by l makes every
     row of dS sum to zero; what remains is a relative error l − 1 on dS. (Renormalising P itself
     was measured worse for dV: P's own error is as small as it gets, its sum is not what dV needs.)"""
+    qk_scale2, scale = tl.cast(qk_scale2, tl.float32), tl.cast(scale, tl.float32)  # inductor passes float64
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, scale, qk_scale2, ck, cv, cdo = _query_tile(
@@ -664,6 +665,7 @@ def _bwd_dq_kernel(
 ):
     """One query tile per program; loops over the key tiles it can see. fp16x3: dS row i enters the
     product scaled by f_i (ds_units), undone on dQ's row i at the end."""
+    qk_scale2, scale = tl.cast(qk_scale2, tl.float32), tl.cast(scale, tl.float32)  # inductor passes float64
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, s_scale, s_scale2, ck, cv, cdo = _query_tile(
@@ -707,6 +709,7 @@ def _bwd_dbias_kernel(
     """dS = P ⊙ (dP − delta) for one [BM, BN] tile of the bias, summed over the batch/head dims the
     bias is broadcast along (BIAS_B1 / BIAS_H1), in a fixed order: deterministic, no atomics.
     dBias is float32 [Bb, Hb, Nq, Nk] with Bb = 1 if BIAS_B1 else B, Hb likewise."""
+    scale, qk_scale2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32)  # inductor passes float64
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     bhb = tl.program_id(2)
@@ -768,10 +771,9 @@ def launch_plan(q, k, bias, precision: str, partitions: Optional[int] = None,
     return _launch_plan(B * H, Nq, k.shape[2], D, q.dtype, bias is not None, precision, q.device, partitions, config)
 
 
-@functools.lru_cache(maxsize=1024)
+@host_cache(maxsize=1024)
 def _launch_plan(bh: int, nq: int, nk: int, d: int, dtype: torch.dtype, has_bias: bool, precision: str,
                  device: torch.device, partitions: Optional[int], config: Optional[Config]) -> tuple[Config, int, int]:
-    # (memoised: a model repeats a few shapes, and this is host time on every call)
     cfg = config or fwd_config(dtype, pow2(d), precision, nk, has_bias)
     n_part, part_len = plan_partitions(bh, nq, nk, cfg.block_m, cfg.block_n, device, partitions)
     if config is None and cfg.chunk and n_part > 1 and part_len > PLAIN_KEYS:
@@ -780,8 +782,6 @@ def _launch_plan(bh: int, nq: int, nk: int, d: int, dtype: torch.dtype, has_bias
         n_part, part_len = plan_partitions(bh, nq, nk, cfg.block_m, cfg.block_n, device, partitions)
     return cfg, n_part, part_len
 
-
-register_cache(_launch_plan.cache_clear)
 
 
 def _f16_scales(q, k, v, do=None):
@@ -795,23 +795,6 @@ def _f16_scales(q, k, v, do=None):
            *v.stride(), *dd.stride(), H, Nq, k.shape[2], D=D, D_PAD=d_pad, BLOCK=16 if INTERPRET else 64,
            V_COLS=do is None, ROW=row, num_warps=4)
     return scales
-
-
-_ALLOCATIONS_ONLY = False
-
-
-@contextlib.contextmanager
-def allocations_only():
-    """Inside ``with allocations_only():`` :func:`forward` allocates exactly what it would — the
-    output, the row statistics and, for a split launch, the phase-1 summaries — and launches no
-    kernel: the outputs are uninitialised memory. What a call's peak memory is, without its
-    arithmetic (benchmarks/frames.py --memory-rehearsal sizes thousands of frames this way)."""
-    global _ALLOCATIONS_ONLY
-    before, _ALLOCATIONS_ONLY = _ALLOCATIONS_ONLY, True
-    try:
-        yield
-    finally:
-        _ALLOCATIONS_ONLY = before
 
 
 def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
@@ -839,8 +822,6 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
         ws = torch.empty((B * H, n_part, Nq, d_pad), device=q.device, dtype=torch.float32)
     else:
         ms = ss = ws = stats  # unused placeholders
-    if _ALLOCATIONS_ONLY:
-        return out, stats
     bias_arg = bias if bias is not None else q
     scales = _f16_scales(q, k, v) if precision == "fp16x3" else stats
     grid = (cdiv(Nq, cfg.block_m), B * H, n_part)
@@ -951,22 +932,13 @@ def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return [dq, dk, dv, dbias if dbias is not None else q.new_empty(0)]
 
 
-def _fake_forward(q, k, v, bias, scale, causal, precision, partitions):
-    return _out_like(q), q.new_empty((*q.shape[:2], 2, q.shape[2]), dtype=torch.float32)
-
-
-def _fake_backward(do, q, k, v, bias, out, stats, scale, causal, precision, bias_grad):
-    db = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
-    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), db]
-
 
 def _save(inputs, outputs):
     q, k, v, bias, scale, causal, precision, _ = inputs
     return (q, k, v, bias, *outputs), (scale, causal, precision)
 
 
-OP = KernelOp("attention", "attention", forward=_op_forward, backward=_op_backward, fake_forward=_fake_forward,
-              fake_backward=_fake_backward, save=_save)
+OP = KernelOp("attention", "attention", forward=_op_forward, backward=_op_backward, save=_save)
 attention_fwd, attention_bwd = OP.fwd, OP.bwd  # torch.ops.elsa_vision.attention_fwd / _bwd
 
 

@@ -21,6 +21,8 @@ its clearing function here with :func:`register_cache`; :func:`clear_caches` (be
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from typing import Callable
 
@@ -67,6 +69,22 @@ def clear_caches() -> None:
         clear()
 
 
+def host_cache(maxsize: "int | None" = 1024):
+    """``functools.lru_cache`` for a host-side planner (a model repeats a few shapes, and planning is
+    host time on every call), registered with :func:`clear_caches` and stepping aside while
+    launches are traced or skipped (see :func:`tracing`)."""
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            return fn(*args, **kwargs) if _MODE is not None else cached(*args, **kwargs)
+        call.cache_clear = cached.cache_clear
+        register_cache(cached.cache_clear)
+        return call
+    return wrap
+
+
 def cdiv(a: int, b: int) -> int:
     # host arithmetic in plain Python: triton.cdiv / next_power_of_2 are constexpr functions since
     # Triton 3.5, a few microseconds a call on the launch path
@@ -84,6 +102,49 @@ def pow2(d: int) -> int:
 _LAUNCHED: dict = {}
 _LAUNCHED_MAX = 4096
 register_cache(_LAUNCHED.clear)
+
+
+# How launches run: normally, traced through torch.library.wrap_triton (traceable()), or not at all
+# (allocations_only()). Set by those two context managers only.
+_MODE: "str | None" = None
+
+
+@contextlib.contextmanager
+def _launch_mode(mode: str):
+    global _MODE
+    before, _MODE = _MODE, mode
+    try:
+        yield
+    finally:
+        _MODE = before
+
+
+def traceable():
+    """Inside, every launch is ``torch.library.wrap_triton(fn)[grid](...)``: what the body of a
+    ``torch.library.triton_op`` must call so that torch.compile sees the kernel (and inductor
+    launches it itself), and what runs on fake tensors while a graph is traced."""
+    return _launch_mode("traced")
+
+
+def allocations_only():
+    """Inside, no kernel is launched: a kernel family's host code allocates exactly what it would —
+    outputs, statistics, partial sums — and leaves them uninitialised. That is a custom op's fake
+    (meta) implementation on fake tensors, and on real ones a call's peak memory without its
+    arithmetic (benchmarks/frames.py --memory-rehearsal sizes thousands of frames this way)."""
+    return _launch_mode("none")
+
+
+def tracing() -> bool:
+    """Whether launches are traced or skipped (see :func:`traceable`, :func:`allocations_only`):
+    host-side caches keyed by sizes step aside, the sizes may be symbolic."""
+    return _MODE is not None
+
+
+def _other_launch(fn, grid: tuple, args: tuple, meta: dict):
+    """A launch while :data:`_MODE` is set: traced, or skipped."""
+    if _MODE == "traced":
+        from torch.library import wrap_triton
+        wrap_triton(fn)[grid](*args, **meta)
 
 
 def tritons_own_path() -> bool:
@@ -113,6 +174,8 @@ def launch(fn, grid: tuple, *args, **meta):
     specialisation, so a kernel compiled for other dtypes, alignments or integer values is never
     reused). The first launch of each signature takes Triton's path, and so does every launch
     where :func:`tritons_own_path` holds."""
+    if _MODE is not None:
+        return _other_launch(fn, grid, args, meta)
     if tritons_own_path():
         return fn[grid](*args, **meta)
     dev = torch.cuda.current_device()
@@ -163,6 +226,9 @@ class Launch:
         self._bound: dict = {}
 
     def __call__(self, *tensors: torch.Tensor) -> None:
+        if _MODE is not None:
+            _other_launch(self.fn, self.grid, (*tensors, *self.scalars), self.meta)
+            return
         if tritons_own_path():
             self.fn[self.grid](*tensors, *self.scalars, **self.meta)
             return

@@ -10,9 +10,13 @@ functions that launch its kernels):
 ``save(inputs, outputs)`` says which tensors the backward reads (``saved``) and which non-tensor
 arguments it takes (``args``). From these, :class:`KernelOp` registers
 
-- ``elsa_vision::<name>_fwd`` and ``elsa_vision::<name>_bwd`` as ``torch.library`` custom ops with
-  the given fake (meta) implementations: what ``torch.compile`` traces, one node per call, and
-  inductor plans its buffers from the fakes;
+- ``elsa_vision::<name>_fwd`` and ``elsa_vision::<name>_bwd`` as ``torch.library.triton_op``s:
+  torch.compile traces their bodies, with every launch made through ``wrap_triton``
+  (``launch.traceable``), so inductor sees the Triton kernels and launches them itself from its
+  generated code — none of this package's Python runs per call in a compiled graph. The same body
+  run on fake tensors is the ops' fake (meta) implementation: it allocates exactly what the real
+  call does, strides included. (Under the CPU interpreter, whose kernels wrap_triton cannot trace,
+  the ops are opaque custom ops with the same body, launching nothing, as their fake.);
 - autograd on the forward op (its backward calls the backward op), and a clear error on the
   backward op's own backward (no double backward);
 - :attr:`KernelOp.function`: an ``autograd.Function`` running the same ``forward`` / ``backward``
@@ -24,9 +28,12 @@ traces, the bare kernels when no gradient is wanted, the autograd Function other
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from .launch import INTERPRET, allocations_only, traceable
 
 COMPILED, INFERENCE, AUTOGRAD = "compiled", "inference", "autograd"
 
@@ -40,6 +47,26 @@ def route(leaves: Sequence[Optional[torch.Tensor]]) -> str:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves):
         return AUTOGRAD
     return INFERENCE
+
+
+def _within(mode: Callable, fn: Callable) -> Callable:
+    """``fn`` run inside the launch mode ``mode`` (``launch.traceable`` / ``allocations_only``)."""
+    @functools.wraps(fn)
+    def body(*args):
+        with mode():
+            return fn(*args)
+    return body
+
+
+def _register(name: str, fn: Callable):
+    """``fn`` as the custom op ``name``: a triton_op whose launches torch.compile traces; under the
+    CPU interpreter (whose kernels wrap_triton cannot trace) an opaque custom op, with ``fn`` on
+    fake tensors, launching nothing, as its fake."""
+    if INTERPRET:
+        op = torch.library.custom_op(name, fn, mutates_args=())
+        op.register_fake(_within(allocations_only, fn))
+        return op
+    return torch.library.triton_op(name, _within(traceable, fn), mutates_args=())
 
 
 def double_backward_error(what: str) -> RuntimeError:
@@ -61,14 +88,11 @@ class KernelOp:
     inputs before it are q, k, v, whose gradients the backward always returns."""
 
     def __init__(self, name: str, what: str, *, forward: Callable, backward: Callable,
-                 fake_forward: Callable, fake_backward: Callable,
                  save: Callable[[tuple, tuple], tuple[tuple, tuple]], bias_input: int = 3):
         self.what, self.bias_input = what, bias_input
         self.forward, self.backward, self.save = forward, backward, save
-        self.fwd = torch.library.custom_op(f"elsa_vision::{name}_fwd", forward, mutates_args=())
-        self.fwd.register_fake(fake_forward)
-        self.bwd = torch.library.custom_op(f"elsa_vision::{name}_bwd", backward, mutates_args=())
-        self.bwd.register_fake(fake_backward)
+        self.fwd, self.bwd = (_register(f"elsa_vision::{name}_{part}", fn) for part, fn in (("fwd", forward),
+                                                                                             ("bwd", backward)))
         self.fwd.register_autograd(self._op_backward, setup_context=self._setup)
         self.bwd.register_autograd(self._op_double_backward, setup_context=lambda ctx, inputs, output: None)
         self.function = self._eager_function()

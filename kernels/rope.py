@@ -31,6 +31,7 @@ def _qk_norm_rope_kernel(
     D: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # inductor passes float64
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H

@@ -9,13 +9,12 @@ interpreter the shapes are small and fixed (the interpreter pays per loop step, 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .launch import INTERPRET, cdiv, pow2, register_cache, sm_count
+from .launch import INTERPRET, cdiv, host_cache, pow2, sm_count
 from .limits import WINDOW_BLOCKS as BLOCKS
 
 # ---------------------------------------------------------------------------------------------
@@ -246,7 +245,7 @@ def _precision_class(dtype: torch.dtype, precision: str) -> str:
     return precision if precision in ("ieee", "tf32x3", "fp16x3") else "tf32"
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache(maxsize=None)
 def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "native") -> Plan:
     """Tile shapes for windows of ``n`` tokens, head dim ``d``, key tile ``block`` (0: :func:`choose_block`).
 
@@ -300,7 +299,7 @@ def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "
                 bias_regs=BIAS_IN_REGISTERS, stages=stages, fwd_stages=fwd_stages)
 
 
-@functools.lru_cache(maxsize=1024)
+@host_cache(maxsize=1024)
 def plan_runs(bw: int, programs_per_run: int, min_windows: int, device: torch.device, per_sm: int,
               requested: Optional[int] = None) -> tuple[int, int]:
     """(windows per program, runs): split the BW windows of each head into runs of consecutive
@@ -315,6 +314,3 @@ def plan_runs(bw: int, programs_per_run: int, min_windows: int, device: torch.de
     wpp = max(1, min(wpp, bw))
     return wpp, cdiv(bw, wpp)
 
-
-register_cache(make_plan.cache_clear)
-register_cache(plan_runs.cache_clear)

@@ -84,7 +84,7 @@ import triton.language as tl
 from . import tiles
 from .common import (C_LOG2E, FP16X3, PRECISION_CODES, cast, dk_units, dot, dot3, dot_nt, ds_k, ds_units, exp_of,
                      load_stats, pow2_of, pv, row_mean, split_f16, store_stats)
-from .launch import Launch, cdiv, clear_caches, pow2, register_cache
+from .launch import Launch, cdiv, clear_caches, pow2, register_cache, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, check_first_order, route
 from .reference import Geometry, from_windows, qkv_views, to_windows
 from .tiles import make_plan, plan_runs
@@ -272,6 +272,7 @@ def _win_fwd_kernel(
 ):
     """grid (runs × query tiles, H). Writes out [BW, H, N, D] and the row statistics (m, S)
     [BW, H, 2, N] (m in natural units). GEO: q, k, v and out are image rows (see _tok)."""
+    scale = tl.cast(scale, tl.float32)  # inductor passes float64
     h = tl.program_id(1).to(tl.int64)
     pid_m, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M), WPP, BW)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -351,6 +352,7 @@ def _win_bwd_fused_kernel(
     """N ≤ BLOCK: a program owns whole windows (all queries, all keys: one [BLOCK, BLOCK] tile) of one
     head for a run of windows. Writes dq, dk, dv and its partial bias gradient dBiasPart[run, h]
     (float32 [NR, NR]). dq/dk/dv share the strides sg_* (unit stride along D)."""
+    scale = tl.cast(scale, tl.float32)  # inductor passes float64
     h = tl.program_id(1).to(tl.int64)
     run = tl.program_id(0)
     r0 = run * WPP
@@ -418,6 +420,7 @@ def _win_bwd_dq_kernel(
     In half precision, where P is rounded to 8–11 bits for the dots, rowsum(dO ⊙ O) it is.
     Float32 divides it by Σ_j P_ij (see kernels/attention.py _bwd_delta_kernel).
     ONE_TILE (float32, N ≤ BLOCK_N): the row is one key tile, so delta comes free in a single pass."""
+    scale = tl.cast(scale, tl.float32)  # inductor passes float64
     h = tl.program_id(1).to(tl.int64)
     pid_m, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M), WPP, BW)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -508,6 +511,7 @@ def _win_bwd_dkdv_kernel(
     BIAS_GRAD (only when N ≤ BLOCK_M: one query tile holds every row): the program's dS column strip
     [NR, BLOCK_N] is also summed over its run into dBiasPart[run, h] — the bias gradient without a
     kernel of its own that would recompute P and dP."""
+    scale = tl.cast(scale, tl.float32)  # inductor passes float64
     h = tl.program_id(1).to(tl.int64)
     n_nt = tl.cdiv(N, BLOCK_N)
     pid_n, r0, r1 = _run(tl.program_id(0), n_nt, WPP, BW)
@@ -594,6 +598,7 @@ def _win_bwd_dbias_kernel(
 ):
     """Tiled backward: a program owns one [BLOCK_M, BLOCK_N] tile of head h's bias and sums dS over a
     run of windows into dBiasPart[run, h] (float32 [NR, NR])."""
+    scale = tl.cast(scale, tl.float32)  # inductor passes float64
     h = tl.program_id(1).to(tl.int64)
     n_nt = tl.cdiv(N, BLOCK_N)
     tile, r0, r1 = _run(tl.program_id(0), tl.cdiv(N, BLOCK_M) * n_nt, WPP, BW)
@@ -765,6 +770,8 @@ register_cache(_PREPARED.clear)
 
 
 def _prepared(key: tuple, make, *args):
+    if tracing():  # (symbolic sizes: plan afresh, keep nothing)
+        return make(*args)
     hit = _PREPARED.get(key)
     if hit is None:
         if len(_PREPARED) >= _PREPARED_MAX:
@@ -933,16 +940,6 @@ def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return [dq, dk, dv, dbias.contiguous() if dbias is not None else q.new_empty(0)]
 
 
-def _fake_forward(q, k, v, bias, mask, scale, precision, block, windows_per_program):
-    BW, H, N, D = q.shape
-    return _bnhd_empty(BW, H, N, D, q), q.new_empty((BW, H, 2, N), dtype=torch.float32)
-
-
-def _fake_backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, windows_per_program, bias_grad):
-    BW, H, N, D = q.shape
-    db = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
-    return [_bnhd_empty(BW, H, N, D, q), _bnhd_empty(BW, H, N, D, k), _bnhd_empty(BW, H, N, D, v), db]
-
 
 def _save(inputs, outputs):
     q, k, v, bias, mask, scale, precision, block, wpp = inputs
@@ -951,8 +948,7 @@ def _save(inputs, outputs):
     return (q, k, v, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp)
 
 
-OP = KernelOp("window", "window_attention", forward=_op_forward, backward=_op_backward, fake_forward=_fake_forward,
-              fake_backward=_fake_backward, save=_save)
+OP = KernelOp("window", "window_attention", forward=_op_forward, backward=_op_backward, save=_save)
 window_fwd, window_bwd = OP.fwd, OP.bwd  # torch.ops.elsa_vision.window_fwd / _bwd
 
 
