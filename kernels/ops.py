@@ -58,15 +58,16 @@ def _within(mode: Callable, fn: Callable) -> Callable:
     return body
 
 
-def _register(name: str, fn: Callable):
-    """``fn`` as the custom op ``name``: a triton_op whose launches torch.compile traces; under the
-    CPU interpreter (whose kernels wrap_triton cannot trace) an opaque custom op, with ``fn`` on
-    fake tensors, launching nothing, as its fake."""
+def register(name: str, fn: Callable, mutates: Sequence[str] = ()):
+    """``fn`` (a host launcher with type annotations) as the custom op ``name``: a triton_op whose
+    launches torch.compile traces; under the CPU interpreter (whose kernels wrap_triton cannot
+    trace) an opaque custom op, with ``fn`` on fake tensors, launching nothing, as its fake.
+    ``mutates``: the arguments ``fn`` writes into."""
     if INTERPRET:
-        op = torch.library.custom_op(name, fn, mutates_args=())
+        op = torch.library.custom_op(name, fn, mutates_args=tuple(mutates))
         op.register_fake(_within(allocations_only, fn))
         return op
-    return torch.library.triton_op(name, _within(traceable, fn), mutates_args=())
+    return torch.library.triton_op(name, _within(traceable, fn), mutates_args=tuple(mutates))
 
 
 def double_backward_error(what: str) -> RuntimeError:
@@ -91,7 +92,7 @@ class KernelOp:
                  save: Callable[[tuple, tuple], tuple[tuple, tuple]], bias_input: int = 3):
         self.what, self.bias_input = what, bias_input
         self.forward, self.backward, self.save = forward, backward, save
-        self.fwd, self.bwd = (_register(f"elsa_vision::{name}_{part}", fn) for part, fn in (("fwd", forward),
+        self.fwd, self.bwd = (register(f"elsa_vision::{name}_{part}", fn) for part, fn in (("fwd", forward),
                                                                                              ("bwd", backward)))
         self.fwd.register_autograd(self._op_backward, setup_context=self._setup)
         self.bwd.register_autograd(self._op_double_backward, setup_context=lambda ctx, inputs, output: None)

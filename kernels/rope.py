@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRET, cdiv, launch
+from .ops import register
 
 
 @triton.jit
@@ -98,13 +99,28 @@ def qk_norm_rope(x: torch.Tensor, heads: int, out: torch.Tensor, norm: Optional[
         pos = pos if pos.stride(-1) == 1 else pos.contiguous()
         cos, sin = (t.contiguous() for t in tables)
     else:
-        cos = sin = x
+        cos = sin = None
+    eps = float(norm.eps) if norm is not None else 0.0
+    run = OP if torch.compiler.is_compiling() else _qk_norm_rope
+    run(x, heads, out, norm is not None, w, bias, eps, pos, cos, sin)
+    return out
+
+
+def _qk_norm_rope(x: torch.Tensor, heads: int, out: torch.Tensor, has_norm: bool, weight: Optional[torch.Tensor],
+                  bias: Optional[torch.Tensor], eps: float, pos: Optional[torch.Tensor], cos: Optional[torch.Tensor],
+                  sin: Optional[torch.Tensor]) -> None:
+    """The launch behind :func:`qk_norm_rope` (arguments checked there; writes ``out``)."""
+    B, n = x.shape[:2]
+    D = out.shape[-1]
+    rope = pos is not None
     block_t = 64 if INTERPRET else max(1, 4096 // D)
     launch(_qk_norm_rope_kernel, (cdiv(n, block_t), B * heads),
-           x, pos if rope else x, w if w is not None else x, bias if bias is not None else x, cos, sin, out,
-           n, heads, float(norm.eps) if norm is not None else 0.0,
+           x, pos if rope else x, weight if weight is not None else x, bias if bias is not None else x,
+           cos if rope else x, sin if rope else x, out, n, heads, eps,
            x.stride(0), x.stride(1), pos.stride(0) if rope else 0, pos.stride(1) if rope else 0,
            out.stride(0), out.stride(1), out.stride(2),
-           D=D, NORM=norm is not None, HAS_W=w is not None, HAS_B=bias is not None, ROPE=rope,
+           D=D, NORM=has_norm, HAS_W=weight is not None, HAS_B=bias is not None, ROPE=rope,
            BLOCK_T=block_t, num_warps=4)
-    return out
+
+
+OP = register("elsa_vision::qk_norm_rope", _qk_norm_rope, mutates=("out",))  # torch.compile's path

@@ -143,16 +143,20 @@ def plan_partitions(batch_heads: int, nq: int, nk: int, block_m: int, block_n: i
     of key tiles (±1 over all partitions). The summaries cost P float32 copies of the output, so a
     grid that already fills the SMs once is not split (at N = 1041, B·H = 16 a split doubled the
     peak memory for no gain).
+
+    Sizes may be symbolic (torch.compile with dynamic shapes): the arithmetic takes torch.sym_min /
+    sym_max, so a traced graph is guarded only on whether the grid fills the GPU, not on the sizes.
     """
-    n_tiles = max(1, cdiv(nk, block_n))
+    n_tiles = _max(1, cdiv(nk, block_n))
     if requested is not None:
-        want = max(1, min(int(requested), n_tiles))
+        want = _max(1, _min(int(requested), n_tiles))
     else:
         base = cdiv(nq, block_m) * batch_heads
         sms = sm_count(device.index or 0) if device.type == "cuda" else 1
-        want = 1 if base >= sms else min(n_tiles, cdiv(2 * sms, base))
+        if base >= sms:
+            return 1, n_tiles * block_n
         # a partition shorter than four tiles pays more in summary traffic than it gains in parallelism
-        want = max(1, min(want, n_tiles // 4 or 1))
+        want = _max(1, _min(_min(n_tiles, cdiv(2 * sms, base)), n_tiles // 4))
     tiles_per = cdiv(n_tiles, want)
     return cdiv(n_tiles, tiles_per), tiles_per * block_n
 
@@ -309,8 +313,17 @@ def plan_runs(bw: int, programs_per_run: int, min_windows: int, device: torch.de
         wpp = int(requested)
     else:
         sms = sm_count(device.index or 0) if device.type == "cuda" else 1
-        runs = max(1, min(bw, cdiv(per_sm * sms, programs_per_run)))
-        wpp = max(min_windows, cdiv(bw, runs))
-    wpp = max(1, min(wpp, bw))
+        runs = _max(1, _min(bw, cdiv(per_sm * sms, programs_per_run)))
+        wpp = _max(min_windows, cdiv(bw, runs))
+    wpp = _max(1, _min(wpp, bw))
     return wpp, cdiv(bw, wpp)
+
+
+def _min(a, b):
+    # (torch.sym_min / sym_max: no guard when a size is symbolic; on ints, min / max)
+    return min(a, b) if type(a) is int and type(b) is int else torch.sym_min(a, b)
+
+
+def _max(a, b):
+    return max(a, b) if type(a) is int and type(b) is int else torch.sym_max(a, b)
 
