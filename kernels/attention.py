@@ -580,20 +580,28 @@ def _p_dp_tile(q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, offs_n, of
 
 
 @triton.jit
-def _query_tile(Q, dOut, Stats, Scales, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
-                scale, qk_scale2, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
-    """What a backward program that owns query tile pid_m of head bh reads once: (b, h, offs_m,
-    offs_d, row_ok, q/dO mask, q, q_lo, dO, dO_lo [BLOCK_M, D_PAD], the rows' statistics of
-    load_stats, the logits' scale and scale·log2 e, and the head's c_k, c_v, c_dO). fp16x3: q and
-    dO as float16 (hi, lo) pairs of the scaled tensors, the logits' scales with 1/(c_q·c_k) folded in;
-    otherwise the _lo parts are the tensors themselves and the c's are 1."""
+def _query_rows(pid_m, bh, H, Nq, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(b, h, offs_m, offs_d, row_ok, q/dO mask) of query tile pid_m of head bh. (Kept apart from
+    _query_tile's loads: inductor's analysis of which tensors a kernel writes follows a stored
+    pointer back through helper calls, and takes every pointer passed to a helper whose results
+    address a store as written.)"""
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     row_ok = offs_m < Nq
-    qm = row_ok[:, None] & (offs_d[None, :] < D)
+    return b, h, offs_m, offs_d, row_ok, row_ok[:, None] & (offs_d[None, :] < D)
+
+
+@triton.jit
+def _query_tile(Q, dOut, Stats, Scales, b, h, bh, offs_m, offs_d, row_ok, qm, Nq, sq_b, sq_h, sq_m, sq_d,
+                sdo_b, sdo_h, sdo_m, sdo_d, scale, qk_scale2, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr,
+                PREC: tl.constexpr):
+    """What a backward program that owns a query tile (see _query_rows) reads once: (q, q_lo, dO,
+    dO_lo [BLOCK_M, D_PAD], the rows' statistics of load_stats, the logits' scale and scale·log2 e,
+    and the head's c_k, c_v, c_dO). fp16x3: q and dO as float16 (hi, lo) pairs of the scaled
+    tensors, the logits' scales with 1/(c_q·c_k) folded in; otherwise the _lo parts are the
+    tensors themselves and the c's are 1."""
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=qm, other=0.0)
     do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm, other=0.0)
     m_r, r_r = load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
@@ -605,7 +613,7 @@ def _query_tile(Q, dOut, Stats, Scales, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d
         do, do_lo = split_f16(do * cdo)
         scale = scale / cq / ck
         qk_scale2 = qk_scale2 / cq / ck
-    return b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, scale, qk_scale2, ck, cv, cdo
+    return q, q_lo, do, do_lo, m_r, r_r, scale, qk_scale2, ck, cv, cdo
 
 
 @triton.jit
@@ -633,9 +641,10 @@ def _bwd_delta_kernel(
     qk_scale2, scale = tl.cast(qk_scale2, tl.float32), tl.cast(scale, tl.float32)  # inductor passes float64
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, scale, qk_scale2, ck, cv, cdo = _query_tile(
-        Q, dOut, Stats, Scales, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
-        scale, qk_scale2, D, D_PAD, BLOCK_M, HAS_BIAS, EXACT, PREC)
+    b, h, offs_m, offs_d, row_ok, qm = _query_rows(pid_m, bh, H, Nq, D, D_PAD, BLOCK_M)
+    q, q_lo, do, do_lo, m_r, r_r, scale, qk_scale2, ck, cv, cdo = _query_tile(
+        Q, dOut, Stats, Scales, b, h, bh, offs_m, offs_d, row_ok, qm, Nq, sq_b, sq_h, sq_m, sq_d,
+        sdo_b, sdo_h, sdo_m, sdo_d, scale, qk_scale2, HAS_BIAS, EXACT, PREC)
     k_hi = Nk
     if CAUSAL:
         k_hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M + (Nk - Nq))
@@ -668,9 +677,10 @@ def _bwd_dq_kernel(
     qk_scale2, scale = tl.cast(qk_scale2, tl.float32), tl.cast(scale, tl.float32)  # inductor passes float64
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, s_scale, s_scale2, ck, cv, cdo = _query_tile(
-        Q, dOut, Stats, Scales, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m, sdo_d,
-        scale, qk_scale2, D, D_PAD, BLOCK_M, HAS_BIAS, EXACT, PREC)
+    b, h, offs_m, offs_d, row_ok, qm = _query_rows(pid_m, bh, H, Nq, D, D_PAD, BLOCK_M)
+    q, q_lo, do, do_lo, m_r, r_r, s_scale, s_scale2, ck, cv, cdo = _query_tile(
+        Q, dOut, Stats, Scales, b, h, bh, offs_m, offs_d, row_ok, qm, Nq, sq_b, sq_h, sq_m, sq_d,
+        sdo_b, sdo_h, sdo_m, sdo_d, scale, qk_scale2, HAS_BIAS, EXACT, PREC)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     k_hi = Nk
     if CAUSAL:
@@ -722,9 +732,10 @@ def _bwd_dbias_kernel(
     for ib in range(0, n_b):
         for ih in range(0, n_h):
             bh = (ib if BIAS_B1 else bb) * H + (ih if BIAS_H1 else hb)
-            b, h, offs_m, offs_d, row_ok, qm, q, q_lo, do, do_lo, m_r, r_r, s_scale, s_scale2, ck, cv, cdo = \
-                _query_tile(Q, dOut, Stats, Scales, pid_m, bh, H, Nq, sq_b, sq_h, sq_m, sq_d, sdo_b, sdo_h, sdo_m,
-                            sdo_d, scale, qk_scale2, D, D_PAD, BLOCK_M, True, EXACT, PREC)
+            b, h, offs_m, offs_d, row_ok, qm = _query_rows(pid_m, bh, H, Nq, D, D_PAD, BLOCK_M)
+            q, q_lo, do, do_lo, m_r, r_r, s_scale, s_scale2, ck, cv, cdo = _query_tile(
+                Q, dOut, Stats, Scales, b, h, bh, offs_m, offs_d, row_ok, qm, Nq, sq_b, sq_h, sq_m, sq_d,
+                sdo_b, sdo_h, sdo_m, sdo_d, scale, qk_scale2, True, EXACT, PREC)
             k, k_lo, p, dp = _p_dp_tile(q, q_lo, do, do_lo, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h,
                                         Bias + b * sb_b + h * sb_h, offs_m, offs_n, offs_d, row_ok, m_r, r_r, Nq, Nk,
                                         sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, s_scale, s_scale2, ck, cv,

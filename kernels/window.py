@@ -280,7 +280,7 @@ def _win_fwd_kernel(
     offs_d = tl.arange(0, D_PAD)
     row_ok = offs_m < N
     bias_h = Bias + h * sb_h
-    mask_stride = NR.to(tl.int64) * NR
+    mask_stride = tl.cast(NR, tl.int64) * NR
     bias2 = 0.0
     if SINGLE and HAS_BIAS and BIAS_REGS:
         bias2 = _load_table(bias_h, offs_m, offs_n0, NR)  # once for the whole run
@@ -362,7 +362,7 @@ def _win_bwd_fused_kernel(
     tok_ok = offs < N
     io_mask = tok_ok[:, None] & (offs_d[None, :] < D)
     bias_h = Bias + h * sb_h
-    mask_stride = NR.to(tl.int64) * NR
+    mask_stride = tl.cast(NR, tl.int64) * NR
     bias2 = 0.0
     if HAS_BIAS and BIAS_REGS:
         bias2 = _load_table(bias_h, offs, offs, NR)
@@ -428,7 +428,7 @@ def _win_bwd_dq_kernel(
     offs_d = tl.arange(0, D_PAD)
     row_ok = offs_m < N
     bias_h = Bias + h * sb_h
-    mask_stride = NR.to(tl.int64) * NR
+    mask_stride = tl.cast(NR, tl.int64) * NR
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
@@ -519,7 +519,7 @@ def _win_bwd_dkdv_kernel(
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     bias_h = Bias + h * sb_h
-    mask_stride = NR.to(tl.int64) * NR
+    mask_stride = tl.cast(NR, tl.int64) * NR
     if BIAS_GRAD:
         dbias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r in range(r0, r1):
@@ -606,7 +606,7 @@ def _win_bwd_dbias_kernel(
     offs_n = (tile % n_nt) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     row_ok = offs_m < N
-    mask_stride = NR.to(tl.int64) * NR
+    mask_stride = tl.cast(NR, tl.int64) * NR
     bias2 = _load_table(Bias + h * sb_h, offs_m, offs_n, NR)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r in range(r0, r1):
