@@ -208,6 +208,18 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
     return report
 
 
+def hooked(module: Optional[torch.nn.Module], *, global_hooks: bool = True, backward: bool = False) -> bool:
+    """Whether calling ``module`` would run hooks: its own forward (pre-)hooks — and, with
+    ``backward``, its backward hooks — and with ``global_hooks`` the global module hooks of the same
+    kinds. ``module`` None: the global hooks alone."""
+    glob = torch.nn.modules.module
+    if module is not None and (module._forward_hooks or module._forward_pre_hooks or (
+            backward and (module._backward_hooks or module._backward_pre_hooks))):
+        return True
+    return global_hooks and bool(glob._global_forward_hooks or glob._global_forward_pre_hooks or (
+        backward and (glob._global_backward_hooks or glob._global_backward_pre_hooks)))
+
+
 def bypass_reason(module: torch.nn.Module, skipped: Sequence[str] = ("attn_drop",)) -> Optional[str]:
     """Why a call must run the original forward because of what an ELSA forward does not run (None
     if nothing): attention dropout that would be active — fused SDPA paths follow module.training,
@@ -218,7 +230,7 @@ def bypass_reason(module: torch.nn.Module, skipped: Sequence[str] = ("attn_drop"
         return "attention dropout in training"
     for name in skipped:
         child = getattr(module, name, None)
-        if isinstance(child, torch.nn.Module) and (child._forward_hooks or child._forward_pre_hooks):
+        if isinstance(child, torch.nn.Module) and hooked(child, global_hooks=False):
             return f"hooks on {name}, which ELSA's forward does not call"
     return None
 

@@ -58,7 +58,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .registry import Adapter, PatchState, bypass_reason, is_patched, register
+from .registry import Adapter, PatchState, bypass_reason, hooked, is_patched, register
 
 MIN_TIMM = (1, 0, 20)
 
@@ -382,19 +382,6 @@ class SwinV2WindowAttention(_SwinBase):
         return q, k, 1.0, _gather_heads(table, module.relative_position_index, n)
 
 
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
-
-
-def _hooked(module: torch.nn.Module) -> bool:
-    """Hooks that calling ``module`` would run: its own, or global module hooks."""
-    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-            or module._backward_pre_hooks):
-        return True
-    glob = torch.nn.modules.module.__dict__
-    return any(glob.get(name) for name in _GLOBAL_HOOKS)
-
-
 class SwinBlock(Adapter):
     """Swin v1 ``SwinTransformerBlock`` / v2 ``SwinTransformerV2Block``: their ``_attn(x)`` — x
     [B, H, W, C] → roll by −shift → window partition → ``attn`` → window merge → roll by +shift —
@@ -427,7 +414,7 @@ class SwinBlock(Adapter):
         why = _bypass_reason(attn)
         if why:
             return why
-        if _hooked(attn):
+        if hooked(attn, backward=True):
             return "hooks on its attention module, which the fused block does not call"
         drop = getattr(attn, "proj_drop", None)
         if drop is not None and getattr(drop, "p", 0.0) > 0 and drop.training:

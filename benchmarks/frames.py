@@ -282,28 +282,16 @@ REHEARSAL_VARIANTS = ("elsa", "elsa-lean", "elsa-lean-offload")
 
 
 def rehearse_attention():
-    """Replace the Triton attention forward by its allocations alone — the output, the row
-    statistics and, for a split launch, the phase-1 summaries, as ``forward`` plans them — and
-    return the undo. Everything else runs as is, so a
-    call's peak memory is the real run's, in minutes instead of the hours of attention arithmetic at
-    thousands of frames. Outputs are garbage: only the memory column means anything. Variants
+    """The kernels allocate and launch nothing (``elsa_vision.kernels.launch.allocations_only``):
+    ELSA's attention allocates its output, row statistics and, for a split launch, the phase-1
+    summaries, as a real call plans them, and everything else runs as is, so a call's peak memory
+    is the real run's, in minutes instead of the hours of attention arithmetic at thousands of
+    frames. Returns the undo. Outputs are garbage: only the memory column means anything. Variants
     whose shapes depend on values (token merging) or that run SDPA (native) are not rehearsed."""
-    from elsa_vision.kernels import attention as K
-    real = K.forward
-
-    def allocations_only(q, k, v, bias, scale, causal, precision, partitions=None, summaries=None, config=None):
-        B, H, Nq, D = q.shape
-        _, n_part, _ = K.launch_plan(q, k, bias, precision, partitions, config)
-        out = K._out_like(q)
-        stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
-        if n_part > 1:  # the phase-1 summaries live until phase 2 has merged them
-            parts = [torch.empty((B * H, n_part, Nq, *tail), device=q.device, dtype=torch.float32)  # noqa: F841
-                     for tail in ((), (), (K._pow2(D),))]
-            del parts
-        return out, stats
-
-    K.forward = allocations_only
-    return lambda: setattr(K, "forward", real)
+    from elsa_vision.kernels.launch import allocations_only
+    ctx = allocations_only()
+    ctx.__enter__()
+    return lambda: ctx.__exit__(None, None, None)
 
 
 def native_of(variant: str) -> str:

@@ -182,6 +182,12 @@ REFERENCE = Backend(
 BACKENDS: list[Backend] = [TRITON, REFERENCE]
 
 
+def triton_serves(device_type: str) -> bool:
+    """Whether the Triton kernels can run on tensors of this device type here (Triton installed, and
+    CUDA, or the CPU under TRITON_INTERPRET=1): for callers that launch a kernel family directly."""
+    return TRITON.available() is None and device_type in TRITON.devices()
+
+
 def check_backend_name(backend) -> None:
     """ValueError unless ``backend`` is "auto" or the name of one of BACKENDS."""
     names = ["auto", *(b.name for b in BACKENDS)]

@@ -1,14 +1,21 @@
-"""The benchmark harness's timing loop and the window benchmark's CPU smoke mode."""
+"""The benchmark harness's timing loop, the window benchmark's CPU smoke mode, and frames.py's
+sweep, accuracy columns, capacity estimate, plot and memory rehearsal on the VGGT stand-in."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import elsa_vision
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks import harness  # noqa: E402
+from test_vggt import make_standin, standin  # noqa: E402,F401  (the stand-in model and its class registration)
+from elsa_vision.adapters import vggt as A  # noqa: E402
 
 
 def test_measure_varies_the_order_so_no_variant_always_follows_the_same_one():
@@ -59,3 +66,122 @@ def test_windows_benchmark_blocks_smoke(tmp_path):
     assert {r["variant"] for r in rows} == {"timm-sdpa", "timm-math", "elsa-window", "elsa-block"}
     assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"}
     assert all(r["ms"] and not r["error"] for r in rows), [r for r in rows if r["error"]]
+
+
+# --------------------------------------------------------------------------------------------
+# benchmarks/frames.py: its sweep, accuracy columns, capacity estimate and plot, on the stand-in
+# --------------------------------------------------------------------------------------------
+
+
+def test_frames_benchmark_logic_on_the_standin(standin, tmp_path, monkeypatch):
+    from benchmarks import frames as FB
+    monkeypatch.setattr(FB, "DEVICE", "cpu")
+    m = make_standin()
+
+    def apply(model, variant, dtype):
+        opts = FB.VARIANTS[variant]
+        if opts is None:
+            return lambda: None
+        elsa_vision.patch(model, backend="reference", lean_memory=(1, 3) if opts.get("lean_memory") else False,
+                          lean_offload=bool(opts.get("lean_offload")),
+                          token_merging=A.TokenMerging() if opts.get("token_merging") else None)
+        return lambda: elsa_vision.unpatch(model)
+
+    variants = {v: FB.VARIANTS[v] for v in ("native", "elsa", "elsa-lean", "elsa-merge", "elsa-lean-offload")}
+    rows = FB.sweep(m, variants, apply, ["aggregator", "full"], ["fp32"], {"fp32": [2, 3]}, 1, False, (42, 70),
+                    log=lambda s: None)
+    assert len(rows) == 2 * 2 * 5 and all(r["status"] == "ok" for r in rows)
+    full = {(r["frames"], r["variant"]): r for r in rows if r["part"] == "full"}
+    assert full[3, "elsa-lean"]["accuracy_vs"] == "elsa" and full[3, "elsa-lean"]["depth_rel_err"] == 0
+    assert full[3, "elsa-lean-offload"]["accuracy_vs"] == "elsa-lean"
+    assert full[3, "elsa-lean-offload"]["depth_rel_err"] == 0
+    assert full[3, "elsa"]["accuracy_vs"] == "native" and full[3, "elsa"]["depth_rel_err"] < 1e-5
+    assert 0 < full[3, "elsa-merge"]["depth_rel_err"] < 0.5 and full[3, "elsa-merge"]["pose_max_abs_diff"] > 0
+    assert all("speedup_vs_native" in r for r in rows)
+    for r in rows:
+        r["peak_gib"] = 0.25 * r["frames"] + 1
+    cap = FB.capacity(rows, 10 * 2**30)
+    assert {c["estimated_max_frames"] for c in cap} == {int(3 + (0.95 * 10 - 1.75) / 0.25)}
+    FB.plot(rows, tmp_path / "frames.png")
+    assert (tmp_path / "frames.png").stat().st_size > 0
+
+
+def test_frames_benchmark_records_out_of_memory(standin, monkeypatch):
+    """A variant that runs out of device or page-locked host memory (a plain CUDA error) becomes an
+    OOM row, is skipped at larger frame counts, and the sweep goes on with the others."""
+    from benchmarks import frames as FB
+    monkeypatch.setattr(FB, "DEVICE", "cpu")
+    m = make_standin()
+    errors = {"elsa": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20 GiB"),
+              "elsa-lean": RuntimeError("CUDA error: out of memory"), "elsa-merge": RuntimeError("bad shape")}
+
+    def apply(model, variant, dtype):
+        def boom(*a, **k):
+            raise errors[variant]
+        if variant in errors:
+            model.aggregator.forward = boom
+        return lambda: model.aggregator.__dict__.pop("forward", None)
+
+    variants = {v: FB.VARIANTS[v] for v in ("native", "elsa", "elsa-lean")}
+    rows = FB.sweep(m, variants, apply, ["aggregator"], ["fp32"], {"fp32": [2, 3]}, 1, False, (42, 70),
+                    log=lambda s: None)
+    status = {(r["frames"], r["variant"]): r["status"] for r in rows}
+    assert status[2, "native"] == status[3, "native"] == "ok"
+    assert status[2, "elsa"] == "OOM" and status[2, "elsa-lean"] == "OOM (CUDA error: out of memory)"
+    assert status[3, "elsa"] == status[3, "elsa-lean"] == "skipped (OOM at fewer frames)"
+    with pytest.raises(RuntimeError, match="bad shape"):  # other errors are not hidden
+        FB.sweep(m, {"elsa-merge": None}, apply, ["aggregator"], ["fp32"], {"fp32": [2]}, 1, False, (42, 70),
+                 log=lambda s: None)
+
+    def apply_late_failure(model, variant, dtype):  # fails at the second frame count only
+        real = type(model.aggregator).forward
+
+        def fwd(self_or_x, *a, **k):
+            x = self_or_x
+            if x.shape[-4] == 3:
+                raise RuntimeError("bad shape")
+            return real(model.aggregator, x, *a, **k)
+        model.aggregator.forward = fwd
+        return lambda: model.aggregator.__dict__.pop("forward", None)
+
+    kept = []
+    with pytest.raises(RuntimeError, match="bad shape"):
+        FB.sweep(m, {"native": None}, apply_late_failure, ["aggregator"], ["fp32"], {"fp32": [2, 3]}, 1, False,
+                 (42, 70), log=lambda s: None, rows=kept)
+    assert [(r["frames"], r["status"]) for r in kept] == [(2, "ok")]  # what ran before the failure is kept
+
+
+def test_frames_memory_rehearsal(standin, monkeypatch):
+    """frames.py --memory-rehearsal: the Triton forward only allocates (the same output layout and
+    statistics, and a split launch's summaries), rows carry the peak memory and no time; launches
+    run again after the undo."""
+    from benchmarks import frames as FB
+    from elsa_vision.kernels import attention as K
+    q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
+    launched = []
+    monkeypatch.setattr(K, "_fwd_kernel", type("Spy", (), {"__getitem__": lambda self, g: launched.append(g)})())
+    undo = FB.rehearse_attention()
+    try:
+        out, stats = K.forward(q, k, v, None, 0.25, False, "ieee")
+        ref = elsa_vision.attention(q, k, v, scale=0.25, backend="reference")
+        assert out.shape == q.shape and out.stride() == ref.transpose(1, 2).contiguous().transpose(1, 2).stride()
+        assert stats.shape == (1, 2, 2, 20)
+        long_k = torch.randn(1, 2, 200, 16)  # a split launch: its summaries are allocated too
+        info = {}
+        out, stats = K.forward(q, long_k, long_k, None, 0.25, False, "ieee", partitions=2, summaries=info)
+        assert out.shape == q.shape and stats.shape == (1, 2, 2, 20) and info["W"].shape[1] == 2
+    finally:
+        undo()
+    assert launched == []  # nothing was launched while rehearsing
+    monkeypatch.undo()
+    monkeypatch.setattr(FB, "DEVICE", "cpu")
+    m = make_standin()
+
+    def apply(model, variant, dtype):
+        elsa_vision.patch(model, backend="reference")
+        return lambda: elsa_vision.unpatch(model)
+
+    rows = FB.sweep(m, {"elsa": {}}, apply, ["aggregator"], ["fp32"], {"fp32": [2]}, 1, False, (42, 70),
+                    log=lambda s: None, rehearsal=True)
+    assert [r["status"] for r in rows] == ["memory rehearsal"] and "seconds" not in rows[0]
+    assert "peak_gib" in rows[0] and "speedup_vs_native" not in rows[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from elsa_vision.adapters import vggt as A
+from elsa_vision.adapters.vggt import attention as A
 from elsa_vision.kernels import rope as KR
 from vggt_standin import Attention, PositionGetter, RotaryPositionEmbedding2D
 

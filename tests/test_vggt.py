@@ -6,7 +6,7 @@ checks run on the real model (random weights, small images; marked slow); a Fast
 (``$FASTVGGT_SRC`` or third_party/FastVGGT) is checked in a subprocess, since it installs under the
 same package name as vggt. GPU tests (``-m gpu``) use the real model at 392×518.
 
-Model-level rule (DESIGN §7): max |patched − oracle| ≤ 2 · max |unpatched − oracle| + 1e-6 per
+Model-level rule (elsa_vision.verify.tolerance): max |patched − oracle| ≤ 2 · max |unpatched − oracle| + 1e-6 per
 output, the oracle being the unpatched model in float64.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import elsa_vision
 from elsa_vision.adapters import registry
 from elsa_vision.adapters import vggt as A
+from elsa_vision.adapters.vggt import lean as AL
 from elsa_vision.verify import max_err, tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -256,13 +257,13 @@ def test_lean_memory_frees_the_aggregators_dead_inputs(standin, monkeypatch, hoo
     with elsa_vision.patched(m, precision="ieee"):
         full = run(m, x)
     freed = []
-    real = A._PatchEmbedOnce.release
+    real = AL._PatchEmbedOnce.release
 
     def release(self):
         dead = list(self.dead)
         real(self)
         freed.extend(t.untyped_storage().size() for t in dead)
-    monkeypatch.setattr(A._PatchEmbedOnce, "release", release)
+    monkeypatch.setattr(AL._PatchEmbedOnce, "release", release)
     if hooked:
         m.aggregator.patch_embed.register_forward_hook(lambda *a: None)
     with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3)):
@@ -403,18 +404,18 @@ def test_offload_buffer_pins_small_layers_only(monkeypatch):
             return real_empty(*shape, **kw)  # stands in for a pinned buffer on a CPU-only machine
         return real_empty(*shape, **kw)
 
-    monkeypatch.setattr(A.torch, "empty", empty)
-    monkeypatch.setattr(A, "_PIN_LIMIT", 1024)
+    monkeypatch.setattr(AL.torch, "empty", empty)
+    monkeypatch.setattr(AL, "_PIN_LIMIT", 1024)
     fail = False
-    assert A._host_buffer((2, 128), torch.float32, True).shape == (2, 128) and calls == [True]
+    assert AL._host_buffer((2, 128), torch.float32, True).shape == (2, 128) and calls == [True]
     calls.clear()
-    A._host_buffer((2, 129), torch.float32, True)  # 1032 bytes > the limit: never pinned
+    AL._host_buffer((2, 129), torch.float32, True)  # 1032 bytes > the limit: never pinned
     assert calls == [False]
     calls.clear()
     fail = True
-    assert A._host_buffer((4, 4), torch.bfloat16, True).dtype == torch.bfloat16 and calls == [True, False]
+    assert AL._host_buffer((4, 4), torch.bfloat16, True).dtype == torch.bfloat16 and calls == [True, False]
     calls.clear()
-    A._host_buffer((4, 4), torch.float32, False)
+    AL._host_buffer((4, 4), torch.float32, False)
     assert calls == [False]
 
 
@@ -786,119 +787,3 @@ def test_gpu_lean_memory_lowers_the_peak(gpu_vggt):
     assert peaks["lean"] < 0.6 * peaks["full"], peaks
     assert peaks["offload"] < peaks["lean"], peaks
     assert_equal(outs["offload"], outs["lean"])  # copies, and the same per-frame head computations
-
-
-# --------------------------------------------------------------------------------------------
-# benchmarks/frames.py: its sweep, accuracy columns, capacity estimate and plot, on the stand-in
-# --------------------------------------------------------------------------------------------
-
-
-def test_frames_benchmark_logic_on_the_standin(standin, tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT))
-    from benchmarks import frames as FB
-    monkeypatch.setattr(FB, "DEVICE", "cpu")
-    m = make_standin()
-
-    def apply(model, variant, dtype):
-        opts = FB.VARIANTS[variant]
-        if opts is None:
-            return lambda: None
-        elsa_vision.patch(model, backend="reference", lean_memory=(1, 3) if opts.get("lean_memory") else False,
-                          lean_offload=bool(opts.get("lean_offload")),
-                          token_merging=A.TokenMerging() if opts.get("token_merging") else None)
-        return lambda: elsa_vision.unpatch(model)
-
-    variants = {v: FB.VARIANTS[v] for v in ("native", "elsa", "elsa-lean", "elsa-merge", "elsa-lean-offload")}
-    rows = FB.sweep(m, variants, apply, ["aggregator", "full"], ["fp32"], {"fp32": [2, 3]}, 1, False, (42, 70),
-                    log=lambda s: None)
-    assert len(rows) == 2 * 2 * 5 and all(r["status"] == "ok" for r in rows)
-    full = {(r["frames"], r["variant"]): r for r in rows if r["part"] == "full"}
-    assert full[3, "elsa-lean"]["accuracy_vs"] == "elsa" and full[3, "elsa-lean"]["depth_rel_err"] == 0
-    assert full[3, "elsa-lean-offload"]["accuracy_vs"] == "elsa-lean"
-    assert full[3, "elsa-lean-offload"]["depth_rel_err"] == 0
-    assert full[3, "elsa"]["accuracy_vs"] == "native" and full[3, "elsa"]["depth_rel_err"] < 1e-5
-    assert 0 < full[3, "elsa-merge"]["depth_rel_err"] < 0.5 and full[3, "elsa-merge"]["pose_max_abs_diff"] > 0
-    assert all("speedup_vs_native" in r for r in rows)
-    for r in rows:
-        r["peak_gib"] = 0.25 * r["frames"] + 1
-    cap = FB.capacity(rows, 10 * 2**30)
-    assert {c["estimated_max_frames"] for c in cap} == {int(3 + (0.95 * 10 - 1.75) / 0.25)}
-    FB.plot(rows, tmp_path / "frames.png")
-    assert (tmp_path / "frames.png").stat().st_size > 0
-
-
-def test_frames_benchmark_records_out_of_memory(standin, monkeypatch):
-    """A variant that runs out of device or page-locked host memory (a plain CUDA error) becomes an
-    OOM row, is skipped at larger frame counts, and the sweep goes on with the others."""
-    sys.path.insert(0, str(ROOT))
-    from benchmarks import frames as FB
-    monkeypatch.setattr(FB, "DEVICE", "cpu")
-    m = make_standin()
-    errors = {"elsa": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20 GiB"),
-              "elsa-lean": RuntimeError("CUDA error: out of memory"), "elsa-merge": RuntimeError("bad shape")}
-
-    def apply(model, variant, dtype):
-        def boom(*a, **k):
-            raise errors[variant]
-        if variant in errors:
-            model.aggregator.forward = boom
-        return lambda: model.aggregator.__dict__.pop("forward", None)
-
-    variants = {v: FB.VARIANTS[v] for v in ("native", "elsa", "elsa-lean")}
-    rows = FB.sweep(m, variants, apply, ["aggregator"], ["fp32"], {"fp32": [2, 3]}, 1, False, (42, 70),
-                    log=lambda s: None)
-    status = {(r["frames"], r["variant"]): r["status"] for r in rows}
-    assert status[2, "native"] == status[3, "native"] == "ok"
-    assert status[2, "elsa"] == "OOM" and status[2, "elsa-lean"] == "OOM (CUDA error: out of memory)"
-    assert status[3, "elsa"] == status[3, "elsa-lean"] == "skipped (OOM at fewer frames)"
-    with pytest.raises(RuntimeError, match="bad shape"):  # other errors are not hidden
-        FB.sweep(m, {"elsa-merge": None}, apply, ["aggregator"], ["fp32"], {"fp32": [2]}, 1, False, (42, 70),
-                 log=lambda s: None)
-
-    def apply_late_failure(model, variant, dtype):  # fails at the second frame count only
-        real = type(model.aggregator).forward
-
-        def fwd(self_or_x, *a, **k):
-            x = self_or_x
-            if x.shape[-4] == 3:
-                raise RuntimeError("bad shape")
-            return real(model.aggregator, x, *a, **k)
-        model.aggregator.forward = fwd
-        return lambda: model.aggregator.__dict__.pop("forward", None)
-
-    kept = []
-    with pytest.raises(RuntimeError, match="bad shape"):
-        FB.sweep(m, {"native": None}, apply_late_failure, ["aggregator"], ["fp32"], {"fp32": [2, 3]}, 1, False,
-                 (42, 70), log=lambda s: None, rows=kept)
-    assert [(r["frames"], r["status"]) for r in kept] == [(2, "ok")]  # what ran before the failure is kept
-
-
-def test_frames_memory_rehearsal(standin, monkeypatch):
-    """frames.py --memory-rehearsal: the Triton forward only allocates (same output layout and
-    statistics), rows carry the peak memory and no time; the real forward comes back after."""
-    sys.path.insert(0, str(ROOT))
-    from benchmarks import frames as FB
-    from elsa_vision.kernels import attention as K
-    real = K.forward
-    q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
-    undo = FB.rehearse_attention()
-    try:
-        out, stats = K.forward(q, k, v, None, 0.25, False, "ieee")
-        assert out.shape == q.shape and out.stride() == K._out_like(q).stride() and stats.shape == (1, 2, 2, 20)
-        long_k = torch.randn(1, 2, 200, 16)  # a split launch: its summaries are allocated too
-        out, stats = K.forward(q, long_k, long_k, None, 0.25, False, "ieee", partitions=2)
-        assert out.shape == q.shape and stats.shape == (1, 2, 2, 20)
-    finally:
-        undo()
-    assert K.forward is real
-    monkeypatch.setattr(FB, "DEVICE", "cpu")
-    m = make_standin()
-
-    def apply(model, variant, dtype):
-        elsa_vision.patch(model, backend="reference")
-        return lambda: elsa_vision.unpatch(model)
-
-    rows = FB.sweep(m, {"elsa": {}}, apply, ["aggregator"], ["fp32"], {"fp32": [2]}, 1, False, (42, 70),
-                    log=lambda s: None, rehearsal=True)
-    assert [r["status"] for r in rows] == ["memory rehearsal"] and "seconds" not in rows[0]
-    assert "peak_gib" in rows[0] and "speedup_vs_native" not in rows[0]

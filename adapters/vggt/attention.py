@@ -1,0 +1,247 @@
+"""The attention adapter: vggt's ``Attention`` / ``MemEffAttention`` (and the FastVGGT fork's) with
+SDPA replaced by ``elsa_vision.attention``; q/k norm and RoPE fused in inference (kernels/rope.py)."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+
+from ...api import attention
+from ...dispatch import autocast_dtype, triton_serves
+from ...kernels.limits import HEAD_DIMS
+from ..registry import Adapter, PatchState, bypass_reason, hooked
+from .common import ATTENTION_TARGETS, EXTRA, Kind, attention_kind, lean_option
+from .merging import FORK_BLOCKS, MERGING, AggregatorCall, TokenMerging, fork_merge, merge_mean, unmerge
+
+
+def observed(module) -> bool:
+    """Whether forward hooks (the module's own, when given, or global ones) would see a call."""
+    return hooked(module)
+
+
+def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
+    """When q/k norm and RoPE can run as one kernel (kernels/rope.py): the RoPE (cos, sin) tables
+    [P, D/2] float32, () without RoPE; None when they go through the modules themselves — with
+    gradients, hooks on them, or modules other than LayerNorm / Identity and vggt's RoPE."""
+    if torch.is_grad_enabled() or x.dtype == torch.float64 or not triton_serves(x.device.type):
+        return None  # (the kernel computes in float32)
+    if torch.compiler.is_compiling():
+        return None  # (the RoPE tables' size is read from the positions: inductor fuses the modules' ops instead)
+    D = module.head_dim
+    qn, kn, rope = module.q_norm, module.k_norm, module.rope
+    norms = [type(m) for m in (qn, kn)]
+    if not (norms == [torch.nn.Identity] * 2 or (norms == [torch.nn.LayerNorm] * 2
+                                                 and qn.normalized_shape == kn.normalized_shape == (D,))):
+        return None
+    if D < 4 or D & (D - 1) or any(observed(m) for m in (qn, kn, rope)):
+        return None
+    if rope is None:  # norms only (nothing to fuse without them: q and k stay views of qkv)
+        return None if norms[0] is torch.nn.Identity else ()
+    if (type(rope).__name__ != "RotaryPositionEmbedding2D" or not hasattr(rope, "_compute_frequency_components")
+            or not isinstance(pos, torch.Tensor) or pos.dim() != 3 or pos.shape[-1] != 2
+            or pos.shape[:2] != x.shape[:2] or pos.is_floating_point() or pos.device != x.device):
+        return None
+    lo, hi = torch.stack(torch.aminmax(pos)).tolist()  # one device sync, as the module's own max
+    if lo < 0:  # the module's embedding lookup raises on these; the kernel would read out of bounds
+        return None
+    return rope._compute_frequency_components(D // 2, hi + 1, x.device, torch.float32)
+
+
+def _project(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None):
+    """q, k, v [B, H, N, D] after q/k norm and RoPE, exactly as vggt's Attention forms them from
+    ``prenorm(x)`` (``x`` itself when prenorm is None).
+
+    In inference, q/k norm and RoPE run fused (see _fused_qk), q and k coming out in the dtype
+    attention runs in (the autocast dtype under autocast, where SDPA would cast them to it).
+
+    With ``chunk`` and B·N > chunk, tokens are processed ``chunk`` at a time into [B, N, H, D]
+    buffers (the returned tensors are transposed views) held in the dtype attention will run in
+    (the autocast dtype under autocast) — the per-token operations give the same values, and the
+    float32 temporaries of the whole sequence (normalized input, q/k, RoPE) never exist at once."""
+    B, N, C = x.shape
+    H, D = module.num_heads, module.head_dim
+    cast = autocast_dtype(x.device.type)
+    tables = _fused_qk(module, x, pos)
+    norms = (module.q_norm, module.k_norm) if type(module.q_norm) is torch.nn.LayerNorm else (None, None)
+
+    def fused(part, n0, n1, bufs):  # q, k of tokens n0:n1 into bufs[0], bufs[1] ([B, N, H, D])
+        from ...kernels.rope import qk_norm_rope
+        p = pos[:, n0:n1] if tables else None
+        for j in range(2):
+            qk_norm_rope(part[..., j * H * D:], H, bufs[j][:, n0:n1], norms[j], p, tables or None)
+
+    if chunk is None or B * N <= chunk:
+        if prenorm is not None:
+            x = prenorm(x)
+        y = module.qkv(x)
+        if tables is not None:
+            qk = [y.new_empty((B, N, H, D), dtype=cast or y.dtype) for _ in range(2)]
+            fused(y, 0, N, qk)
+            v = y.view(B, N, 3, H, D)[:, :, 2].transpose(1, 2)
+            return qk[0].transpose(1, 2), qk[1].transpose(1, 2), v
+        qkv = y.reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = module.q_norm(q), module.k_norm(k)
+        if module.rope is not None:
+            q, k = module.rope(q, pos), module.rope(k, pos)
+        return q, k, v
+    step = max(1, chunk // B)
+    bufs = None
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        xc = x[:, n0:n1] if prenorm is None else prenorm(x[:, n0:n1])
+        part = module.qkv(xc)
+        if bufs is None:
+            bufs = [x.new_empty((B, N, H, D), dtype=cast or part.dtype) for _ in range(3)]
+        if tables is not None:
+            fused(part, n0, n1, bufs)
+            bufs[2][:, n0:n1] = part.view(B, n1 - n0, 3, H, D)[:, :, 2]
+            continue
+        part = part.reshape(B, n1 - n0, 3, H, D)
+        q, k, v = part[:, :, 0], part[:, :, 1], part[:, :, 2]
+        q, k = module.q_norm(q).transpose(1, 2), module.k_norm(k).transpose(1, 2)  # [B, H, n, D]
+        if module.rope is not None:
+            p = pos[:, n0:n1]
+            q, k = module.rope(q, p), module.rope(k, p)
+        bufs[0][:, n0:n1] = q.transpose(1, 2)
+        bufs[1][:, n0:n1] = k.transpose(1, 2)
+        bufs[2][:, n0:n1] = v
+    return tuple(b.transpose(1, 2) for b in bufs)
+
+
+def _project_out(module, out: torch.Tensor, chunk: Optional[int]) -> torch.Tensor:
+    """proj(out as [B, M, C]) for out [B, H, M, D]; with ``chunk``, a chunk of tokens at a time (no
+    token-major copy of the whole output)."""
+    B, H, M, D = out.shape
+    if chunk is None or B * M <= chunk:
+        return module.proj(out.transpose(1, 2).reshape(B, M, H * D))
+    step = max(1, chunk // B)
+    y = None
+    for n0 in range(0, M, step):
+        part = module.proj(out[:, :, n0:n0 + step].transpose(1, 2).reshape(B, -1, H * D))
+        if y is None:
+            y = part.new_empty((B, M, part.shape[-1]))
+        y[:, n0:n0 + step] = part
+    return y
+
+
+def unsupported(module, kind: "Kind", x, pos, attn_bias, merging) -> Optional[str]:
+    """Why the original forward must handle this call (None when ELSA serves it exactly)."""
+    if kind.memeff and attn_bias is not None:
+        return "attn_bias (xFormers nested tensors)"
+    if kind.memeff and pos is not None and (not kind.fork or module.rope is None):
+        return "MemEffAttention given pos"
+    if module.rope is not None and pos is None:
+        return "rope without positions"
+    why = bypass_reason(module)
+    if why:
+        return why
+    if module.head_dim > HEAD_DIMS[1]:  # (the reference backend would take it, slower than SDPA)
+        return f"head dim {module.head_dim} > {HEAD_DIMS[1]}, the Triton kernels' largest"
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return "input is not [B, N, C]"
+    if kind.fork and merging is not None and getattr(sys.modules.get(type(module).__module__), "vis_attn_map", False):
+        return "FastVGGT attention-map visualisation"
+    return None
+
+
+def merge_call(module) -> Optional[AggregatorCall]:
+    """The running aggregator call if it merges tokens in this module's block."""
+    call = MERGING.get()
+    layer = call.layers.get(id(module)) if call is not None else None
+    if layer is not None and layer >= call.cfg.start_layer and not module.training:
+        return call
+    return None
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
+
+
+def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None, prenorm=None):
+    """The ELSA forward of one attention call (inputs already checked by ``unsupported``).
+
+    Returns None when q, k, v come out in different dtypes outside autocast (the caller hands the
+    call to the original forward, which raises as SDPA does)."""
+    opts = state.options
+    B, N, C = x.shape
+    chunk = int(opts.get("lean_chunk", 1 << 16)) if lean_option(opts) is not None else None
+    call = None if kind.fork else merge_call(module)
+    plan = unmerge_fn = side = None
+    if call is not None:
+        metric = x if prenorm is None else prenorm(x)
+        if x.is_cuda:
+            # the similarity search (a compute-bound kernel) runs on a side stream while the main
+            # stream forms q, k, v (bandwidth-bound): the same operations, overlapped
+            main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                plan = call.plan(metric)
+        else:
+            plan = call.plan(metric)
+    q, k, v = _project(module, x, pos, chunk, prenorm)
+    if side is not None:
+        main.wait_stream(side)
+        for t in (plan.slot, plan.counts, plan.destinations):
+            t.record_stream(main)  # made on the side stream, used (and freed) on the main one
+    if autocast_dtype(x.device.type) is None and not (q.dtype == k.dtype == v.dtype):
+        return None
+    if kind.fork:
+        if merging is not None and merging in FORK_BLOCKS:
+            q, k, v, unmerge_fn = fork_merge(module, x, q, k, v)
+    elif plan is not None:
+        q, k, v = (merge_mean(t.transpose(1, 2), plan).transpose(1, 2) for t in (q, k, v))
+    # SDPA's default scale is 1/sqrt(head_dim); the unfused path multiplies by module.scale
+    scale = None if kind.fork or module.fused_attn else float(module.scale)
+    out = attention(q, k, v, scale=scale, precision=opts.get("precision", "auto"), backend=opts.get("backend", "auto"))
+    del q, k, v
+    y = module.proj_drop(_project_out(module, out, chunk))
+    if plan is not None:
+        y = unmerge(y, plan)
+    elif unmerge_fn is not None:
+        y = unmerge_fn(y)
+    return y
+
+
+class VGGTAttentionAdapter(Adapter):
+    """ELSA forward for vggt's ``Attention`` / ``MemEffAttention`` (and the FastVGGT fork's)."""
+
+    name = "vggt"
+    targets = ATTENTION_TARGETS
+    options = frozenset({"lean_memory", "lean_chunk"})
+
+    def classes(self) -> tuple[type, ...]:
+        return tuple(dict.fromkeys([*super().classes(), *EXTRA["attention"]]))
+
+    def skip_reason(self, module, options):
+        tm = options.get("token_merging")
+        if tm is not None and not isinstance(tm, TokenMerging):
+            raise TypeError(f"token_merging must be an elsa_vision.TokenMerging or None, got {type(tm).__name__}")
+        if tm is not None and attention_kind(type(module)).fork:
+            raise ValueError("token_merging=TokenMerging(...) is for upstream VGGT; the FastVGGT fork merges tokens "
+                             "itself (its `merging` setting) and its merged attention is patched without it")
+        return None
+
+    def forward(self, module, state: PatchState, *args, **kwargs):
+        kind = attention_kind(type(module))
+        try:
+            bound = kind.signature.bind(module, *args, **kwargs)
+        except TypeError:
+            return state.delegate(*args, reason="arguments the original forward does not take", **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        x, pos, merging = a["x"], a.get("pos"), a.get("global_merging")
+        why = unsupported(module, kind, x, pos, a.get("attn_bias"), merging)
+        if why is None:
+            y = elsa_attention(module, state, x, pos, kind, merging)
+            if y is not None:
+                return y
+            why = "q, k, v of different dtypes outside autocast"
+        return state.delegate(*args, reason=why, **kwargs)

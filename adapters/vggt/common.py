@@ -1,0 +1,107 @@
+"""What the VGGT adapters share: the classes they serve (matched by class object, with the
+forward signature each has) and the lean-memory option."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..registry import Adapter
+
+
+ATTENTION_TARGETS = ("vggt.layers.attention:Attention", "vggt.layers.attention:MemEffAttention")
+
+
+AGGREGATOR_TARGETS = ("vggt.models.aggregator:Aggregator",)
+
+
+BLOCK_TARGETS = ("vggt.layers.block:Block",)
+
+
+DPT_HEAD_TARGETS = ("vggt.heads.dpt_head:DPTHead",)
+
+
+EXTRA: dict[str, list[type]] = {"attention": [], "aggregator": [], "block": [], "dpt_head": []}
+
+
+def register_classes(*, attention: Sequence[type] = (), aggregator: Sequence[type] = (),
+                     block: Sequence[type] = (), dpt_head: Sequence[type] = ()) -> Callable[[], None]:
+    """Serve classes that carry vggt's code outside the ``vggt`` package (a vendored copy, a test
+    stand-in) as if they were vggt's own. Returns a function that removes them again.
+
+    attention: classes with the forward of vggt's ``Attention`` ``(x, pos=None)``, ``MemEffAttention``
+        ``(x, attn_bias=None, pos=None)``, or the FastVGGT fork's (the same plus ``global_merging``);
+        and vggt's attribute names (qkv, q_norm, k_norm, rope, attn_drop, proj, proj_drop,
+        num_heads, head_dim, scale, fused_attn).
+    aggregator: classes with vggt's ``Aggregator`` forward and attributes (frame_blocks,
+        global_blocks, depth, aa_block_size, patch_size, patch_start_idx, _process_frame_attention,
+        _process_global_attention).
+    block: ``Block``-like classes (norm1, attn, ls1, norm2, mlp, ls2) that lean mode may run in chunks.
+    dpt_head: classes with ``DPTHead``'s forward(aggregated_tokens_list, images, patch_start_idx,
+        frames_chunk_size=8) and ``_forward_impl(..., frames_start_idx, frames_end_idx)``.
+    """
+    added: list[tuple[str, type]] = []
+    for key, classes in (("attention", attention), ("aggregator", aggregator), ("block", block),
+                         ("dpt_head", dpt_head)):
+        for cls in classes:
+            if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+                raise TypeError(f"register_classes: {key} entries must be nn.Module classes, got {cls!r}")
+            if key == "attention":
+                attention_kind(cls)  # validates the forward signature now, not at the first call
+            if cls not in EXTRA[key]:
+                EXTRA[key].append(cls)
+                added.append((key, cls))
+
+    def remove() -> None:
+        for key, cls in added:
+            if cls in EXTRA[key]:
+                EXTRA[key].remove(cls)
+
+    return remove
+
+
+@dataclass(frozen=True)
+class Kind:
+    signature: inspect.Signature
+    memeff: bool  # forward(x, attn_bias=None, pos=None, ...)
+    fork: bool    # FastVGGT fork: forward(..., global_merging=None)
+
+
+_KINDS: dict[type, Kind] = {}
+
+
+def attention_kind(cls: type) -> Kind:
+    """Which of vggt's attention forwards ``cls`` has (from its own forward's signature)."""
+    kind = _KINDS.get(cls)
+    if kind is None:
+        sig = inspect.signature(cls.forward)
+        params = sig.parameters
+        if "x" not in params or "pos" not in params:
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__}.forward{sig} is not vggt's attention forward "
+                            "(x, pos=None) / (x, attn_bias=None, pos=None)")
+        kind = _KINDS[cls] = Kind(sig, memeff="attn_bias" in params, fork="global_merging" in params)
+    return kind
+
+
+def is_fork_aggregator(cls: type) -> bool:
+    fn = getattr(cls, "_process_global_attention", None)
+    return fn is not None and "global_merging" in inspect.signature(fn).parameters
+
+
+_BLOCKS = Adapter()  # only its lazy import of the target classes is used
+
+
+_BLOCKS.targets = BLOCK_TARGETS
+
+
+def block_classes() -> tuple[type, ...]:
+    return (*_BLOCKS.classes(), *EXTRA["block"])
+
+
+def lean_option(options: dict):
+    """The lean_memory option when requested (True, or a sequence of layers — an empty one keeps
+    only the last layer), else None."""
+    lean = options.get("lean_memory")
+    return None if lean is None or lean is False else lean

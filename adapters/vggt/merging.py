@@ -1,0 +1,265 @@
+"""Token merging for upstream VGGT (FastVGGT's method, any resolution and batch): which tokens are
+destinations, the assignment of every other token to its most similar destination, the merge
+(mean of q, k, v) and the unmerge; and the FastVGGT fork's own merge, run with attention on ELSA."""
+from __future__ import annotations
+
+import contextvars
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ...dispatch import triton_serves
+
+
+@dataclass(frozen=True)
+class TokenMerging:
+    """FastVGGT's token merging for the global attention of upstream VGGT, at any resolution and batch.
+
+    In each global block from ``start_layer`` on (after q/k norm and RoPE), per sequence of S frames:
+
+    * destinations: every token of frame 0, the special (camera + register) tokens of every frame,
+      one token per ``cell`` (rows × cols) patch cell of the other frames (a random one; partial
+      cells at odd grid edges get one too), plus ``protect`` · N further tokens chosen at random;
+    * every other token is a source: it merges into its most cosine-similar destination (similarity
+      of the block's normalized input, computed in ``similarity_dtype``). At most ``ratio`` · N
+      sources merge — the most similar first; the rest stay as tokens of their own;
+    * q, k and v of each destination become the mean over the destination and its sources;
+      attention runs on the merged set with ELSA, and every merged source reads its destination's
+      output.
+
+    All random choices come from a generator seeded with ``seed`` (on the CPU, so they are the same
+    on every device); the same destinations serve every block and batch element. Inference only: in
+    training mode the global blocks run exact attention.
+
+    Differences from the FastVGGT fork's code: it fixes the grid (37×28) and batch 1, picks the
+    protected tokens on a fixed stride, lets protected tokens take part twice (as destination and
+    as a copy), and leaves the last column of an odd-width grid without destinations.
+    """
+
+    ratio: float = 0.9
+    start_layer: int = 0
+    seed: int = 0
+    protect: float = 0.1
+    cell: tuple[int, int] = (2, 2)
+    similarity_dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        if isinstance(self.ratio, bool) or not (isinstance(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0):
+            raise ValueError(f"TokenMerging.ratio must be in [0, 1], got {self.ratio!r}")
+        if not (isinstance(self.protect, (int, float)) and 0.0 <= self.protect <= 1.0):
+            raise ValueError(f"TokenMerging.protect must be in [0, 1], got {self.protect!r}")
+        if not isinstance(self.start_layer, int) or self.start_layer < 0:
+            raise ValueError(f"TokenMerging.start_layer must be an int >= 0, got {self.start_layer!r}")
+        if not isinstance(self.seed, int):
+            raise TypeError(f"TokenMerging.seed must be an int, got {self.seed!r}")
+        cell = tuple(self.cell)
+        if len(cell) != 2 or not all(isinstance(c, int) and c >= 1 for c in cell):
+            raise ValueError(f"TokenMerging.cell must be (rows, cols) of positive ints, got {self.cell!r}")
+        object.__setattr__(self, "cell", cell)
+        if self.similarity_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise ValueError(f"TokenMerging.similarity_dtype must be a floating dtype, got {self.similarity_dtype!r}")
+
+
+def destination_pattern(frames: int, grid: tuple[int, int], special: int, cfg: TokenMerging):
+    """Token indices (CPU, int64, ascending) of the destinations [Nd] and of the sources [Ns] of a
+    global sequence of ``frames`` frames, each ``special`` tokens then an h×w patch grid (row-major)."""
+    h, w = grid
+    P = special + h * w
+    N = frames * P
+    gen = torch.Generator().manual_seed(cfg.seed)
+    keep = torch.zeros(frames, P, dtype=torch.bool)
+    keep[0] = True
+    keep[:, :special] = True
+    if frames > 1 and h * w > 0:
+        sy, sx = cfg.cell
+        ny, nx = -(-h // sy), -(-w // sx)
+        rows = (h - torch.arange(ny) * sy).clamp(max=sy)            # rows of each cell row (edge cells are partial)
+        cols = (w - torch.arange(nx) * sx).clamp(max=sx)
+        size = rows[:, None] * cols[None, :]                         # [ny, nx] tokens per cell
+        pick = (torch.rand(frames - 1, ny, nx, generator=gen) * size).long()
+        pick = torch.minimum(pick, size - 1)
+        y = torch.arange(ny)[:, None] * sy + torch.div(pick, cols, rounding_mode="floor")
+        x = torch.arange(nx)[None, :] * sx + pick % cols
+        keep[1:].scatter_(1, (special + y * w + x).reshape(frames - 1, -1), True)
+    keep = keep.flatten()
+    sources = (~keep).nonzero().squeeze(1)
+    n_protect = min(sources.numel(), int(round(cfg.protect * N)))
+    if n_protect:
+        keep[sources[torch.randperm(sources.numel(), generator=gen)[:n_protect]]] = True
+    return keep.nonzero().squeeze(1), (~keep).nonzero().squeeze(1)
+
+
+@functools.lru_cache(maxsize=8)
+def pattern_on(frames: int, grid: tuple[int, int], special: int, cfg: TokenMerging):
+    """destination_pattern, remembered for the last few shapes (a pure function of its arguments)."""
+    return destination_pattern(frames, grid, special, cfg)
+
+
+@dataclass
+class MergePlan:
+    """Where every token goes: ``slot`` [B, N] (int64) is the merged-set row each token is averaged
+    into and reads its output from; ``counts`` [B, M] (float32) the tokens averaged into each row."""
+    slot: torch.Tensor
+    counts: torch.Tensor
+    num_tokens: int   # N
+    num_merged: int   # M = N − (merged sources)
+    destinations: torch.Tensor  # [Nd] token indices
+
+
+def _nearest(metric: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype,
+             budget: int = 1 << 28):
+    """Per batch element, each source's most cosine-similar destination: (similarity [B, Ns] float32,
+    destination row [B, Ns] int64). The unit vectors are rounded to ``dtype`` and their products
+    accumulated in float32 (float64 for float64); ties go to the first destination. bf16/fp16 on a
+    GPU: the fused kernel (kernels/nearest.py); otherwise scores are formed in chunks of ≤ ``budget``."""
+    B = metric.shape[0]
+    ns, nd = src.numel(), dst.numel()
+    sim = torch.empty(B, ns, dtype=torch.float32, device=metric.device)
+    best = torch.empty(B, ns, dtype=torch.int64, device=metric.device)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    rows = max(1, budget // max(nd, 1))
+
+    def unit(idx):  # [n, C] unit rows in the similarity dtype, normalized in float32
+        return F.normalize(metric[b].index_select(0, idx).float(), dim=-1).to(dtype)
+
+    nearest = _fused_nearest(metric)
+    with torch.autocast(metric.device.type, enabled=False):
+        for b in range(B):
+            d = unit(dst)
+            fused = nd > 0 and nearest is not None and nearest.supported(d, d) is None
+            if fused:  # sources in blocks of ≤ budget elements, normalized ≤ budget / 8 at a time
+                C = max(d.shape[1], 1)
+                step, sub = max(rows, budget // C), max(1, budget // (8 * C))
+                s = torch.empty(min(step, ns), d.shape[1], dtype=dtype, device=metric.device)
+                for i in range(0, ns, step):
+                    n = min(step, ns - i)
+                    for j in range(0, n, sub):
+                        s[j:min(j + sub, n)] = unit(src[i + j:i + min(j + sub, n)])
+                    sim[b, i:i + n], best[b, i:i + n] = nearest.nearest(s[:n], d)
+                continue
+            d = d.to(acc)
+            for i in range(0, ns, rows):
+                scores = unit(src[i:i + rows]).to(acc) @ d.T
+                # first maximal index (torch's max leaves the choice among ties open)
+                top = scores.amax(dim=1, keepdim=True)
+                first = (scores == top).to(torch.uint8).argmax(dim=1)
+                sim[b, i:i + rows] = top.squeeze(1).float()
+                best[b, i:i + rows] = first
+    return sim, best
+
+
+def _fused_nearest(metric: torch.Tensor):
+    """kernels/nearest.py when the Triton kernels serve ``metric``'s device here, else None (the
+    kernel module, and Triton with it, is imported only then)."""
+    if not triton_serves(metric.device.type):
+        return None
+    from ...kernels import nearest
+    return nearest
+
+
+def merge_plan(metric: torch.Tensor, frames: int, grid: tuple[int, int], special: int, cfg: TokenMerging,
+               pattern: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> MergePlan:
+    """The merge plan of one global block. metric: [B, N, C], the block's normalized input."""
+    B, N, _ = metric.shape
+    h, w = grid
+    if N != frames * (special + h * w):
+        raise ValueError(f"token merging: the sequence has {N} tokens but {frames} frames of {special} special + "
+                         f"{h}x{w} patch tokens make {frames * (special + h * w)}")
+    dst, src = pattern if pattern is not None else destination_pattern(frames, grid, special, cfg)
+    dev = metric.device
+    dst, src = dst.to(dev), src.to(dev)
+    nd, ns = dst.numel(), src.numel()
+    r = min(int(cfg.ratio * N), ns)  # sources that merge
+    M = N - r
+    slot = torch.empty(B, N, dtype=torch.int64, device=dev)
+    slot[:, dst] = torch.arange(nd, device=dev)
+    if ns:
+        sim, best = _nearest(metric, dst, src, cfg.similarity_dtype)
+        if r == ns:
+            slot[:, src] = best
+        else:
+            order = torch.argsort(sim, dim=1, descending=True, stable=True)
+            top, rest = order[:, :r], order[:, r:].sort(dim=1).values
+            slot.scatter_(1, src[top], best.gather(1, top))
+            slot.scatter_(1, src[rest], nd + torch.arange(ns - r, device=dev).expand(B, -1))
+    # integer counts are exact in float32 whatever the order of the additions
+    counts = torch.zeros(B, M, dtype=torch.float32, device=dev).scatter_add_(
+        1, slot, torch.ones(1, 1, dtype=torch.float32, device=dev).expand(B, N))
+    return MergePlan(slot, counts, N, M, dst)
+
+
+def merge_mean(t: torch.Tensor, plan: MergePlan) -> torch.Tensor:
+    """[B, N, ...] (any strides) → [B, M, ...]: each merged row is the mean of its tokens, accumulated
+    in float32 (float64 for float64) and returned in t's dtype. Deterministic on CPU and CUDA."""
+    B, N = t.shape[:2]
+    acc_dt = torch.float64 if t.dtype == torch.float64 else torch.float32
+    acc = torch.zeros((B, plan.num_merged, *t.shape[2:]), dtype=acc_dt, device=t.device)
+    for b in range(B):
+        src = t[b].to(acc_dt)
+        if t.is_cuda:  # the sort-based accumulate: no float atomics, so bitwise reproducible
+            acc[b].index_put_((plan.slot[b],), src, accumulate=True)
+        else:
+            acc[b].index_add_(0, plan.slot[b], src)
+    acc /= plan.counts.to(acc_dt).view(B, plan.num_merged, *([1] * (t.dim() - 2)))
+    return acc.to(t.dtype)
+
+
+def unmerge(y: torch.Tensor, plan: MergePlan) -> torch.Tensor:
+    """[B, M, C] → [B, N, C]: every token reads the row it was merged into."""
+    B, M, C = y.shape
+    rows = (plan.slot + torch.arange(B, device=y.device)[:, None] * M).reshape(-1)
+    return y.reshape(B * M, C).index_select(0, rows).view(B, plan.num_tokens, C)
+
+
+@dataclass
+class AggregatorCall:
+    """Set (in a context variable) while a patched aggregator with token merging runs."""
+    cfg: TokenMerging
+    frames: int
+    grid: tuple[int, int]
+    special: int
+    layers: dict  # id(global attention module) → global layer index
+    pattern: tuple  # (destinations, sources) on the device, shared by the call's global blocks
+
+    def plan(self, x: torch.Tensor) -> MergePlan:
+        return merge_plan(x, self.frames, self.grid, self.special, self.cfg, self.pattern)
+
+
+MERGING: contextvars.ContextVar[Optional[AggregatorCall]] = contextvars.ContextVar("elsa_vggt_merging",
+                                                                                       default=None)
+
+
+# The FastVGGT fork's merged attention (vggt/layers/attention.py of the fork): these constants are
+# written in its Attention.forward.
+_FORK_MERGE_RATIO = 0.9
+
+
+_FORK_SEED = 33
+
+
+FORK_BLOCKS = range(24)
+
+
+def fork_merge(module, x, q, k, v):
+    """The FastVGGT fork's merge of q/k/v (its own bipartite merge function and constants)."""
+    fork = sys.modules[type(module).__module__]
+    merge_fn = getattr(fork, "token_merge_bipartite2d", None)
+    if merge_fn is None:
+        raise RuntimeError(f"{type(module).__module__} has a FastVGGT-style forward but no token_merge_bipartite2d; "
+                           "install the FastVGGT fork with its `merging` package")
+    gen = torch.Generator(device=x.device)
+    gen.manual_seed(_FORK_SEED)
+    m, u = merge_fn(x, module.patch_width, module.patch_height, 2, 2, int(x.shape[1] * _FORK_MERGE_RATIO),
+                    False, gen, enable_protection=True)
+    B, H, N, D = q.shape
+
+    def tokens(t):
+        return t.permute(0, 2, 1, 3).reshape(B, N, H * D)
+
+    qm, km, vm = m(tokens(q), mode="mean", extra_tensors=tokens(k), extra_tensors_2=tokens(v))
+    Nm = qm.shape[1]
+    return (*(t.reshape(B, Nm, H, D).permute(0, 2, 1, 3) for t in (qm, km, vm)), u)

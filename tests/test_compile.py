@@ -1,0 +1,224 @@
+"""torch.compile of ELSA's ops and of patched models.
+
+CPU (Triton interpreter; the ops are opaque custom ops there): fullgraph compile with aot_eager of
+the ops and of a patched VGGT stand-in, outputs and gradients equal to eager, dynamic shapes
+without a recompile per shape. GPU (``-m gpu``; the ops are triton_ops that inductor decomposes
+into launches of the Triton kernels): inductor's results against eager and the float64 oracle,
+no Python of this package run by a compiled graph, dynamic shapes, the compile modes.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import elsa_vision
+from conftest import DEVICE
+from elsa_vision import verify
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GPU = torch.cuda.is_available()
+
+
+def _counting(backend: str):
+    """A torch.compile backend that counts the graphs it compiles and records their call targets."""
+    graphs = []
+
+    def compile_graph(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+    return compile_graph, graphs
+
+
+def _qkv(B, H, N, D, dtype=torch.float32, grad=True, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return [torch.randn(B, H, N, D, generator=g, device=DEVICE, dtype=dtype).requires_grad_(grad) for _ in range(3)]
+
+
+def _grads(fn, *inputs, seed=1):
+    out = fn(*inputs)
+    go = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(seed), device=DEVICE,
+                     dtype=out.dtype)
+    return out, torch.autograd.grad(out, [t for t in inputs if t.requires_grad], go)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU (and GPU): graphs, gradients, dynamic shapes
+
+
+def test_dynamic_shapes_do_not_recompile():
+    """One graph serves every batch and token count (attention with a bias gradient, and windows)."""
+    backend, graphs = _counting("inductor" if GPU else "aot_eager")
+    torch._dynamo.reset()
+
+    def step(q, k, v, bias):
+        return elsa_vision.attention(q, k, v, bias=bias, causal=True)
+
+    c = torch.compile(step, fullgraph=True, backend=backend, dynamic=True)
+    for B, N in ((3, 40), (5, 57), (4, 100)):
+        q, k, v = _qkv(B, 2, N, 32, seed=B)
+        bias = torch.randn(2, N, N, device=DEVICE, requires_grad=True)
+        out, grads = _grads(c, q, k, v, bias)
+        ref, ref_grads = _grads(step, q, k, v, bias)
+        assert verify.max_err(out, ref) <= 1e-6
+        assert all(verify.max_err(a, b) <= 1e-5 for a, b in zip(grads, ref_grads))
+    assert len(graphs) == 1  # one graph (its backward compiled with it) for every shape
+    assert any("elsa_vision" in t or "triton_kernel_wrapper" in t for t in graphs[0])
+    torch._dynamo.reset()
+
+
+def test_window_dynamic_batch():
+    backend, graphs = _counting("inductor" if GPU else "aot_eager")
+    torch._dynamo.reset()
+    nW, H, N, D = 4, 2, 49, 32
+    bias = torch.randn(H, N, N, device=DEVICE, requires_grad=True)
+    mask = torch.where(torch.rand(nW, N, N, device=DEVICE) < 0.3, -100.0, 0.0)
+
+    def step(q, k, v):
+        return elsa_vision.window_attention(q, k, v, bias=bias, mask=mask)
+
+    c = torch.compile(step, fullgraph=True, backend=backend)
+    for batch in (3, 5, 2):
+        q, k, v = _qkv(batch * nW, H, N, D, seed=batch)
+        torch._dynamo.mark_dynamic(q, 0), torch._dynamo.mark_dynamic(k, 0), torch._dynamo.mark_dynamic(v, 0)
+        out, grads = _grads(c, q, k, v)
+        ref, ref_grads = _grads(step, q, k, v)
+        assert verify.max_err(out, ref) <= 1e-6
+        assert all(verify.max_err(a, b) <= 1e-5 for a, b in zip(grads, ref_grads))
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
+def test_vggt_standin_aggregator_fullgraph():
+    """A patched VGGT stand-in compiles in one graph (frame and global attention, the fused norm +
+    RoPE of inference), with ELSA's ops in it, and returns what eager returns."""
+    import vggt_standin as V
+    from elsa_vision.adapters import vggt as A
+    remove = A.register_classes(**V.CLASSES)
+    try:
+        torch.manual_seed(0)
+        m = V.VGGT().eval().to(DEVICE)
+        x = torch.rand(1, 3, 3, 42, 70, device=DEVICE)
+        elsa_vision.patch(m)
+        with torch.no_grad():
+            ref = m.aggregator(x)[0][-1]
+            backend, graphs = _counting("inductor" if GPU else "aot_eager")
+            torch._dynamo.reset()
+            out = torch.compile(m.aggregator, fullgraph=True, backend=backend)(x)[0][-1]
+        assert verify.max_err(out, ref) <= 1e-5 * max(1.0, ref.abs().max().item())
+        assert len(graphs) == 1 and sum("elsa_vision" in t for t in graphs[0]) > 0
+    finally:
+        elsa_vision.unpatch(m)
+        remove()
+        torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: inductor launches the kernels itself
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision,causal", [(torch.bfloat16, "auto", True), (torch.float16, "auto", False),
+                                                    (torch.float32, "fp16x3", True), (torch.float32, "ieee", False)])
+def test_inductor_attention_follows_the_oracle_rule(dtype, precision, causal):
+    """Forward and gradients (q, k, v and a bias) of the inductor-compiled call against the float64
+    oracle under the tolerance rule, and against the eager call."""
+    from oracle_check import assert_close_to_oracle, torch_same_dtype
+    q, k, v = _qkv(2, 4, 1000, 64, dtype)
+    bias = torch.randn(4, 1000, 1000, device="cuda", requires_grad=True)
+
+    def step(q, k, v, bias):
+        return elsa_vision.attention(q, k, v, bias=bias, causal=causal, precision=precision)
+
+    torch._dynamo.reset()
+    out, grads = _grads(torch.compile(step, fullgraph=True), q, k, v, bias)
+    eager, eager_grads = _grads(step, q, k, v, bias)
+    assert verify.max_err(out, eager) <= verify.max_err(eager, eager.double()) + 1e-6 * eager.abs().max().item()
+    ins64 = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    ref, ref_grads = _grads(lambda *t: verify.oracle(*t[:3], bias=t[3], causal=causal), *ins64)
+    same_ins = [t.detach().clone().requires_grad_() for t in (q, k, v)] + [bias.detach().clone().requires_grad_()]
+    same, same_grads = _grads(lambda *t: torch_same_dtype(*t[:3], bias=t[3], causal=causal), *same_ins)
+    assert_close_to_oracle(out, ref, same)
+    for name, a, r, s in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads, same_grads):
+        assert_close_to_oracle(a, r, s, name=name, grad=True)
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_compiled_graph_runs_no_python_of_ours(monkeypatch):
+    """Once compiled, a training step of attention and windows launches the kernels from inductor's
+    code: the host launchers of the kernel families are never called."""
+    from elsa_vision.kernels import attention as K, window as W
+    q, k, v = _qkv(2, 4, 512, 64, torch.bfloat16)
+    wq, wk, wv = _qkv(64, 3, 49, 32, torch.bfloat16, seed=3)
+    wb = torch.randn(3, 49, 49, device="cuda", requires_grad=True)
+
+    def step(q, k, v, wq, wk, wv, wb):
+        a = elsa_vision.attention(q, k, v).float().square().mean()
+        return a + elsa_vision.window_attention(wq, wk, wv, bias=wb).float().square().mean()
+
+    torch._dynamo.reset()
+    c = torch.compile(step, fullgraph=True)
+    inputs = (q, k, v, wq, wk, wv, wb)
+    c(*inputs).backward()
+    want = [t.grad.clone() for t in inputs]
+
+    def called(*args, **kwargs):
+        raise AssertionError("a compiled graph called a host launcher")
+    for mod in (K, W):
+        monkeypatch.setattr(mod, "forward", called)
+        monkeypatch.setattr(mod, "backward", called)
+    for t in inputs:
+        t.grad = None
+    c(*inputs).backward()
+    assert all(torch.equal(t.grad, w) for t, w in zip(inputs, want))  # the same kernels, the same results
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compile_modes_on_a_patched_vit(mode):
+    timm = pytest.importorskip("timm")
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, depth=2).cuda()
+    x = torch.randn(4, 3, 64, 64, device="cuda")
+    elsa_vision.patch(m)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = m(x).float()
+        torch._dynamo.reset()
+        c = torch.compile(m, fullgraph=True, mode=mode)
+        for _ in range(3):  # (reduce-overhead records its CUDA graph on a later call)
+            out = c(x).float()
+    assert verify.max_err(out, ref) <= 2e-2 * max(1.0, ref.abs().max().item())
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,kw", [("vit_tiny_patch16_224", dict(depth=2)),
+                                     ("swin_tiny_patch4_window7_224", dict(depths=(2, 2), num_heads=(3, 6)))])
+def test_inductor_training_step_of_patched_timm(name, kw):
+    """A compiled training step of a patched model: one graph, gradients as the eager patched step's."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    m = timm.create_model(name, pretrained=False, drop_path_rate=0.0, **kw).cuda()
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    elsa_vision.patch(m)
+
+    def step(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return m(x).float().square().mean()
+
+    step(x).backward()
+    eager = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad(set_to_none=True)
+    backend, graphs = _counting("inductor")
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend=backend)(x).backward()
+    assert len(graphs) == 1
+    for n, p in m.named_parameters():
+        if n in eager:
+            scale = max(1e-6, eager[n].abs().max().item())
+            assert verify.max_err(p.grad, eager[n]) <= 5e-2 * scale, n
+    torch._dynamo.reset()
