@@ -53,8 +53,15 @@ class Adapter:
                 continue
         return tuple(found)
 
+    def check_options(self, options: dict) -> None:
+        """Raise TypeError / ValueError, saying what is wrong and how to fix it, for a value of one of
+        the options this adapter reads that it cannot take (type or range). ``patch`` calls it for
+        every registered adapter before it looks at any module."""
+
     def skip_reason(self, module: torch.nn.Module, options: dict) -> Optional[str]:
-        """None if ``module`` can be patched, else a short reason (reported, module left alone)."""
+        """None if ``module`` can be patched, else a short reason (reported, module left alone). May
+        raise for an option value that does not fit this module (``patch`` asks every module before
+        it patches any, so the model is then left untouched)."""
         return None
 
     def forward(self, module: torch.nn.Module, state: "PatchState", *args, **kwargs):
@@ -179,7 +186,10 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
     from ..dispatch import check_backend_name
     check_backend_name(options.get("backend", "auto"))
     opts = dict(options, precision=precision, token_merging=token_merging)
+    for adapter in ADAPTERS:  # every option checked before any module is touched
+        adapter.check_options(opts)
     report = PatchReport()
+    chosen = []  # (name, module, adapter): bound only once every module has been asked
     for name, mod in model.named_modules():
         adapter = table.get(type(mod))
         if adapter is None:
@@ -203,9 +213,29 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
         if why:
             report.skipped.setdefault(adapter.name, []).append((name, why))
             continue
+        chosen.append((name, mod, adapter))
+    for name, mod, adapter in chosen:
         _bind(mod, adapter, opts)
         report.patched.setdefault(adapter.name, []).append(name)
     return report
+
+
+def check_flag(options: dict, name: str, default: bool) -> bool:
+    """The bool option ``name`` (``default`` when absent); TypeError for anything but True / False."""
+    value = options.get(name, default)
+    if not isinstance(value, bool):
+        raise TypeError(f"patch(): {name} must be True or False, got {value!r}")
+    return value
+
+
+def check_count(options: dict, name: str, what: str, none_ok: bool = False) -> None:
+    """The option ``name``, when given, is a positive int (``what`` it counts), or None if ``none_ok``."""
+    value = options.get(name)
+    if value is None and (none_ok or name not in options):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"patch(): {name} must be a positive int ({what}){' or None' if none_ok else ''}, "
+                         f"got {value!r}")
 
 
 def hooked(module: Optional[torch.nn.Module], *, global_hooks: bool = True, backward: bool = False) -> bool:

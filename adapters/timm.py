@@ -58,7 +58,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .registry import Adapter, PatchState, bypass_reason, hooked, is_patched, register
+from ..api import attention, shifted_window_attention, window_attention, window_attention_packed
+from .registry import Adapter, PatchState, bypass_reason, check_flag, hooked, is_patched, register
 
 MIN_TIMM = (1, 0, 20)
 
@@ -70,12 +71,6 @@ def _timm_version() -> Optional[tuple[int, ...]]:
         return None
     # leading digits of each field: "1.0.20rc1" → (1, 0, 20)
     return tuple(int(re.match(r"\d*", p).group() or 0) for p in timm.__version__.split(".")[:3])
-
-
-def _api():
-    # imported lazily: elsa_vision imports this package's registry at patch time
-    import elsa_vision
-    return elsa_vision
 
 
 def _backend(state: PatchState) -> str:
@@ -130,7 +125,7 @@ def _self_attention(module, state: PatchState, q, k, v, attn_mask, is_causal) ->
     Scale as the original: SDPA's default 1/√D on the fused path, ``module.scale`` on the
     unfused one (they differ only if someone changed ``module.scale``)."""
     scale = None if getattr(module, "fused_attn", True) else float(module.scale)
-    return _api().attention(q, k, v, bias=attn_mask, scale=scale, causal=bool(is_causal),
+    return attention(q, k, v, bias=attn_mask, scale=scale, causal=bool(is_causal),
                             precision=state.options.get("precision", "auto"), backend=_backend(state))
 
 
@@ -234,22 +229,21 @@ def window_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     row r as mask[r mod nW] — timm orders windows image-major, r = b·nW + w.
 
     Uses :func:`elsa_vision.window_attention` (a kernel that reads the bias once per head and the
-    mask by window id) when the package provides it and no backend was named. Otherwise it runs
+    mask by window id) when no backend was named. Otherwise it runs
     :func:`elsa_vision.attention` on the windows viewed as [B, nW·H, N, D] with the bias
     (mask[:, None] + bias[None]) as [1, nW·H, N, N], broadcast over the batch — never expanded per
     image. (q/k/v are strided views of the qkv projection, so that regrouping copies them; the
     unshifted blocks, mask None, need no regrouping.)
     """
-    ev = _api()
-    if backend == "auto" and hasattr(ev, "window_attention"):
-        return ev.window_attention(q, k, v, bias=bias, mask=mask, scale=scale, precision=precision)
+    if backend == "auto":
+        return window_attention(q, k, v, bias=bias, mask=mask, scale=scale, precision=precision)
     if mask is None:
-        return ev.attention(q, k, v, bias=bias, scale=scale, precision=precision, backend=backend)
+        return attention(q, k, v, bias=bias, scale=scale, precision=precision, backend=backend)
     Bw, H, N, D = q.shape
     nW = mask.shape[0]
     B = Bw // nW
     both = (mask[:, None] + bias[None]).reshape(1, nW * H, N, N)
-    out = ev.attention(q.reshape(B, nW * H, N, D), k.reshape(B, nW * H, N, D), v.reshape(B, nW * H, N, D),
+    out = attention(q.reshape(B, nW * H, N, D), k.reshape(B, nW * H, N, D), v.reshape(B, nW * H, N, D),
                        bias=both, scale=scale, precision=precision, backend=backend)
     return out.reshape(Bw, H, N, D)  # the kernels return token-major outputs
 
@@ -294,7 +288,7 @@ class _SwinBase(Adapter):
         B, IH, IW, _ = qkv.shape
         q, k, v = qkv.reshape(B, IH, IW, 3, module.num_heads, -1).unbind(3)
         q, k, scale, bias = self._prepare(module, q, k, image=True)
-        return _api().shifted_window_attention(q, k, v, window_size=window, shift_size=shift, bias=bias, mask=mask,
+        return shifted_window_attention(q, k, v, window_size=window, shift_size=shift, bias=bias, mask=mask,
                                                scale=scale, precision=state.options.get("precision", "auto"),
                                                backend=_backend(state))
 
@@ -338,19 +332,18 @@ class SwinWindowAttention(_SwinBase):
     def _attend(self, module, state, qkv, mask):
         # q, k, v are the projection's own slices here: the packed call gets qkv's gradient written in
         # one piece (see elsa_vision.window_attention_packed)
-        ev = _api()
-        if _backend(state) != "auto" or not hasattr(ev, "window_attention_packed"):
+        if _backend(state) != "auto":
             return super()._attend(module, state, qkv, mask)
         Bw, N, _ = qkv.shape
         _, _, scale, bias = self._prepare(module, None, None)
-        return ev.window_attention_packed(qkv.reshape(Bw, N, 3, module.num_heads, -1), bias=bias, mask=mask,
+        return window_attention_packed(qkv.reshape(Bw, N, 3, module.num_heads, -1), bias=bias, mask=mask,
                                           scale=scale, precision=state.options.get("precision", "auto"))
 
     def _attend_image(self, module, state, qkv, window, shift, mask):
         # the packed form: qkv's gradient comes out of the kernels in one piece
         B, IH, IW, _ = qkv.shape
         _, _, scale, bias = self._prepare(module, None, None)
-        return _api().shifted_window_attention(qkv.reshape(B, IH, IW, 3, module.num_heads, -1), window_size=window,
+        return shifted_window_attention(qkv.reshape(B, IH, IW, 3, module.num_heads, -1), window_size=window,
                                                shift_size=shift, bias=bias, mask=mask, scale=scale,
                                                precision=state.options.get("precision", "auto"),
                                                backend=_backend(state))
@@ -394,6 +387,9 @@ class SwinBlock(Adapter):
                "timm.models.swin_transformer_v2:SwinTransformerV2Block")
     method = "_attn"
     options = frozenset({"fuse_windows"})
+
+    def check_options(self, options):
+        check_flag(options, "fuse_windows", True)
 
     def skip_reason(self, module, options):
         if not options.get("fuse_windows", True):
@@ -445,19 +441,12 @@ class SwinBlock(Adapter):
 
 @torch.no_grad()
 def unzero_residual_norms(model: torch.nn.Module) -> int:
-    """Set to 1 the weights of normalisation layers that are initialised to exactly 0; returns how many.
-
-    timm's Swin v2 starts with its residual post-norms at zero (``_init_respostnorm``), so a model
-    built with ``pretrained=False`` ignores its attention output entirely: comparing patched and
-    unpatched random-weight models would prove nothing. Call this on such models before comparing
-    (tests, quickstart, benchmarks). Pretrained weights never need it."""
-    n = 0
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)) and w is not None and not w.any():
-            w.fill_(1.0)
-            n += 1
-    return n
+    """Deprecated: use ``elsa_vision.verify.unzero_residual_norms`` (a verification tool, not an adapter)."""
+    import warnings
+    from ..verify import unzero_residual_norms as moved
+    warnings.warn("elsa_vision.adapters.timm.unzero_residual_norms moved to elsa_vision.verify.unzero_residual_norms",
+                  DeprecationWarning, stacklevel=2)
+    return moved(model)
 
 
 for _adapter in (TimmAttention(), TimmRopeAttention(), SwinWindowAttention(), SwinV2WindowAttention(), SwinBlock()):

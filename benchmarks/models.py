@@ -55,7 +55,7 @@ from benchmarks.harness import fmt_table, measure, measure_graphed, profile_rows
 
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters.registry import patched_modules  # noqa: E402
-from elsa_vision.adapters.timm import unzero_residual_norms  # noqa: E402
+from elsa_vision.verify import unzero_residual_norms  # noqa: E402
 
 VIT = {"ViT-T": "vit_tiny_patch16_224", "ViT-S": "vit_small_patch16_224", "ViT-B": "vit_base_patch16_224"}
 SWIN = {"Swin-T": "swin_tiny_patch4_window7_224", "SwinV2-T": "swinv2_tiny_window8_256"}

@@ -30,7 +30,7 @@ from benchmarks.harness import fmt_table, measure  # noqa: E402
 
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters.registry import patched_modules  # noqa: E402
-from elsa_vision.adapters.timm import unzero_residual_norms  # noqa: E402
+from elsa_vision.verify import unzero_residual_norms  # noqa: E402
 
 # (timm name, image size, batch on GPU, batch on CPU)
 MODELS = [

@@ -1,4 +1,4 @@
-"""timm adapters: patched models against their unpatched selves (DESIGN §7), the patch machinery,
+"""timm adapters: patched models against their unpatched selves (the tolerance rule), the patch machinery,
 and GPU runs at real sizes (``pytest -m gpu``).
 
 CPU runs use the Triton kernels under TRITON_INTERPRET=1 (otherwise the reference backend): the
@@ -18,6 +18,7 @@ timm = pytest.importorskip("timm")
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters import registry  # noqa: E402
 from elsa_vision.adapters import timm as ta  # noqa: E402
+from elsa_vision import verify  # noqa: E402
 from elsa_vision.verify import oracle  # noqa: E402
 from timm.layers.attention import Attention, AttentionRope  # noqa: E402
 from timm.models.eva import EvaAttention  # noqa: E402
@@ -46,7 +47,7 @@ def _step(model, x, w):
 
 
 def _check_rule(name, got, ref, orc, k):
-    """DESIGN §7: max|elsa − oracle| ≤ k · max|native − oracle| + slack (k = 2 outputs, 3 gradients).
+    """The tolerance rule: max|elsa − oracle| ≤ k · max|native − oracle| + slack (k = 2 outputs, 3 gradients).
 
     The slack is 1e-6 for unit-scale tensors and 1e-6 · max|oracle| for larger ones: a gradient
     of magnitude 50 (a sum over thousands of terms) cannot be resolved to 1e-6 in float32, and a
@@ -68,7 +69,7 @@ def _n_patchable(model):
 
 
 def check_model(model, x, *, grads=True, train=True, backend="auto"):
-    """Patched vs unpatched under DESIGN §7 (oracle: the unpatched model in float64); unpatch is
+    """Patched vs unpatched under the tolerance rule (oracle: the unpatched model in float64); unpatch is
     bitwise; the report lists every attention module. Returns the report. The model must be
     deterministic in train mode (build it with drop_path_rate=0)."""
     torch.manual_seed(0)
@@ -163,7 +164,7 @@ def test_swin_tiny():
 def test_swinv2_tiny_window8():
     m = timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=64, depths=(2, 2), num_heads=(3, 6),
                           drop_path_rate=0.0)
-    assert ta.unzero_residual_norms(m) == 8  # zero post-norms would hide attention from the check
+    assert verify.unzero_residual_norms(m) == 8  # zero post-norms would hide attention from the check
     assert m.layers[0].blocks[1].attn_mask is not None
     check_model(m, _img(1, 64))
 
@@ -172,7 +173,7 @@ def test_swinv2_tiny_window16():
     # one 16x16 window (N = 256) in stage 1, then 8x8
     m = timm.create_model("swinv2_tiny_window16_256", pretrained=False, img_size=64, depths=(1, 1),
                           num_heads=(2, 4), embed_dim=64, drop_path_rate=0.0)
-    assert ta.unzero_residual_norms(m) == 4
+    assert verify.unzero_residual_norms(m) == 4
     check_model(m, _img(1, 64))
 
 
@@ -183,7 +184,7 @@ def test_compile_fullgraph(name):
     else:  # one stage of two blocks, 4 windows of 4x4, the second shifted
         m = timm.create_model(name, pretrained=False, img_size=32, depths=(2,), num_heads=(2,), embed_dim=32,
                               window_size=4, drop_path_rate=0.0)
-        ta.unzero_residual_norms(m)
+        verify.unzero_residual_norms(m)
     m.eval()
     x = _img(2, 32)
     with torch.no_grad():
@@ -587,7 +588,7 @@ def test_precision_option_reaches_attention(monkeypatch):
         seen.append(k.get("precision"))
         return real(*a, **k)
 
-    monkeypatch.setattr(elsa_vision, "attention", spy)
+    monkeypatch.setattr(ta, "attention", spy)  # (the name the adapter calls)
     m = _tiny_vit().eval()
     elsa_vision.patch(m, precision="ieee")
     with torch.no_grad():
@@ -637,7 +638,7 @@ def test_gpu_models(name, kw, size, amp):
         pytest.skip("needs CUDA")
     torch.manual_seed(0)
     m = timm.create_model(name, pretrained=False, **kw).cuda()
-    ta.unzero_residual_norms(m)
+    verify.unzero_residual_norms(m)
     x = torch.randn(8, 3, size, size, device="cuda")
     if amp == "fp32":
         prev = torch.get_float32_matmul_precision()

@@ -11,8 +11,8 @@ from ...api import attention
 from ...dispatch import autocast_dtype, triton_serves
 from ...kernels.limits import HEAD_DIMS
 from ..registry import Adapter, PatchState, bypass_reason, hooked
-from .common import ATTENTION_TARGETS, EXTRA, Kind, attention_kind, lean_option
-from .merging import FORK_BLOCKS, MERGING, AggregatorCall, TokenMerging, fork_merge, merge_mean, unmerge
+from .common import ATTENTION_TARGETS, EXTRA, Kind, attention_kind, check_options, lean_option
+from .merging import FORK_BLOCKS, MERGING, AggregatorCall, fork_merge, merge_mean, unmerge
 
 
 def observed(module) -> bool:
@@ -220,10 +220,11 @@ class VGGTAttentionAdapter(Adapter):
     def classes(self) -> tuple[type, ...]:
         return tuple(dict.fromkeys([*super().classes(), *EXTRA["attention"]]))
 
+    def check_options(self, options):
+        check_options(options)
+
     def skip_reason(self, module, options):
         tm = options.get("token_merging")
-        if tm is not None and not isinstance(tm, TokenMerging):
-            raise TypeError(f"token_merging must be an elsa_vision.TokenMerging or None, got {type(tm).__name__}")
         if tm is not None and attention_kind(type(module)).fork:
             raise ValueError("token_merging=TokenMerging(...) is for upstream VGGT; the FastVGGT fork merges tokens "
                              "itself (its `merging` setting) and its merged attention is patched without it")

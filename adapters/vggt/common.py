@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..registry import Adapter
+from ..registry import Adapter, check_count, check_flag
 
 
 ATTENTION_TARGETS = ("vggt.layers.attention:Attention", "vggt.layers.attention:MemEffAttention")
@@ -98,6 +98,27 @@ _BLOCKS.targets = BLOCK_TARGETS
 
 def block_classes() -> tuple[type, ...]:
     return (*_BLOCKS.classes(), *EXTRA["block"])
+
+
+def check_options(options: dict) -> None:
+    """The VGGT options' types and ranges (see the package docstring); ``patch`` runs this before it
+    touches any module. What depends on the model (layer indices against its depth, token merging on
+    the FastVGGT fork) is checked by the adapters' skip_reason, also before any module is patched."""
+    from .merging import TokenMerging
+    tm = options.get("token_merging")
+    if tm is not None and not isinstance(tm, TokenMerging):
+        raise TypeError(f"token_merging must be an elsa_vision.TokenMerging or None, got {type(tm).__name__}")
+    lean = options.get("lean_memory")
+    if not (lean is None or isinstance(lean, bool)):
+        if isinstance(lean, (str, bytes)) or not hasattr(lean, "__iter__") or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in lean):
+            raise TypeError(f"lean_memory must be True/False or a sequence of layer indices, got {lean!r}")
+    offload = check_flag(options, "lean_offload", False)
+    if offload and lean_option(options) is None:
+        raise ValueError("lean_offload=True moves the layers lean_memory keeps to host memory: "
+                         "pass lean_memory=True (or a list of layers) with it")
+    check_count(options, "lean_chunk", "tokens")
+    check_count(options, "head_chunk", "frames", none_ok=True)
 
 
 def lean_option(options: dict):

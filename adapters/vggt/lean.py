@@ -12,9 +12,9 @@ import torch
 
 from ..registry import Adapter, PatchState, hooked
 from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, observed, unsupported
-from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, EXTRA, attention_kind, block_classes, is_fork_aggregator,
-                     lean_option)
-from .merging import MERGING, AggregatorCall, TokenMerging, pattern_on
+from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, EXTRA, attention_kind, block_classes, check_options,
+                     is_fork_aggregator, lean_option)
+from .merging import MERGING, AggregatorCall, pattern_on
 
 
 HEAD_LAYERS = (4, 11, 17, 23)  # what VGGT's DPT heads (depth, point, track) read; the camera head reads the last
@@ -222,19 +222,11 @@ class VGGTAggregatorAdapter(Adapter):
     def classes(self) -> tuple[type, ...]:
         return tuple(dict.fromkeys([*super().classes(), *EXTRA["aggregator"]]))
 
+    def check_options(self, options):
+        check_options(options)
+
     def skip_reason(self, module, options):
         tm, lean = options.get("token_merging"), lean_option(options)
-        offload = options.get("lean_offload", False)
-        if not isinstance(offload, bool):
-            raise TypeError(f"lean_offload must be True or False, got {offload!r}")
-        if offload and lean is None:
-            raise ValueError("lean_offload=True moves the layers lean_memory keeps to host memory: "
-                             "pass lean_memory=True (or a list of layers) with it")
-        if tm is not None and not isinstance(tm, TokenMerging):
-            raise TypeError(f"token_merging must be an elsa_vision.TokenMerging or None, got {type(tm).__name__}")
-        chunk = options.get("lean_chunk", 1 << 16)
-        if not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"lean_chunk must be a positive int (tokens), got {chunk!r}")
         if lean is None and tm is None:
             return "nothing to change (lean_memory and token_merging not requested)"
         if is_fork_aggregator(type(module)):
@@ -305,10 +297,10 @@ class VGGTDPTHeadAdapter(Adapter):
     def classes(self) -> tuple[type, ...]:
         return tuple(dict.fromkeys([*super().classes(), *EXTRA["dpt_head"]]))
 
+    def check_options(self, options):
+        check_options(options)
+
     def skip_reason(self, module, options):
-        chunk = options.get("head_chunk")
-        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"head_chunk must be a positive int (frames) or None, got {chunk!r}")
         return None if lean_option(options) is not None else "only used with lean_memory"
 
     def forward(self, head, state: PatchState, *args, **kwargs):
