@@ -139,15 +139,8 @@ def graphed(fn: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
     behind 0.5-1.3 ms of autograd and launches) is measured eagerly at the host's speed; replayed, at
     the GPU's. ``fn`` must not synchronise with the host. The warm-up runs on a side stream, as
     capture requires (it also initialises autograd's streams)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from elsa_vision.verify import capture
+    graph, _ = capture(fn, warmup)
     return graph.replay
 
 

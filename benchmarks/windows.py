@@ -148,20 +148,22 @@ def elsa_packed(block):
 
 
 def elsa_tuned(**knobs):
-    """elsa (auto) with kernels/window.py's tuning switches set for the call (see --tune)."""
-    from elsa_vision.kernels import window as W
+    """elsa (auto) with the window kernels' tuning switches (kernels/tiles.py, and the table
+    padding threshold of kernels/window.py) set for the call (see --tune)."""
+    from elsa_vision.kernels import tiles as T, window as W
+    where = {n: (T if hasattr(T, n) else W) for n in knobs}
 
     def f(q, k, v, bias, mask, dtype):
-        old = {n: getattr(W, n) for n in knobs}
+        old = {n: getattr(where[n], n) for n in knobs}
         for n, val in knobs.items():
-            setattr(W, n, val)
-        W.clear_plans()
+            setattr(where[n], n, val)
+        elsa_vision.clear_caches()
         try:
             return elsa_window("auto")(q, k, v, bias, mask, dtype)
         finally:
             for n, val in old.items():
-                setattr(W, n, val)
-            W.clear_plans()
+                setattr(where[n], n, val)
+            elsa_vision.clear_caches()
     return f
 
 

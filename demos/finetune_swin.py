@@ -204,30 +204,29 @@ class CapturedStep:
             self._capture(model, opt, x, y, amp, dev_type, warmup)
 
     def _capture(self, model, opt, x, y, amp, dev_type, warmup):
+        from elsa_vision.verify import capture
         self.x, self.y = x.clone(), y.clone()
         params = [p for p in model.parameters() if p.requires_grad]
         saved = [p.detach().clone() for p in params]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                opt.zero_grad(set_to_none=True)
-                _train_step(model, opt, self.x, self.y, amp, dev_type)
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.no_grad():
-            for p, s in zip(params, saved):
-                p.copy_(s)
-            for state in opt.state.values():
-                for v in state.values():
-                    if torch.is_tensor(v):
-                        v.zero_()
-        opt.zero_grad(set_to_none=True)  # the captured backward then writes (not adds) the gradients
-        self.graph = torch.cuda.CUDAGraph()
+
+        def step():  # (the gradients are None when the step is captured: its backward writes them)
+            opt.zero_grad(set_to_none=True)
+            return _train_step(model, opt, self.x, self.y, amp, dev_type)
+
+        def reset():  # undo the warm-up's updates in place (the graph keeps these tensors' addresses)
+            with torch.no_grad():
+                for p, s in zip(params, saved):
+                    p.copy_(s)
+                for state in opt.state.values():
+                    for v in state.values():
+                        if torch.is_tensor(v):
+                            v.zero_()
+            opt.zero_grad(set_to_none=True)  # the captured backward then writes (not adds) the gradients
+
         try:
             # thread_local: the DataLoader's pin-memory thread keeps allocating pinned host memory
             # while the step is captured, which the default (global) mode forbids
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.loss = _train_step(model, opt, self.x, self.y, amp, dev_type)
+            self.graph, self.loss = capture(step, warmup, mode="thread_local", reset=reset)
         except RuntimeError as e:
             raise SystemExit(f"--cuda-graph: the training step could not be captured ({str(e).splitlines()[0]}); "
                              "run without --cuda-graph") from None

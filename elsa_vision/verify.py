@@ -43,10 +43,12 @@ def oracle(q, k, v, *, bias=None, scale=None, causal=False, return_probs=False):
     return (out, p) if return_probs else out
 
 
-def capture(step: Callable[[], object], warmup: int = 1, *, mode: str = "global"):
+def capture(step: Callable[[], object], warmup: int = 1, *, mode: str = "global",
+            reset: Optional[Callable[[], None]] = None):
     """``step`` (no arguments) captured once into a CUDA graph → (graph, what the captured call
     returned). The warm-up runs on a side stream, as capture requires (it also initialises
-    autograd's streams); ``step`` must not synchronise with the host. ``mode`` is the capture error
+    autograd's streams); ``step`` must not synchronise with the host. ``reset`` runs between the
+    warm-up and the capture (e.g. to undo a training step's updates). ``mode`` is the capture error
     mode (``"thread_local"`` where another thread allocates while the graph is captured, e.g. a
     DataLoader's pin-memory thread)."""
     side = torch.cuda.Stream()
@@ -55,6 +57,8 @@ def capture(step: Callable[[], object], warmup: int = 1, *, mode: str = "global"
         for _ in range(warmup):
             step()
     torch.cuda.current_stream().wait_stream(side)
+    if reset is not None:
+        reset()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode=mode):
         out = step()
