@@ -95,11 +95,13 @@ def fits(model: str, size: int) -> bool:
 
 def quick_cases() -> list[Case]:
     """The cases the performance goals name: ViT-T fp32 forward at 768/1024 px and training step at
-    768 px (batch 16), ViT-B fp32 forward at 1024 px (batch 4), Swin-T and SwinV2-T training steps in
-    bf16 and fp32, plus one bf16 ViT forward."""
+    768 px (batch 16), ViT-B fp32 forward at 1024 px (batch 4), ViT-B bf16 at 224 px (training step
+    batch 64, inference batch 256), Swin-T and SwinV2-T training steps in bf16 and fp32, plus one
+    bf16 ViT-S forward and the Swin inference rows."""
     cs = [Case("ViT-T", s, 8, "fwd", "fp32") for s in (768, 1024)]
     cs += [Case("ViT-T", 768, 16, "train", "fp32"), Case("ViT-B", 1024, 4, "fwd", "fp32")]
     cs.append(Case("ViT-S", 224, 64, "fwd", "bf16"))
+    cs += [Case("ViT-B", 224, 64, "train", "bf16"), Case("ViT-B", 224, 256, "fwd", "bf16")]
     native = {"Swin-T": 224, "SwinV2-T": 256}  # each model's own resolution
     cs += [Case(m, native[m], 64, "train", dt) for m in SWIN for dt in ("bf16", "fp32")]
     cs += [Case(m, native[m], 8, "fwd", "bf16") for m in SWIN]
@@ -201,7 +203,19 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     # CUDA-graph modes allocate their memory pool while capturing in the warm-up, before the measured
     # call: its peak there says nothing, so no memory columns under them
     graphed_compile = compile_mode in ("reduce-overhead", "max-autotune")
+    if compile_mode is not None:
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
     res = measure(variants, warmup=warmup, rounds=rounds, budget_ms=budget_ms, memory=not graphed_compile)
+    if compile_mode is not None:
+        # every variant compiles in its warm-up; a graph compiled after that, or a graph break, means
+        # the timed calls were not all the steady compiled step
+        row["graphs_compiled"] = counters["stats"]["unique_graphs"]
+        row["graph_breaks"] = sum(counters["graph_break"].values())
+        for f in variants.values():
+            f()
+        row["steady"] = counters["stats"]["unique_graphs"] == row["graphs_compiled"] and not row["graph_breaks"]
     for name, r in res.items():
         row[f"{name}_ms"] = r.ms
         row[f"{name}_mib"] = None if r.peak_bytes is None else r.peak_bytes / 2**20
@@ -357,6 +371,8 @@ def main(argv=None) -> int:
         cols += ["elsa_graph_ms", "graph_speedup_vs_fused", "graph_speedup_vs_unfused"]
         if a.nofuse:
             cols += ["nofuse_graph_speedup_vs_fused", "nofuse_graph_speedup_vs_unfused"]
+    if a.compile:
+        cols += ["graphs_compiled", "graph_breaks", "steady"]
     print(fmt_table(rows, cols))
     errs = [(r, k) for r in rows for k in r if k.endswith("error")]
     for r, k in errs:

@@ -744,12 +744,15 @@ def test_gpu_quickstart():
     """The README's command, on the GPU: exits 0 only if every output check passes."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    import os
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
+    # (the demo imports the installed package; a checkout that is not installed is put on the path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, str(root / "demos" / "quickstart.py"), "--rounds", "5"],
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
 
 
