@@ -10,8 +10,8 @@ import torch
 from ...api import attention
 from ...dispatch import autocast_dtype, triton_serves
 from ...kernels.limits import HEAD_DIMS
-from ..registry import Adapter, PatchState, bypass_reason, hooked
-from .common import ATTENTION_TARGETS, EXTRA, Kind, attention_kind, check_options, lean_option
+from ..registry import PatchState, bypass_reason, hooked
+from .common import ATTENTION_TARGETS, Kind, VGGTAdapter, attention_kind, lean_option
 from .merging import FORK_BLOCKS, MERGING, AggregatorCall, fork_merge, merge_mean, unmerge
 
 
@@ -210,18 +210,14 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
     return y
 
 
-class VGGTAttentionAdapter(Adapter):
+class VGGTAttentionAdapter(VGGTAdapter):
     """ELSA forward for vggt's ``Attention`` / ``MemEffAttention`` (and the FastVGGT fork's)."""
 
     name = "vggt"
     targets = ATTENTION_TARGETS
     options = frozenset({"lean_memory", "lean_chunk"})
 
-    def classes(self) -> tuple[type, ...]:
-        return tuple(dict.fromkeys([*super().classes(), *EXTRA["attention"]]))
-
-    def check_options(self, options):
-        check_options(options)
+    extra = "attention"
 
     def skip_reason(self, module, options):
         tm = options.get("token_merging")

@@ -100,6 +100,19 @@ def block_classes() -> tuple[type, ...]:
     return (*_BLOCKS.classes(), *EXTRA["block"])
 
 
+class VGGTAdapter(Adapter):
+    """What the VGGT adapters share: their classes are vggt's (``targets``) and those registered
+    under ``extra`` with :func:`register_classes`, and the VGGT options are checked once for all."""
+
+    extra: str = ""
+
+    def classes(self) -> tuple[type, ...]:
+        return tuple(dict.fromkeys([*super().classes(), *EXTRA[self.extra]]))
+
+    def check_options(self, options: dict) -> None:
+        check_options(options)
+
+
 def check_options(options: dict) -> None:
     """The VGGT options' types and ranges (see the package docstring); ``patch`` runs this before it
     touches any module. What depends on the model (layer indices against its depth, token merging on

@@ -10,9 +10,9 @@ from typing import Optional
 
 import torch
 
-from ..registry import Adapter, PatchState, hooked
+from ..registry import PatchState, hooked
 from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, observed, unsupported
-from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, EXTRA, attention_kind, block_classes, check_options,
+from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, VGGTAdapter, attention_kind, block_classes,
                      is_fork_aggregator, lean_option)
 from .merging import MERGING, AggregatorCall, pattern_on
 
@@ -212,18 +212,14 @@ def _to_host(frame: torch.Tensor, glob: torch.Tensor, step: int) -> torch.Tensor
     return out
 
 
-class VGGTAggregatorAdapter(Adapter):
+class VGGTAggregatorAdapter(VGGTAdapter):
     """Lean memory and the token-merging context for vggt's ``Aggregator``."""
 
     name = "vggt-aggregator"
     targets = AGGREGATOR_TARGETS
     options = frozenset({"lean_memory", "lean_chunk", "lean_offload"})
 
-    def classes(self) -> tuple[type, ...]:
-        return tuple(dict.fromkeys([*super().classes(), *EXTRA["aggregator"]]))
-
-    def check_options(self, options):
-        check_options(options)
+    extra = "aggregator"
 
     def skip_reason(self, module, options):
         tm, lean = options.get("token_merging"), lean_option(options)
@@ -286,7 +282,7 @@ def _frames_on(tokens_list: "LeanLayerList", f0: int, f1: int, device) -> "LeanL
     return LeanLayerList(items, tokens_list.kept)
 
 
-class VGGTDPTHeadAdapter(Adapter):
+class VGGTDPTHeadAdapter(VGGTAdapter):
     """Lean mode for vggt's ``DPTHead``: the same frame chunks, written into preallocated outputs
     instead of concatenated at the end (one copy of the full-resolution outputs, not two)."""
 
@@ -294,11 +290,7 @@ class VGGTDPTHeadAdapter(Adapter):
     targets = DPT_HEAD_TARGETS
     options = frozenset({"lean_memory", "head_chunk"})
 
-    def classes(self) -> tuple[type, ...]:
-        return tuple(dict.fromkeys([*super().classes(), *EXTRA["dpt_head"]]))
-
-    def check_options(self, options):
-        check_options(options)
+    extra = "dpt_head"
 
     def skip_reason(self, module, options):
         return None if lean_option(options) is not None else "only used with lean_memory"
