@@ -120,3 +120,21 @@ def assert_fake_matches_real(op, *args):
         rs = [s for s, n in zip(r.stride(), r.shape) if n > 1]
         fs = [s for s, n in zip(f.stride(), f.shape) if n > 1]
         assert rs == fs, f"output {i} {tuple(r.shape)}: strides {r.stride()} but the fake has {f.stride()}"
+
+
+def elsa_forward_calls(gm) -> int:
+    """How many ELSA attention forwards a traced graph calls: the forward ops themselves where they
+    are opaque custom ops (the CPU interpreter), or the launches of the forward kernels that
+    torch.compile traced them into (triton_ops on the GPU)."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = str(node.target)
+        if target.startswith("elsa_vision.") and target.split(".")[1] in ("attention_fwd", "window_fwd"):
+            n += 1
+        elif "triton_kernel_wrapper" in target:
+            fn = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            n += getattr(fn, "fn", fn).__name__ in ("_fwd_kernel", "_win_fwd_kernel")
+    return n

@@ -12,7 +12,7 @@ from ...dispatch import autocast_dtype, triton_serves
 from ...kernels.limits import HEAD_DIMS
 from ..registry import PatchState, bypass_reason, hooked
 from .common import ATTENTION_TARGETS, Kind, VGGTAdapter, attention_kind, lean_option
-from .merging import FORK_BLOCKS, MERGING, AggregatorCall, fork_merge, merge_mean, unmerge
+from .merging import FORK_BLOCKS, AggregatorCall, fork_merge, merge_mean, merging_now, unmerge
 
 
 def observed(module) -> bool:
@@ -148,7 +148,7 @@ def unsupported(module, kind: "Kind", x, pos, attn_bias, merging) -> Optional[st
 
 def merge_call(module) -> Optional[AggregatorCall]:
     """The running aggregator call if it merges tokens in this module's block."""
-    call = MERGING.get()
+    call = merging_now()
     layer = call.layers.get(id(module)) if call is not None else None
     if layer is not None and layer >= call.cfg.start_layer and not module.training:
         return call

@@ -3,6 +3,7 @@ its blocks with bounded transient memory, and the DPT heads write their chunks i
 outputs; the aggregator adapter also sets the token-merging context of a call."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
@@ -14,7 +15,7 @@ from ..registry import PatchState, hooked
 from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, observed, unsupported
 from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, VGGTAdapter, attention_kind, block_classes,
                      is_fork_aggregator, lean_option)
-from .merging import MERGING, AggregatorCall, pattern_on
+from .merging import AggregatorCall, merging, pattern_on
 
 
 HEAD_LAYERS = (4, 11, 17, 23)  # what VGGT's DPT heads (depth, point, track) read; the camera head reads the last
@@ -242,14 +243,14 @@ class VGGTAggregatorAdapter(VGGTAdapter):
             return state.delegate(images, *args, reason="images not [B, S, 3, H, W]", **kwargs)
         opts = state.options
         cfg, lean = opts.get("token_merging"), lean_option(opts)
-        token = None
+        scope = contextlib.nullcontext()
         if cfg is not None:
             grid = (images.shape[-2] // agg.patch_size, images.shape[-1] // agg.patch_size)
             layers = {id(b.attn): i for i, b in enumerate(agg.global_blocks) if hasattr(b, "attn")}
             # the pattern goes to the device before any block is queued: a host-to-device copy
             # later would wait for the GPU to drain its queue
             pattern = tuple(t.to(images.device) for t in pattern_on(images.shape[1], grid, agg.patch_start_idx, cfg))
-            token = MERGING.set(AggregatorCall(cfg, images.shape[1], grid, agg.patch_start_idx, layers, pattern))
+            scope = merging(AggregatorCall(cfg, images.shape[1], grid, agg.patch_start_idx, layers, pattern))
         keep = _kept_layers(agg.depth, lean) if lean is not None else None
         host = {} if keep is not None and opts.get("lean_offload") else None
         if keep is not None:
@@ -259,13 +260,12 @@ class VGGTAggregatorAdapter(VGGTAdapter):
             agg.__dict__["_process_frame_attention"] = _lean_process(agg, "frame", keep, chunk, host, embed)
             agg.__dict__["_process_global_attention"] = _lean_process(agg, "global", keep, chunk, host)
         try:
-            outputs, patch_start_idx = state.original(images, *args, **kwargs)
+            with scope:
+                outputs, patch_start_idx = state.original(images, *args, **kwargs)
         finally:
             if keep is not None:
                 for name in ("patch_embed", "_process_frame_attention", "_process_global_attention"):
                     agg.__dict__.pop(name, None)
-            if token is not None:
-                MERGING.reset(token)
         if keep is not None:
             if host:
                 if images.is_cuda:
