@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -186,8 +187,10 @@ def test_compile_fullgraph(name):
         m = timm.create_model(name, pretrained=False, img_size=32, depths=(2,), num_heads=(2,), embed_dim=32,
                               window_size=4, drop_path_rate=0.0)
         verify.unzero_residual_norms(m)
-    m.eval()
-    x = _img(2, 32)
+    # on the kernels' device: CPU tensors under the interpreter, CUDA ones on a GPU machine
+    dev = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
+    m.eval().to(dev)
+    x = _img(2, 32).to(dev)
     with torch.no_grad():
         ref = m(x)
     elsa_vision.patch(m)
