@@ -51,7 +51,7 @@ import triton.language as tl
 
 from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3, TF32X3, cast, dk_units, dot, dot3,
                      dot_nt, ds_k, ds_units, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
-from .launch import INTERPRET, allocations_only, cdiv, host_cache, launch, pow2  # noqa: F401 (allocations_only: benchmarks)
+from .launch import INTERPRET, cdiv, host_cache, launch, pow2
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
 from .tiles import PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions
 

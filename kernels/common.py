@@ -3,8 +3,9 @@
 Precision codes. Every kernel takes its float32 matmul mode as the constexpr ``PREC``:
 
   IEEE    strict float32 (FMA products)
-  TF32    the tensor core's tf32 product (operands rounded to nearest first); also the code of
-          half-precision inputs, which always take their own tensor-core product
+  (2)     the tensor core's tf32 product (operands rounded to nearest first), the code no kernel
+          tests for (every other branch falls to it); also the code of half-precision inputs,
+          which always take their own tensor-core product
   TF32X3  3xTF32: each operand split into tf32 hi + lo parts, three products (an operand reused
           across a loop is split once per program, not once per dot)
   FP16X3  each operand scaled by a power of two, then split into float16 hi + lo parts: the same
@@ -23,7 +24,6 @@ from .launch import INTERPRET
 
 PRECISION_CODES = {"ieee": 0, "tf32": 2, "native": 2, "tf32x3": 3, "fp16x3": 4}
 IEEE = tl.constexpr(0)
-TF32 = tl.constexpr(2)
 TF32X3 = tl.constexpr(3)
 FP16X3 = tl.constexpr(4)
 

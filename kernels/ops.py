@@ -112,7 +112,7 @@ class KernelOp:
     def _bias_grad(self, ctx, saved) -> bool:
         return bool(saved[self.bias_input] is not None and ctx.needs_input_grad[self.bias_input])
 
-    def _op_backward(self, ctx, dout, dstats):
+    def _op_backward(self, ctx, dout, _dstats):  # (the statistics take no gradient)
         saved = ctx.saved_tensors
         bias_grad = self._bias_grad(ctx, saved)
         dq, dk, dv, dbias = self.bwd(dout, *saved, *ctx.args, bias_grad)
@@ -137,7 +137,7 @@ class KernelOp:
                 return out, stats
 
             @staticmethod
-            def backward(ctx, dout, dstats):
+            def backward(ctx, dout, _dstats):
                 check_first_order(op.what)
                 saved = ctx.saved_tensors
                 bias_grad = op._bias_grad(ctx, saved)

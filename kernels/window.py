@@ -781,7 +781,10 @@ def _prepared(key: tuple, make, *args):
 
 
 def clear_plans() -> None:
-    """Forget every plan: kept for existing callers, same as ``elsa_vision.clear_caches()``."""
+    """Deprecated: ``elsa_vision.clear_caches()`` forgets every plan of every kernel family."""
+    import warnings
+    warnings.warn("kernels.window.clear_plans() is deprecated; use elsa_vision.clear_caches()", DeprecationWarning,
+                  stacklevel=2)
     clear_caches()
 
 
