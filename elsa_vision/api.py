@@ -41,24 +41,6 @@ def resolve_precision(precision: str, dtype: torch.dtype) -> str:
     return precision
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -135,10 +117,6 @@ def _nothing_to_attend(shape, q, k, v) -> torch.Tensor:
     """Zeros of ``shape`` for a call with no key or no query, connected to the inputs by empty sums
     so that autograd gives them zero gradients."""
     return torch.zeros(shape, dtype=q.dtype, device=q.device) + (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum())
-
-
-
-
 
 
 def window_attention(

@@ -794,7 +794,6 @@ def _launch_plan(bh: int, nq: int, nk: int, d: int, dtype: torch.dtype, has_bias
     return cfg, n_part, part_len
 
 
-
 def _f16_scales(q, k, v, do=None):
     """The Scales tensor of _f16_scales_kernel: forward (do None) [B·H, 2 + D_PAD], backward [B·H, 4]."""
     B, H, Nq, D = q.shape
@@ -941,7 +940,6 @@ def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """→ [dq, dk, dv, dbias]; dbias is an empty tensor unless ``bias_grad``."""
     dq, dk, dv, dbias = backward(do, q, k, v, bias, out, stats, scale, causal, precision, bias_grad)
     return [dq, dk, dv, dbias if dbias is not None else q.new_empty(0)]
-
 
 
 def _save(inputs, outputs):

@@ -161,7 +161,6 @@ def plan_partitions(batch_heads: int, nq: int, nk: int, block_m: int, block_n: i
     return cdiv(n_tiles, tiles_per), tiles_per * block_n
 
 
-
 _KV_HALF_64 = (32, 128, 4, 4)
 _KV_HALF_128 = (64, 64, 4, 2)
 _KV_TF32X3_64 = (64, 128, 8, 2)

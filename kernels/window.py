@@ -943,7 +943,6 @@ def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return [dq, dk, dv, dbias.contiguous() if dbias is not None else q.new_empty(0)]
 
 
-
 def _save(inputs, outputs):
     q, k, v, bias, mask, scale, precision, block, wpp = inputs
     out, stats = outputs
