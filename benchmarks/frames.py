@@ -1,7 +1,7 @@
 """VGGT vs frame count: ELSA against native SDPA, with and without token merging, lean vs default
 memory; the FastVGGT fork side by side when its source is available.
 
-    python benchmarks/frames.py --quick                         # 8/16/32 frames, bf16, < 3 min on an H100
+    python benchmarks/frames.py --quick                         # 8/16/32 frames, bf16, a few minutes
     python benchmarks/frames.py --dtype fp32 --frames 50,100 --parts aggregator --variants native,elsa
     python benchmarks/frames.py --dtype bf16 --frames 400 --variants native,elsa,elsa-merge,elsa-lean
     python benchmarks/frames.py --dtype bf16 --frames 1000,2000 --parts full --variants elsa-lean-merge
@@ -32,7 +32,7 @@ Timing: one case of VGGT at hundreds of frames takes tens of seconds, so each va
 ``--repeats`` times (default 1; minimum reported) and every run records its time (CUDA events) and
 its peak memory above what was allocated before the call (weights, input) — not the harness's
 separate warm-up / memory / timing calls. A warm-up pass at 2 frames compiles every kernel first
-(``--no-warmup`` skips it: then ELSA's times include Triton's compile, about 2 s; column warm_up).
+(``--no-warmup`` skips it: then ELSA's times include Triton's compile, seconds; column warm_up).
 Variants of one case run back to back (interleaved across repeats). A variant that runs out of
 memory is recorded as OOM and skipped at larger frame counts.
 
@@ -44,6 +44,7 @@ fastvggt-native, fastvggt-native vs fastvggt-nomerge-native.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -168,82 +169,84 @@ def accuracy(out, ref) -> dict:
 def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats, warmup, hw, log=print,
           rehearsal=False, rows=None):
     """Run every (dtype, frames, part, variant); ``apply(model, variant, dtype)`` sets the model up for
-    a variant and returns an undo function. Returns CSV rows. ``rehearsal``: ELSA's attention only
-    allocates (see rehearse_attention); rows then carry the peak memory alone."""
+    a variant and returns an undo function. Returns CSV rows. ``rehearsal``: the whole sweep runs
+    under :func:`rehearse_attention` (ELSA's attention only allocates); rows then carry the peak
+    memory alone."""
     rows, oom = ([] if rows is None else rows), set()  # a caller's list keeps the rows of a failed sweep
     P = 5 + (hw[0] // 14) * (hw[1] // 14)
-    for dname in dtypes:
-        dtype = DTYPES[dname]
-        prev = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-        try:
-            if warmup:  # compile every kernel of every variant before timing anything
-                x = synthetic_frames(2, hw)
-                for part in parts:
-                    for v in variants:
-                        undo = apply(model, v, dtype)
-                        try:
-                            forward(model, part, x, dtype)
-                        finally:
-                            undo()
-                del x
-            for S in frames_by_dtype[dname]:
-                x = synthetic_frames(S, hw)
-                for part in parts:
-                    best = {v: None for v in variants}
-                    outs = {}
-                    for rep in range(repeats):
+    with rehearse_attention() if rehearsal else contextlib.nullcontext():
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            prev = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("highest")
+            try:
+                if warmup:  # compile every kernel of every variant before timing anything
+                    x = synthetic_frames(2, hw)
+                    for part in parts:
                         for v in variants:
-                            if (dname, part, v) in oom:
-                                continue
                             undo = apply(model, v, dtype)
-                            failed = None
                             try:
-                                out, ms, peak = timed_call(lambda: forward(model, part, x, dtype))
-                            except RuntimeError as e:
-                                failed = out_of_memory(e)
-                                if not failed:
-                                    raise
+                                forward(model, part, x, dtype)
                             finally:
                                 undo()
-                            if failed:  # out of the except block: its traceback no longer holds tensors
-                                oom.add((dname, part, v))
-                                best[v] = failed
-                                free_memory()
-                                continue
-                            if best[v] is None or ms < best[v][0]:
-                                best[v] = (ms, peak)
-                            outs[v] = out
-                            del out
-                    for v, r in best.items():
-                        row = {"part": part, "dtype": dname, "frames": S, "tokens": S * P, "variant": v,
-                               "repeats": repeats, "warm_up": bool(warmup),
-                               "precision": FP32_PRECISION if dname == "fp32" and v != native_of(v) else ""}
-                        if r is None:
-                            row["status"] = "skipped (OOM at fewer frames)"
-                        elif isinstance(r, str):
-                            row["status"] = r
-                        elif rehearsal:
-                            row.update(status="memory rehearsal", peak_gib=r[1] / 2**30)
-                        else:
-                            ms, peak = r
-                            row.update(status="ok", seconds=ms / 1e3, peak_gib=peak / 2**30)
-                            base = best.get(native_of(v))
-                            if isinstance(base, tuple):
-                                row["speedup_vs_native"] = base[0] / ms
-                                if base[1] > 0:
-                                    row["memory_vs_native"] = peak / base[1]
-                            ref = REFERENCE.get(v)
-                            acc = accuracy(outs.get(v), outs.get(ref))
-                            if acc:
-                                row.update(accuracy_vs=ref, **acc)
-                        rows.append(row)
-                        log(_line(row))
-                    del outs
-                del x
-                free_memory()
-        finally:
-            torch.set_float32_matmul_precision(prev)
+                    del x
+                for S in frames_by_dtype[dname]:
+                    x = synthetic_frames(S, hw)
+                    for part in parts:
+                        best = {v: None for v in variants}
+                        outs = {}
+                        for rep in range(repeats):
+                            for v in variants:
+                                if (dname, part, v) in oom:
+                                    continue
+                                undo = apply(model, v, dtype)
+                                failed = None
+                                try:
+                                    out, ms, peak = timed_call(lambda: forward(model, part, x, dtype))
+                                except RuntimeError as e:
+                                    failed = out_of_memory(e)
+                                    if not failed:
+                                        raise
+                                finally:
+                                    undo()
+                                if failed:  # out of the except block: its traceback no longer holds tensors
+                                    oom.add((dname, part, v))
+                                    best[v] = failed
+                                    free_memory()
+                                    continue
+                                if best[v] is None or ms < best[v][0]:
+                                    best[v] = (ms, peak)
+                                outs[v] = out
+                                del out
+                        for v, r in best.items():
+                            row = {"part": part, "dtype": dname, "frames": S, "tokens": S * P, "variant": v,
+                                   "repeats": repeats, "warm_up": bool(warmup),
+                                   "precision": FP32_PRECISION if dname == "fp32" and v != native_of(v) else ""}
+                            if r is None:
+                                row["status"] = "skipped (OOM at fewer frames)"
+                            elif isinstance(r, str):
+                                row["status"] = r
+                            elif rehearsal:
+                                row.update(status="memory rehearsal", peak_gib=r[1] / 2**30)
+                            else:
+                                ms, peak = r
+                                row.update(status="ok", seconds=ms / 1e3, peak_gib=peak / 2**30)
+                                base = best.get(native_of(v))
+                                if isinstance(base, tuple):
+                                    row["speedup_vs_native"] = base[0] / ms
+                                    if base[1] > 0:
+                                        row["memory_vs_native"] = peak / base[1]
+                                ref = REFERENCE.get(v)
+                                acc = accuracy(outs.get(v), outs.get(ref))
+                                if acc:
+                                    row.update(accuracy_vs=ref, **acc)
+                            rows.append(row)
+                            log(_line(row))
+                        del outs
+                    del x
+                    free_memory()
+            finally:
+                torch.set_float32_matmul_precision(prev)
     return rows
 
 
@@ -282,16 +285,15 @@ REHEARSAL_VARIANTS = ("elsa", "elsa-lean", "elsa-lean-offload")
 
 
 def rehearse_attention():
-    """The kernels allocate and launch nothing (``elsa_vision.kernels.launch.allocations_only``):
-    ELSA's attention allocates its output, row statistics and, for a split launch, the phase-1
-    summaries, as a real call plans them, and everything else runs as is, so a call's peak memory
-    is the real run's, in minutes instead of the hours of attention arithmetic at thousands of
-    frames. Returns the undo. Outputs are garbage: only the memory column means anything. Variants
-    whose shapes depend on values (token merging) or that run SDPA (native) are not rehearsed."""
+    """The switch under which ELSA's Triton kernels allocate and launch nothing
+    (``elsa_vision.kernels.launch.allocations_only``, a context manager): ELSA's attention allocates
+    its output, row statistics and, for a split launch, the phase-1 summaries, as a real call plans
+    them, and everything else runs as is, so a call's peak memory is the real run's, in minutes
+    instead of the hours of attention arithmetic at thousands of frames. Outputs are garbage: only
+    the memory column means anything. Variants whose shapes depend on values (token merging) or that
+    run SDPA (native) are not rehearsed."""
     from elsa_vision.kernels.launch import allocations_only
-    ctx = allocations_only()
-    ctx.__enter__()
-    return lambda: ctx.__exit__(None, None, None)
+    return allocations_only()
 
 
 def native_of(variant: str) -> str:
@@ -545,7 +547,6 @@ def main():
     print(f"VGGT ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, random weights"
           f"{'' if not args.weights else ' → ' + args.weights}) on {metadata()['device']}; "
           f"{hw[0]}x{hw[1]}, {5 + (hw[0] // 14) * (hw[1] // 14)} tokens per frame")
-    undo = rehearse_attention() if args.memory_rehearsal else (lambda: None)
     rows = []
     try:
         sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
@@ -555,8 +556,6 @@ def main():
             print(f"\nsweep failed; wrote the rows measured so far to "
                   f"{write_csv(rows, results_dir() / (args.name + '_partial.csv'))}")
         raise
-    finally:
-        undo()
     prof_rows = profile_variants(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, hw) \
         if args.profile else []
     del model

@@ -114,9 +114,9 @@ def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, round
         rounds = max(3, min(rounds, int(budget_ms / max(one, 1e-3))))
     r = 0
     while alive and (r < rounds or (min_time_ms and min(sum(t) for t in times.values()) < min_time_ms)):
-        # a call is measurably slower after some variants (0.03-0.1 ms after timm's unfused window
-        # path on an H200, for a 0.3-1 ms kernel), so each round runs them in a new order: no
-        # variant always follows the same one (rotating would keep the neighbours)
+        # a call can be measurably slower right after some variants (e.g. after timm's unfused
+        # window path), so each round runs them in a new order: no variant always follows the
+        # same one (rotating would keep the neighbours)
         order = list(alive.items())
         random.Random(r).shuffle(order)
         for name, fn in order:
@@ -135,10 +135,10 @@ def graphed(fn: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
 
     Timing the replay leaves out the host's work (Python, argument checks, dispatch, kernel
     launches): what a captured training step or ``torch.compile(mode="reduce-overhead")`` runs.
-    A call whose host work takes longer than its kernels (a late Swin stage: 0.1-0.4 ms of GPU work
-    behind 0.5-1.3 ms of autograd and launches) is measured eagerly at the host's speed; replayed, at
-    the GPU's. ``fn`` must not synchronise with the host. The warm-up runs on a side stream, as
-    capture requires (it also initialises autograd's streams)."""
+    A call whose host work takes longer than its kernels (a late Swin stage: little GPU work behind
+    autograd and many launches) is measured eagerly at the host's speed; replayed, at the GPU's.
+    ``fn`` must not synchronise with the host. Captured by :func:`elsa_vision.verify.capture` (its
+    warm-up runs on a side stream, as capture requires)."""
     from elsa_vision.verify import capture
     graph, _ = capture(fn, warmup)
     return graph.replay

@@ -1,6 +1,6 @@
 """Model benchmark: timm ViT / Swin with ELSA against timm's own attention, same process, interleaved.
 
-    python benchmarks/models.py --quick            # the headline cases, < 3 min on an H100
+    python benchmarks/models.py --quick            # the headline cases, a few minutes
     python benchmarks/models.py --family vit       # ViT-T/S/B x 224/384/512/768/1024 x batch 8/64
     python benchmarks/models.py --family swin      # Swin-T, SwinV2-T x 224/256/384/512 x batch 8/64
     python benchmarks/models.py --quick --profile  # + CUDA time per kernel category per variant
@@ -20,8 +20,8 @@ attention modules only, timm's cyclic shift and window partition / merge copies 
 show what running the blocks' shifted windows in place adds.
 
 A training step is forward + backward + SGD step. fp32 runs with ``torch.set_float32_matmul_precision
-("highest")`` (native attention is true fp32; ELSA runs its fp32-accurate 3xTF32 mode); pass
-``--matmul high`` to let both use TF32 (ELSA's ``tf32`` mode). Columns: median latency (ms) and
+("highest")`` (native attention is true fp32; ELSA's "auto" runs its float32-accurate fp16x3 mode);
+pass ``--matmul high`` to let both use TF32 (ELSA's ``tf32`` mode). Columns: median latency (ms) and
 peak memory above the weights (MiB) per variant, ``speedup_vs_<baseline>`` = baseline ms / ELSA ms
 (> 1: ELSA faster), ``mem_vs_<baseline>`` = ELSA MiB / baseline MiB, and for forward cases
 ``max_diff`` = max |ELSA − fused (or unfused)| of the outputs. A variant that runs out of memory
@@ -305,7 +305,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the headline cases only (< 3 min on an H100)")
+    ap.add_argument("--quick", action="store_true", help="the headline cases only (a few minutes)")
     ap.add_argument("--family", choices=["vit", "swin", "all"], default="all")
     ap.add_argument("--models", nargs="*", help=f"subset of {list(VIT) + list(SWIN)}")
     ap.add_argument("--sizes", nargs="*", type=int, help="image sizes (replace the defaults; filter with --quick)")

@@ -1,7 +1,7 @@
 """Swin window-attention benchmark: ELSA's window kernel vs timm's own two paths, same process, interleaved.
 
     python benchmarks/windows.py            # all shapes, fp32 + bf16, fwd and fwd+bwd, block sweep
-    python benchmarks/windows.py --quick    # the four Swin-T stages + SwinV2 window 8 and 16, no sweep (~2 min)
+    python benchmarks/windows.py --quick    # the four Swin-T stages + SwinV2 window 8 and 16, no sweep
     python benchmarks/windows.py --tune --shapes swinT-s1,swinT-s4,v2w16-s1   # kernel tuning switches
     python benchmarks/windows.py --quick --profile   # + CUDA time per kernel and host time per call
     python benchmarks/windows.py --blocks   # Swin blocks' whole _attn: shift + windows + attention

@@ -1,6 +1,6 @@
 """Quickstart: put ELSA into a timm ViT and a Swin, check it against native attention, time it.
 
-    python demos/quickstart.py              # GPU if there is one, else a small CPU run (~1 min)
+    python demos/quickstart.py              # GPU if there is one, else a small CPU run
     python demos/quickstart.py --device cpu
 
 What it does, per model (random weights, built locally — nothing is downloaded):

@@ -14,8 +14,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks import harness  # noqa: E402
-from test_vggt import make_standin, standin  # noqa: E402,F401  (the stand-in model and its class registration)
+import vggt_standin as V  # noqa: E402
 from elsa_vision.adapters import vggt as A  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def standin():
+    """The VGGT stand-in's classes served by the adapter (as in test_vggt.py)."""
+    remove = A.register_classes(**V.CLASSES)
+    yield
+    remove()
+
+
+def make_standin(seed=0):
+    torch.manual_seed(seed)
+    return V.VGGT().eval()
 
 
 def test_measure_varies_the_order_so_no_variant_always_follows_the_same_one():
@@ -152,16 +165,16 @@ def test_frames_benchmark_records_out_of_memory(standin, monkeypatch):
 
 
 def test_frames_memory_rehearsal(standin, monkeypatch):
-    """frames.py --memory-rehearsal: the Triton forward only allocates (the same output layout and
-    statistics, and a split launch's summaries), rows carry the peak memory and no time; launches
-    run again after the undo."""
+    """frames.py --memory-rehearsal: under the kernels' allocations-only switch the Triton forward
+    only allocates (the same output layout and statistics, and a split launch's summaries), rows
+    carry the peak memory and no time; launches run again after the switch."""
     from benchmarks import frames as FB
     from elsa_vision.kernels import attention as K
+    from elsa_vision.kernels.launch import allocations_only
     q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
     launched = []
     monkeypatch.setattr(K, "_fwd_kernel", type("Spy", (), {"__getitem__": lambda self, g: launched.append(g)})())
-    undo = FB.rehearse_attention()
-    try:
+    with allocations_only():
         out, stats = K.forward(q, k, v, None, 0.25, False, "ieee")
         ref = elsa_vision.attention(q, k, v, scale=0.25, backend="reference")
         assert out.shape == q.shape and out.stride() == ref.transpose(1, 2).contiguous().transpose(1, 2).stride()
@@ -170,18 +183,19 @@ def test_frames_memory_rehearsal(standin, monkeypatch):
         info = {}
         out, stats = K.forward(q, long_k, long_k, None, 0.25, False, "ieee", partitions=2, summaries=info)
         assert out.shape == q.shape and stats.shape == (1, 2, 2, 20) and info["W"].shape[1] == 2
-    finally:
-        undo()
     assert launched == []  # nothing was launched while rehearsing
-    monkeypatch.undo()
     monkeypatch.setattr(FB, "DEVICE", "cpu")
     m = make_standin()
 
     def apply(model, variant, dtype):
-        elsa_vision.patch(model, backend="reference")
+        elsa_vision.patch(model, backend="triton")
         return lambda: elsa_vision.unpatch(model)
 
     rows = FB.sweep(m, {"elsa": {}}, apply, ["aggregator"], ["fp32"], {"fp32": [2]}, 1, False, (42, 70),
                     log=lambda s: None, rehearsal=True)
     assert [r["status"] for r in rows] == ["memory rehearsal"] and "seconds" not in rows[0]
     assert "peak_gib" in rows[0] and "speedup_vs_native" not in rows[0]
+    assert launched == []  # the sweep ran the patched model under the switch
+    with pytest.raises(TypeError):  # and left it: the spy is launched (and fails) again
+        K.forward(q, k, v, None, 0.25, False, "ieee")
+    assert launched
