@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import importlib.util
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -185,6 +186,8 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
                         f"precision, token_merging, include, exclude and {sorted(known)}")
     from ..dispatch import check_backend_name
     check_backend_name(options.get("backend", "auto"))
+    check_patterns(include, "include")
+    check_patterns(exclude, "exclude")
     opts = dict(options, precision=precision, token_merging=token_merging)
     for adapter in ADAPTERS:  # every option checked before any module is touched
         adapter.check_options(opts)
@@ -229,13 +232,28 @@ def check_flag(options: dict, name: str, default: bool) -> bool:
 
 
 def check_count(options: dict, name: str, what: str, none_ok: bool = False) -> None:
-    """The option ``name``, when given, is a positive int (``what`` it counts), or None if ``none_ok``."""
+    """The option ``name``, when given, is a positive int (``what`` it counts), or None if ``none_ok``:
+    TypeError for another type, ValueError for an int below 1."""
     value = options.get(name)
     if value is None and (none_ok or name not in options):
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"patch(): {name} must be a positive int ({what}){' or None' if none_ok else ''}, "
-                         f"got {value!r}")
+    wanted = f"a positive int ({what}){' or None' if none_ok else ''}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"patch(): {name} must be {wanted}, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"patch(): {name} must be {wanted}, got {value!r}")
+
+
+def check_patterns(value, name: str) -> None:
+    """include / exclude: None or a list of glob patterns (a bare string would be read as one pattern
+    per character, and its "*" would match every module)."""
+    if value is None:
+        return
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"patch(): {name} must be a list of glob patterns, got the string {value!r}; "
+                        f"write {name}=[{value!r}]")
+    if not isinstance(value, Iterable) or isinstance(value, Iterator) or not all(isinstance(p, str) for p in value):
+        raise TypeError(f"patch(): {name} must be a list of glob patterns (str), got {value!r}")
 
 
 def hooked(module: Optional[torch.nn.Module], *, global_hooks: bool = True, backward: bool = False) -> bool:

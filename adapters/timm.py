@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from ..api import attention, shifted_window_attention, window_attention, window_attention_packed
+from ..kernels.limits import HEAD_DIMS
 from .registry import Adapter, PatchState, bypass_reason, check_flag, hooked, is_patched, register
 
 MIN_TIMM = (1, 0, 20)
@@ -85,13 +86,13 @@ def _old_timm() -> Optional[str]:
     return None
 
 
-def _check_common(module: torch.nn.Module, options: dict, head_dim: int) -> Optional[str]:
-    """Shared skip reasons (None if the module can be patched); patch() has checked the options."""
+def _check_common(head_dim: int) -> Optional[str]:
+    """Shared skip reasons (None if the module can be patched)."""
     why = _old_timm()
     if why:
         return why
-    if head_dim > 256:
-        return f"head dim {head_dim} > 256 is not supported by ELSA"
+    if head_dim > HEAD_DIMS[1]:
+        return f"head dim {head_dim} > {HEAD_DIMS[1]} is not supported by ELSA"
     return None
 
 
@@ -106,7 +107,7 @@ def _biased_qkv(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if getattr(module, "q_bias", None) is None:
         return module.qkv(x)
     bias = torch.cat((module.q_bias, module.k_bias, module.v_bias))
-    if getattr(module, "qkv_bias_separate", False):
+    if module.qkv_bias_separate:  # (EVA and Swin v2, the modules with q_bias, have it)
         qkv = module.qkv(x)
         qkv += bias
         return qkv
@@ -124,7 +125,7 @@ def _self_attention(module, state: PatchState, q, k, v, attn_mask, is_causal) ->
 
     Scale as the original: SDPA's default 1/√D on the fused path, ``module.scale`` on the
     unfused one (they differ only if someone changed ``module.scale``)."""
-    scale = None if getattr(module, "fused_attn", True) else float(module.scale)
+    scale = None if module.fused_attn else float(module.scale)
     return attention(q, k, v, bias=attn_mask, scale=scale, causal=bool(is_causal),
                             precision=state.options.get("precision", "auto"), backend=_backend(state))
 
@@ -141,6 +142,8 @@ def _finish(module, x: torch.Tensor, gate: Optional[torch.Tensor], width: int) -
 
 
 def _gate(module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    # (the getattr defaults in this file are for attributes later timm versions added: gate, attn_dim,
+    # num_kv_heads / num_kv_groups; and q_bias, which only EVA and Swin v2 have)
     g = getattr(module, "gate", None)
     return g(x).sigmoid() if g is not None else None
 
@@ -154,7 +157,7 @@ class TimmAttention(Adapter):
     targets = ("timm.layers.attention:Attention",)
 
     def skip_reason(self, module, options):
-        return _check_common(module, options, module.head_dim)
+        return _check_common(module.head_dim)
 
     def forward(self, module, state, x, attn_mask=None, is_causal=False):
         why = _bypass_reason(module)
@@ -181,7 +184,7 @@ class TimmRopeAttention(Adapter):
     targets = ("timm.layers.attention:AttentionRope", "timm.models.eva:EvaAttention")
 
     def skip_reason(self, module, options):
-        return _check_common(module, options, module.head_dim)
+        return _check_common(module.head_dim)
 
     def forward(self, module, state, x, rope=None, attn_mask=None, is_causal=False):
         why = _bypass_reason(module)
@@ -204,7 +207,7 @@ class TimmRopeAttention(Adapter):
         if rope is not None:
             from timm.layers.pos_embed_sincos import apply_rot_embed_cat
             npt = module.num_prefix_tokens
-            half = getattr(module, "rotate_half", False)
+            half = module.rotate_half
             q = torch.cat([q[:, :, :npt, :], apply_rot_embed_cat(q[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
             k = torch.cat([k[:, :, :npt, :], apply_rot_embed_cat(k[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
         groups = getattr(module, "num_kv_groups", 1)
@@ -265,7 +268,7 @@ class _SwinBase(Adapter):
         return module.qkv.out_features // 3 // module.num_heads
 
     def skip_reason(self, module, options):
-        return _check_common(module, options, self._head_dim(module))
+        return _check_common(self._head_dim(module))
 
     def _qkv(self, module, x):
         raise NotImplementedError
@@ -326,7 +329,7 @@ class SwinWindowAttention(_SwinBase):
         # the kernels read it, without the permute + copy (the same values)
         n = module.window_area
         bias = _gather_heads(module.relative_position_bias_table, module.relative_position_index, n)
-        scale = None if getattr(module, "fused_attn", False) else float(module.scale)
+        scale = None if module.fused_attn else float(module.scale)
         return q, k, scale, bias
 
     def _attend(self, module, state, qkv, mask):
@@ -394,26 +397,20 @@ class SwinBlock(Adapter):
     def skip_reason(self, module, options):
         if not options.get("fuse_windows", True):
             return "fuse_windows=False: timm's shift and window partition run around the patched attention"
-        why = _old_timm()
-        if why:
-            return why
-        if not callable(getattr(module, "_attn", None)):
-            return "this timm version's block has no _attn method"
-        return None
+        return _old_timm()
 
     @staticmethod
     def _why_not(block, x) -> Optional[str]:
         """Why this call must run timm's own _attn (None: the fused path serves it)."""
-        attn = getattr(block, "attn", None)
-        if attn is None or not is_patched(attn) or not isinstance(attn.__dict__["_elsa"].adapter, _SwinBase):
+        attn = block.attn
+        if not is_patched(attn) or not isinstance(attn.__dict__["_elsa"].adapter, _SwinBase):
             return "its attention module is not patched by ELSA"
         why = _bypass_reason(attn)
         if why:
             return why
         if hooked(attn, backward=True):
             return "hooks on its attention module, which the fused block does not call"
-        drop = getattr(attn, "proj_drop", None)
-        if drop is not None and getattr(drop, "p", 0.0) > 0 and drop.training:
+        if attn.proj_drop.p > 0 and attn.proj_drop.training:
             return "output-projection dropout in training (its random mask follows timm's window order)"
         if x.dim() != 4:
             return "input is not a [B, H, W, C] feature map"
@@ -428,7 +425,7 @@ class SwinBlock(Adapter):
             return state.delegate(x, reason=why)
         attn = block.attn
         astate = attn.__dict__["_elsa"]
-        mask = block.get_attn_mask(x) if getattr(block, "dynamic_mask", False) else block.attn_mask
+        mask = block.get_attn_mask(x) if block.dynamic_mask else block.attn_mask
         B, IH, IW, _ = x.shape
         (wh, ww), N = block.window_size, block.window_size[0] * block.window_size[1]
         if mask is not None and tuple(mask.shape) != ((IH // wh) * (IW // ww), N, N):
@@ -439,7 +436,6 @@ class SwinBlock(Adapter):
         return attn.proj_drop(attn.proj(o.reshape(B, IH, IW, -1)))
 
 
-@torch.no_grad()
 def unzero_residual_norms(model: torch.nn.Module) -> int:
     """Deprecated: use ``elsa_vision.verify.unzero_residual_norms`` (a verification tool, not an adapter)."""
     import warnings

@@ -1,5 +1,7 @@
 """patch() checks every option before it touches any module: a bad value raises with what is wrong
-and how to fix it, and the model is left exactly as it was (no half-patched model)."""
+and how to fix it, and the model is left exactly as it was (no half-patched model). Each option is
+tried with a value of the wrong type and one out of range, on a small Swin (timm) and on the VGGT
+stand-in (tests/vggt_standin.py)."""
 import sys
 from pathlib import Path
 
@@ -8,51 +10,104 @@ import torch
 
 import elsa_vision
 from elsa_vision.adapters import registry
+from elsa_vision.adapters import vggt as A
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-timm = pytest.importorskip("timm")
+import vggt_standin as V  # noqa: E402
 
-
-def _untouched(model, before):
-    assert registry.patched_modules(model) == []
-    assert not any("_elsa" in m.__dict__ or "forward" in m.__dict__ for m in model.modules())
-    after = model.state_dict()
-    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+MODEL_METHODS = ("forward", "_attn", "_elsa")  # what patching sets on an instance
 
 
 def _swin():
+    timm = pytest.importorskip("timm")
     return timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=56, depths=(2,),
                              num_heads=(2,), embed_dim=32, window_size=7)
 
 
-@pytest.mark.parametrize("options,error,message", [
+def _vggt():
+    torch.manual_seed(0)
+    return V.VGGT().eval()
+
+
+MODELS = {"swin": _swin, "vggt": _vggt}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def standin_classes():
+    remove = A.register_classes(**V.CLASSES)
+    yield
+    remove()
+
+
+def _snapshot(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {n: {a: m.__dict__.get(a) for a in MODEL_METHODS} for n, m in model.named_modules()})
+
+
+def _untouched(model, before):
+    state, attrs = before
+    assert registry.patched_modules(model) == []
+    assert {n: {a: m.__dict__.get(a) for a in MODEL_METHODS} for n, m in model.named_modules()} == attrs
+    assert all(a not in m.__dict__ for m in model.modules() for a in MODEL_METHODS)
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+
+
+BAD = [
+    # (options, error, message): for each option a value of the wrong type, then one out of range
     (dict(fuse_windows="yes please"), TypeError, "fuse_windows must be True or False"),
     (dict(fuse_windows=1), TypeError, "fuse_windows must be True or False"),
+    (dict(precision=32), ValueError, "precision must be one of"),
     (dict(precision="fp64"), ValueError, "precision must be one of"),
+    (dict(backend=None), ValueError, "unknown backend"),
     (dict(backend="flash"), ValueError, "unknown backend"),
     (dict(lean_memory="all"), TypeError, "lean_memory must be True/False or a sequence of layer indices"),
     (dict(lean_memory=[1, 2.5]), TypeError, "lean_memory must be True/False or a sequence"),
+    (dict(lean_memory=(i for i in (1, 3))), TypeError, "lean_memory must be True/False or a sequence"),
+    (dict(lean_chunk=True), TypeError, "lean_chunk must be a positive int"),
+    (dict(lean_chunk="4096"), TypeError, "lean_chunk must be a positive int"),
     (dict(lean_chunk=0), ValueError, "lean_chunk must be a positive int"),
-    (dict(lean_chunk=True), ValueError, "lean_chunk must be a positive int"),
+    (dict(head_chunk=2.0), TypeError, "head_chunk must be a positive int"),
     (dict(head_chunk=-1), ValueError, "head_chunk must be a positive int"),
-    (dict(head_chunk=2.0), ValueError, "head_chunk must be a positive int"),
     (dict(lean_offload="no"), TypeError, "lean_offload must be True or False"),
     (dict(lean_offload=True), ValueError, "pass lean_memory=True"),
+    (dict(lean_memory=True, lean_offload=None), TypeError, "lean_offload must be True or False"),
     (dict(token_merging=0.9), TypeError, "token_merging must be an elsa_vision.TokenMerging"),
+    (dict(token_merging={"ratio": 0.5}), TypeError, "token_merging must be an elsa_vision.TokenMerging"),
+    (dict(include="blocks.*"), TypeError, r"include must be a list of glob patterns.*include=\['blocks"),
+    (dict(exclude=[1]), TypeError, "exclude must be a list of glob patterns"),
     (dict(no_such_option=1), TypeError, "unknown option"),
-])
-def test_bad_option_leaves_a_timm_model_untouched(options, error, message):
-    model = _swin()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+]
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("options,error,message", BAD)
+def test_bad_option_leaves_the_model_untouched(model_name, options, error, message):
+    model = MODELS[model_name]()
+    before = _snapshot(model)
     with pytest.raises(error, match=message):
         elsa_vision.patch(model, **options)
     _untouched(model, before)
 
 
+@pytest.mark.parametrize("field,value", [("ratio", 1.5), ("ratio", True), ("protect", -0.1), ("protect", True),
+                                         ("start_layer", -1), ("start_layer", True), ("cell", (0, 2)),
+                                         ("similarity_dtype", torch.int8)])
+def test_token_merging_values_are_checked_when_made(field, value):
+    with pytest.raises((TypeError, ValueError), match=f"TokenMerging.{field}"):
+        A.TokenMerging(**{field: value})
+
+
 def test_good_options_patch():
     model = _swin()
-    report = elsa_vision.patch(model, fuse_windows=False, lean_chunk=4096, head_chunk=None)
+    report = elsa_vision.patch(model, fuse_windows=False, lean_chunk=4096, head_chunk=None, include=["layers.*"],
+                               exclude=())
     assert report.num_patched > 0
+    assert elsa_vision.unpatch(model) == report.num_patched
+    model = _vggt()
+    report = elsa_vision.patch(model, lean_memory=range(2), lean_chunk=64, head_chunk=1, lean_offload=True,
+                               token_merging=A.TokenMerging(ratio=0.5))
+    assert "vggt-aggregator" in report.patched and "vggt-dpt-head" in report.patched
     assert elsa_vision.unpatch(model) == report.num_patched
 
 
@@ -60,15 +115,8 @@ def test_a_model_dependent_refusal_patches_nothing():
     """A value that fits the options but not the model (layers past the aggregator's depth) raises
     while patch() asks every module, before it binds any: the attention modules met earlier in the
     walk stay unpatched."""
-    import vggt_standin as V
-    from elsa_vision.adapters import vggt as A
-    remove = A.register_classes(**V.CLASSES)
-    try:
-        torch.manual_seed(0)
-        model = V.VGGT().eval()
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        with pytest.raises(ValueError, match="outside the aggregator's"):
-            elsa_vision.patch(model, lean_memory=[0, 99])
-        _untouched(model, before)
-    finally:
-        remove()
+    model = _vggt()
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="outside the aggregator's"):
+        elsa_vision.patch(model, lean_memory=[0, 99])
+    _untouched(model, before)

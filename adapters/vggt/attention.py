@@ -11,13 +11,8 @@ from ...api import attention
 from ...dispatch import autocast_dtype, triton_serves
 from ...kernels.limits import HEAD_DIMS
 from ..registry import PatchState, bypass_reason, hooked
-from .common import ATTENTION_TARGETS, Kind, VGGTAdapter, attention_kind, lean_option
+from .common import ATTENTION_TARGETS, LEAN_CHUNK, Kind, VGGTAdapter, attention_kind, lean_option
 from .merging import FORK_BLOCKS, AggregatorCall, fork_merge, merge_mean, merging_now, unmerge
-
-
-def observed(module) -> bool:
-    """Whether forward hooks (the module's own, when given, or global ones) would see a call."""
-    return hooked(module)
 
 
 def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
@@ -34,7 +29,7 @@ def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
     if not (norms == [torch.nn.Identity] * 2 or (norms == [torch.nn.LayerNorm] * 2
                                                  and qn.normalized_shape == kn.normalized_shape == (D,))):
         return None
-    if D < 4 or D & (D - 1) or any(observed(m) for m in (qn, kn, rope)):
+    if D < 4 or D & (D - 1) or any(hooked(m) for m in (qn, kn, rope)):
         return None
     if rope is None:  # norms only (nothing to fuse without them: q and k stay views of qkv)
         return None if norms[0] is torch.nn.Identity else ()
@@ -172,7 +167,7 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
     call to the original forward, which raises as SDPA does)."""
     opts = state.options
     B, N, C = x.shape
-    chunk = int(opts.get("lean_chunk", 1 << 16)) if lean_option(opts) is not None else None
+    chunk = opts.get("lean_chunk", LEAN_CHUNK) if lean_option(opts) is not None else None
     call = None if kind.fork else merge_call(module)
     plan = unmerge_fn = side = None
     if call is not None:

@@ -3,6 +3,7 @@ forward signature each has) and the lean-memory option."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -123,15 +124,19 @@ def check_options(options: dict) -> None:
         raise TypeError(f"token_merging must be an elsa_vision.TokenMerging or None, got {type(tm).__name__}")
     lean = options.get("lean_memory")
     if not (lean is None or isinstance(lean, bool)):
-        if isinstance(lean, (str, bytes)) or not hasattr(lean, "__iter__") or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in lean):
-            raise TypeError(f"lean_memory must be True/False or a sequence of layer indices, got {lean!r}")
+        # a collection, not an iterator: the layers are read again at every call
+        if isinstance(lean, (str, bytes)) or not isinstance(lean, Collection) or not all(
+                hasattr(type(i), "__index__") and not isinstance(i, bool) for i in lean):
+            raise TypeError(f"lean_memory must be True/False or a sequence of layer indices (ints), got {lean!r}")
     offload = check_flag(options, "lean_offload", False)
     if offload and lean_option(options) is None:
         raise ValueError("lean_offload=True moves the layers lean_memory keeps to host memory: "
                          "pass lean_memory=True (or a list of layers) with it")
     check_count(options, "lean_chunk", "tokens")
     check_count(options, "head_chunk", "frames", none_ok=True)
+
+
+LEAN_CHUNK = 1 << 16  # lean_chunk's default: tokens per chunk of the global blocks' projections and MLP
 
 
 def lean_option(options: dict):

@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 
 from ..registry import PatchState, hooked
-from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, observed, unsupported
-from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, VGGTAdapter, attention_kind, block_classes,
+from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, unsupported
+from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, LEAN_CHUNK, VGGTAdapter, attention_kind, block_classes,
                      is_fork_aggregator, lean_option)
 from .merging import AggregatorCall, merging, pattern_on
 
@@ -44,11 +44,8 @@ class LeanLayerList(list):
 def _kept_layers(depth: int, lean) -> frozenset:
     if lean is True:
         wanted = [i for i in HEAD_LAYERS if i < depth]
-    else:
-        try:
-            wanted = [operator.index(i) for i in lean]
-        except TypeError:
-            raise TypeError(f"lean_memory must be True/False or a sequence of layer indices, got {lean!r}") from None
+    else:  # (check_options has checked the type)
+        wanted = [operator.index(i) for i in lean]
         bad = [i for i in wanted if not -depth <= i < depth]
         if bad:
             raise ValueError(f"lean_memory layers {bad} are outside the aggregator's {depth} layers")
@@ -58,7 +55,7 @@ def _kept_layers(depth: int, lean) -> frozenset:
 def _watched(module) -> bool:
     """Whether anything could hold or see what ``module`` computes: hooks anywhere in its subtree
     or global ones, or a forward replaced on the instance (another library's wrapper)."""
-    return "forward" in module.__dict__ or any(observed(m) for m in module.modules())
+    return "forward" in module.__dict__ or any(hooked(m) for m in module.modules())
 
 
 def _run_block(block, x, pos, per_frame: bool, chunk: int, block_classes: tuple):
@@ -254,7 +251,7 @@ class VGGTAggregatorAdapter(VGGTAdapter):
         keep = _kept_layers(agg.depth, lean) if lean is not None else None
         host = {} if keep is not None and opts.get("lean_offload") else None
         if keep is not None:
-            chunk = opts.get("lean_chunk", 1 << 16)
+            chunk = opts.get("lean_chunk", LEAN_CHUNK)
             # instance attributes shadow the class methods for this call only
             embed = agg.__dict__["patch_embed"] = _PatchEmbedOnce(agg.patch_embed, images)
             agg.__dict__["_process_frame_attention"] = _lean_process(agg, "frame", keep, chunk, host, embed)

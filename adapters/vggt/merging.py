@@ -49,16 +49,19 @@ class TokenMerging:
     similarity_dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
-        if isinstance(self.ratio, bool) or not (isinstance(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0):
+        def number(v, kind):  # (a bool is an int to Python, never a fraction or a count here)
+            return isinstance(v, kind) and not isinstance(v, bool)
+
+        if not (number(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0):
             raise ValueError(f"TokenMerging.ratio must be in [0, 1], got {self.ratio!r}")
-        if not (isinstance(self.protect, (int, float)) and 0.0 <= self.protect <= 1.0):
+        if not (number(self.protect, (int, float)) and 0.0 <= self.protect <= 1.0):
             raise ValueError(f"TokenMerging.protect must be in [0, 1], got {self.protect!r}")
-        if not isinstance(self.start_layer, int) or self.start_layer < 0:
+        if not number(self.start_layer, int) or self.start_layer < 0:
             raise ValueError(f"TokenMerging.start_layer must be an int >= 0, got {self.start_layer!r}")
-        if not isinstance(self.seed, int):
+        if not number(self.seed, int):
             raise TypeError(f"TokenMerging.seed must be an int, got {self.seed!r}")
         cell = tuple(self.cell)
-        if len(cell) != 2 or not all(isinstance(c, int) and c >= 1 for c in cell):
+        if len(cell) != 2 or not all(number(c, int) and c >= 1 for c in cell):
             raise ValueError(f"TokenMerging.cell must be (rows, cols) of positive ints, got {self.cell!r}")
         object.__setattr__(self, "cell", cell)
         if self.similarity_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
