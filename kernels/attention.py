@@ -51,9 +51,14 @@ import triton.language as tl
 
 from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3, TF32X3, cast, dk_units, dot, dot3,
                      dot_nt, ds_k, ds_units, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
-from .launch import INTERPRET, cdiv, host_cache, launch, pow2
+from .launch import INTERPRET, cdiv, host_cache, launch, pow2, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
 from .tiles import PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions
+
+try:  # the Gluon forward for Hopper (sm_90); absent where Triton ships no Gluon or the switch is off
+    from . import hopper
+except ImportError:
+    hopper = None
 
 # The dK/dV kernel forms Sᵀ = k·qᵀ. A tensor core sums each element over the head dim in the same
 # order either way round; NumPy's matmul (the interpreter's dot) does not, so there Sᵀ is formed as
@@ -807,6 +812,12 @@ def _f16_scales(q, k, v, do=None):
     return scales
 
 
+def _hopper_serves(q, k, v, bias, precision: str) -> bool:
+    """Whether kernels/hopper.py's forward takes this call (its ``serves``, on an untraced call:
+    torch.compile traces the portable kernels)."""
+    return hopper is not None and not tracing() and hopper.serves(q, k, v, bias, precision)
+
+
 def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
             summaries: Optional[dict] = None, config: Optional[Config] = None):
     """Launch phase 1 (and phase 2 when split). Returns (out [B,H,Nq,D], stats [B,H,2,Nq] float32): the
@@ -824,6 +835,9 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     out = _out_like(q)
     stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
     split = n_part > 1
+    if not split and summaries is None and config is None and _hopper_serves(q, k, v, bias, precision):
+        hopper.forward(q, k, v, out, stats, scale, causal)
+        return out, stats
     # the chunked scan keeps its running W in Out: float32 outputs of an unsplit launch only
     chunk = 0 if split or q.dtype != torch.float32 or cfg.chunk <= 0 else max(1, cfg.chunk // cfg.block_n) * cfg.block_n
     if split:

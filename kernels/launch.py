@@ -42,11 +42,15 @@ def _version(v: str) -> tuple[int, int]:
     return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)
 
 
+# whether the installed Triton is one of them (Gluon kernels, experimental API, run only then)
+CHECKED = _version(triton.__version__) in CHECKED_TRITON
+
+
 def _fast_launch_reason() -> str:
     """Why launches take Triton's own path ("" when the fast path is used)."""
     if os.environ.get("ELSA_TRITON_LAUNCH", "").strip().lower() == "triton":
         return "ELSA_TRITON_LAUNCH=triton"
-    if _version(triton.__version__) not in CHECKED_TRITON:
+    if not CHECKED:
         return f"triton {triton.__version__} is not one of the checked versions {CHECKED_TRITON}"
     return ""
 
