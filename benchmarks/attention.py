@@ -2,6 +2,8 @@
 
     python benchmarks/attention.py              # full sweep → benchmarks/results/<device>/attention.{csv,png}
     python benchmarks/attention.py --quick      # N 4K/16K, d 64
+    python benchmarks/attention.py --hopper     # Gluon (sm_90) vs portable forward vs cuDNN/flash, bf16
+                                                # → attention_hopper.{csv,png} (sets kernels/hopper.py's policy)
     python benchmarks/attention.py --tune fwd   # tile-shape sweep for the kernel config tables
                                                 # (bwd: the dQ tile; bwdkv: the dK/dV kernel's own)
 
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import fmt_table, measure, metadata, results_dir, write_csv  # noqa: E402
+from benchmarks.harness import fmt_table, measure, measure_graphed, metadata, results_dir, write_csv  # noqa: E402
 
 import elsa_vision  # noqa: E402
 from elsa_vision import verify  # noqa: E402
@@ -84,7 +86,7 @@ def run_case(B, H, nq, nk, d, dtype_name, bwd, causal=False, budget_ms=1500, par
     elsa_modes, base = modes(dtype_name)
     elsa_modes = [m for m in elsa_modes if m[0] not in skip]
     base = [b for b in base if f"sdpa-{b}" not in skip]
-    fns, outs = {}, {}
+    fns = {}
     for label, prec in elsa_modes:
         def f(prec=prec, label=label):
             o = elsa_vision.attention(q, k, v, causal=causal, precision=prec, partitions=partitions)
@@ -258,6 +260,64 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def hopper_sweep() -> list[dict]:
+    """bf16 forward, B·H·N² ≈ 2^25·16 per point: kernels/hopper.py's Gluon forward (every shape it
+    supports), the portable Triton forward, cuDNN and flash; CUDA-graph replays, interleaved."""
+    from elsa_vision.kernels import hopper
+
+    def elsa(q, k, v, causal, gluon):
+        def f():
+            before = hopper.ENABLED, hopper.EVERYWHERE
+            hopper.ENABLED, hopper.EVERYWHERE = gluon, gluon
+            try:
+                return elsa_vision.attention(q, k, v, causal=causal)
+            finally:
+                hopper.ENABLED, hopper.EVERYWHERE = before
+        return f
+
+    rows = []
+    for d, causal, n in itertools.product((64, 128), (False, True), (197, 577, 1041, 2048, 4096, 8192, 16384)):
+        bh = min(3072, max(16, (1 << 29) // (n * n)))
+        q, k, v = make(1, bh, n, n, d, torch.bfloat16, False)
+        fns = {"elsa-gluon": elsa(q, k, v, causal, True), "elsa-portable": elsa(q, k, v, causal, False),
+               "sdpa-cudnn": sdpa_fn("cudnn", q, k, v, causal), "sdpa-flash": sdpa_fn("flash", q, k, v, causal)}
+        errs = {label: sample_error(fn(), q, k, v, causal) for label, fn in fns.items()}
+        res = measure_graphed(fns, rounds=10)
+        flops = 4.0 * bh * n * n * d * (0.5 if causal else 1.0)
+        best = min(r.ms for label, r in res.items() if label.startswith("sdpa") and r.ms)
+        for label, r in res.items():
+            rows.append({"case": "hopper", "pass": "fwd", "dtype": "bf16", "B": 1, "H": bh, "Nq": n, "Nk": n, "d": d,
+                         "causal": causal, "variant": label, "ms": r.ms,
+                         "tflops": flops / (r.ms * 1e-3) / 1e12 if r.ms else None,
+                         "speedup_vs_best_sdpa": best / r.ms if r.ms else None, "max_err_vs_fp64": errs[label]})
+        print(fmt_table(rows[-4:], ["d", "causal", "Nq", "H", "variant", "ms", "tflops", "speedup_vs_best_sdpa",
+                                    "max_err_vs_fp64"]), flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot_hopper(rows, path):
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.6))
+    for ax, (d, causal) in zip(axes, itertools.product((64, 128), (False, True))):
+        for var in ("elsa-gluon", "elsa-portable", "sdpa-cudnn", "sdpa-flash"):
+            pts = sorted((r["Nq"], r["tflops"]) for r in rows
+                         if r["d"] == d and r["causal"] == causal and r["variant"] == var and r["tflops"])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ls="-" if var.startswith("elsa") else "--", label=var)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens N")
+        ax.set_ylabel("TF/s")
+        ax.set_title(f"bf16 forward, d={d}{', causal' if causal else ''}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    m = metadata()
+    fig.suptitle(f"Gluon vs portable forward — {m['device']}, torch {m['torch']}, triton {m['triton']}, {m['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -266,12 +326,19 @@ def main(argv=None):
     ap.add_argument("--only", help="with --tune: one dtype or precision (e.g. ieee, bf16)")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--hopper", action="store_true", help="the Gluon (sm_90) forward against the portable one")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
     outdir = Path(a.out) if a.out else results_dir()
     outdir.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
+    if a.hopper:
+        rows = hopper_sweep()
+        write_csv(rows, outdir / "attention_hopper.csv")
+        plot_hopper(rows, outdir / "attention_hopper.png")
+        print(f"wrote {outdir / 'attention_hopper'}.csv/.png")
+        return
     if a.tune:
         rows = tune(("fwd", "bwd") if a.tune == "both" else (a.tune,), only=a.only)
         write_csv(rows, outdir / f"tune_{a.tune}.csv")

@@ -812,10 +812,10 @@ def _f16_scales(q, k, v, do=None):
     return scales
 
 
-def _hopper_serves(q, k, v, bias, precision: str) -> bool:
+def _hopper_serves(q, k, v, bias, precision: str, causal: bool) -> bool:
     """Whether kernels/hopper.py's forward takes this call (its ``serves``, on an untraced call:
     torch.compile traces the portable kernels)."""
-    return hopper is not None and not tracing() and hopper.serves(q, k, v, bias, precision)
+    return hopper is not None and not tracing() and hopper.serves(q, k, v, bias, precision, causal)
 
 
 def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
@@ -835,7 +835,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     out = _out_like(q)
     stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
     split = n_part > 1
-    if not split and summaries is None and config is None and _hopper_serves(q, k, v, bias, precision):
+    if not split and summaries is None and config is None and _hopper_serves(q, k, v, bias, precision, causal):
         hopper.forward(q, k, v, out, stats, scale, causal)
         return out, stats
     # the chunked scan keeps its running W in Out: float32 outputs of an unsplit launch only

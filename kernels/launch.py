@@ -166,9 +166,17 @@ def _signature(args: tuple) -> tuple:
     """What of a launch's positional arguments can change the compiled kernel, at least as finely as
     Triton's specialisation: an int by its value (Triton: equal to 1, a multiple of 16, 32 or 64
     bits), a tensor by its dtype and whether its address is 16-byte aligned, a float by its type
-    alone (Triton does not specialise floats), anything else by type and value."""
+    alone (Triton does not specialise floats), a tensor descriptor as _descriptor_signature says,
+    anything else by type and value."""
     return tuple(a if type(a) is int else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
-                 else float if type(a) is float else (type(a), a) for a in args)
+                 else float if type(a) is float else _descriptor_signature(a) if hasattr(a, "block_shape")
+                 else (type(a), a) for a in args)
+
+
+def _descriptor_signature(d) -> tuple:
+    """A TMA tensor descriptor specialises the kernel by its dtype, block shape and shared-memory
+    layout; its address, shape and strides are encoded into the tensor map at every launch."""
+    return type(d), d.base.dtype, tuple(d.block_shape), d.layout
 
 
 def launch(fn, grid: tuple, *args, **meta):
