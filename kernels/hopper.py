@@ -1,20 +1,21 @@
-"""ELSA's half-precision forward on Hopper (sm_90), written in Gluon: TMA loads, asynchronous wgmma.
+"""ELSA's half-precision forward on Hopper (sm_90), written in Gluon: TMA, warp specialisation, wgmma.
 
 The scan is attention.py's (the monoid (m, S, W) folded key tile by key tile, log2 units, P
 rounded to the value dtype for the product while S sums it unrounded), and the statistics it
 writes are the portable forward's, so the portable backward runs from them unchanged. What differs
-is how the tiles move:
+is how the work is laid out:
 
-  * Q, K and V arrive by TMA (4-D tensor descriptors over [B, H, N, D], so any strides with a unit
-    last dimension and 16-byte aligned others are read in place; rows past N are zero-filled).
-  * K and V have rings of their own, each STAGES tiles deep: a K slot is free as soon as its QKᵀ
-    has retired, a V slot once its P·V has, so K runs one product ahead of V.
-  * The next tile's QKᵀ is issued (asynchronously) before the current tile's softmax, and P·V is
-    left in flight across it: the tensor cores work while the softmax runs
-    (FlashAttention-3's intra-warpgroup overlap).
-  * One program owns BLOCK_M = 64·warpgroups query rows of one (batch, head); every warpgroup runs
-    the same code on its 64 rows, and the scheduler interleaves one's softmax with another's
-    products.
+  * Persistent programs, one per SM, take work items (BLOCK_M query rows of one batch·head) in
+    turn; causal calls take one program per item instead, so that the hardware balances the
+    triangle's unequal items.
+  * A producer warp loads Q, K and V by TMA (4-D tensor descriptors over [B, H, N, D]: any strides
+    with a unit last dimension and 16-byte aligned others are read in place; rows past N are
+    zero-filled) into a ring of STAGES slots, running ahead across items. K and V have barriers of
+    their own: a K slot is released as soon as its QKᵀ has retired.
+  * BLOCK_M / 64 consumer warpgroups of 64 rows each: per key tile a warpgroup issues QKᵀ_j and
+    P·V_(j−1) asynchronously and runs tile j's softmax while P·V_(j−1) is in flight
+    (FlashAttention-3's intra-warpgroup overlap); the scheduler interleaves one warpgroup's
+    softmax with another's products.
 
 Tiles with no visible key are never loaded (causal: the triangle's dead tiles; keys past Nk); the
 mask is applied only where a tile straddles the diagonal or the end of the keys.
@@ -64,20 +65,22 @@ def _item(w, n_m, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSA
 def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
             H, Nq, Nk, n_m, n_items, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             CAUSAL: gl.constexpr):
-    """The producer warp. Per item: both warpgroups' Q tiles into Q buffer it % 2 (once the
+    """The producer warp. Per item: every warpgroup's Q tile into Q buffer it % 2 (once the
     warpgroups have released that buffer's previous item), then the item's K and V tiles into their
-    rings, whose positions run on across items. Every ring slot and Q buffer is released by both
-    warpgroups (the empty barriers count two arrivals)."""
-    WG_M: gl.constexpr = BLOCK_M // 2
+    rings, whose positions run on across items. Every ring slot and Q buffer is released by all
+    warpgroups (the empty barriers count one arrival per warpgroup)."""
+    WG_M: gl.constexpr = q_desc.block_type.shape[2]
+    NUM_WG: gl.constexpr = BLOCK_M // WG_M
     it = 0
     g = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, h, bh, q0, n_tiles = _item(w, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
         qb = it % 2
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
-        mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, q0, 0], q_ready.index(qb), q_smem.index(2 * qb))
-        tma.async_copy_global_to_shared(q_desc, [b, h, q0 + WG_M, 0], q_ready.index(qb), q_smem.index(2 * qb + 1))
+        mbarrier.expect(q_ready.index(qb), NUM_WG * q_desc.block_type.nbytes)
+        for i in gl.static_range(NUM_WG):
+            tma.async_copy_global_to_shared(q_desc, [b, h, q0 + i * WG_M, 0], q_ready.index(qb),
+                                            q_smem.index(NUM_WG * qb + i))
         for j in range(n_tiles):
             slot = g % STAGES
             free = ((g // STAGES) & 1) ^ 1  # parity of the release of this slot's previous tile
@@ -127,7 +130,7 @@ def _step(j, g, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready
         s = gl.where(visible, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale2)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet: p = 0, α = 0
-    p = gl.exp2(s * qk_scale2 - gl.expand_dims(m_use, 1))
+    p = gl.exp2(gl.fma(s, qk_scale2, -gl.expand_dims(m_use, 1)))
     alpha = gl.exp2(m_i - m_use)
     s_i = s_i * alpha + gl.sum(p, axis=1)
     if not FIRST:
@@ -143,9 +146,10 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_read
               Stats, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """Warpgroup wg: per item, its 64 query rows [q0 + wg·64, +64) scanned over the item's key
-    tiles, then the rows' output and statistics. Both warpgroups visit all of an item's tiles (a
+    tiles, then the rows' output and statistics. Every warpgroup visits all of an item's tiles (a
     tile past a row's diagonal scores −inf there), so that each releases every slot."""
-    WG_M: gl.constexpr = BLOCK_M // 2
+    WG_M: gl.constexpr = 64
+    NUM_WG: gl.constexpr = BLOCK_M // WG_M
     dtype: gl.constexpr = q_smem.dtype
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -171,7 +175,7 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_read
         acc = gl.zeros([WG_M, D], gl.float32, O_L)
         qb = it % 2
         mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
-        q = q_smem.index(2 * qb + wg).reshape([WG_M, D])
+        q = q_smem.index(NUM_WG * qb + wg).reshape([WG_M, D])
         if n_tiles > 0:
             p16 = gl.zeros([WG_M, BLOCK_N], dtype, P_L)
             p16, acc, m_i, s_i = _step(0, g, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready,
@@ -209,13 +213,14 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk,
                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Persistent: program p takes work items p, p + programs, … (see _item), each BLOCK_M query
-    rows of one batch·head, with two consumer warpgroups of BLOCK_M / 2 rows and a producer warp
+    rows of one batch·head, with BLOCK_M / 64 consumer warpgroups of 64 rows and a producer warp
     (num_warps = 4: the first warpgroup).
 
     Out [B, H, Nq, D] (any strides, last one 1), Stats [B, H, 2, Nq] float32: (m in log2 units,
     S); (+inf, 1) for a row that sees no key."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [4] + q_desc.block_type.shape, q_desc.layout)
+    NUM_WG: gl.constexpr = BLOCK_M // 64
+    q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG] + q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -226,22 +231,34 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk,
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(q_empty.index(i), count=NUM_WG)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                     so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
-        (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                     so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                   v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if NUM_WG == 3:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
+                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
+                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+            (_consumer, (2, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
+                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
+                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
+                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @functools.lru_cache(maxsize=64)
@@ -279,25 +296,28 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision:
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
     """Whether this forward takes the call: ``supports`` it, and it measured faster than the
-    portable forward there (benchmarks/results/…/attention_hopper.csv; an H100, bf16): every
-    non-causal call at D = 128, causal ones from 1024 keys at D = 128 and from 2048 at D = 64. At
-    D = 64 without a mask the softmax's exponentials and conversions bound both kernels and the
-    portable one is a few per cent ahead. ``EVERYWHERE`` (tests, benchmarks) takes every call it
-    supports."""
+    portable forward there (benchmarks/results/<device>/attention_hopper.csv, bf16, CUDA-graph
+    replays): at D = 128 every non-causal call and causal ones from 2048 keys; at D = 64 from 1024
+    keys, causal from 4096. Below, a block of 128 or 192 rows is mostly padding or the diagonal's
+    masked tile, and the portable kernel's smaller tiles are ahead. ``EVERYWHERE`` (tests,
+    benchmarks) takes every call it supports."""
     if not supports(q, k, v, bias, precision):
         return False
     if EVERYWHERE:
         return True
-    nk, d = k.shape[2], q.shape[-1]
-    if d == 128:
-        return not causal or nk >= 1024
-    return causal and nk >= 2048
+    nk = k.shape[2]
+    if q.shape[-1] == 128:
+        return not causal or nk >= 2048
+    return nk >= (4096 if causal else 1024)
 
 
 def config(d: int, nq: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, STAGES, consumer registers)."""
+    """(BLOCK_M, BLOCK_N, STAGES, consumer registers): BLOCK_M / 64 consumer warpgroups. At D = 64
+    a third warpgroup (192 rows, 160 registers each) keeps the tensor cores busier while the
+    others run their softmax; at D = 128 its accumulators would not fit, and for short rows its
+    last block is mostly padding."""
     if d <= 64:
-        return 128, 128, 3, 232
+        return (192, 128, 3, 160) if nq > 256 else (128, 128, 3, 232)
     return 128, 128, 2, 232
 
 
@@ -307,7 +327,7 @@ def forward(q, k, v, out, stats, scale: float, causal: bool) -> None:
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     bm, bn, stages, regs = config(D, Nq)
-    qd, kd, vd = _descriptor(q, bm // 2), _descriptor(k, bn), _descriptor(v, bn)
+    qd, kd, vd = _descriptor(q, 64), _descriptor(k, bn), _descriptor(v, bn)
     n_m = cdiv(Nq, bm)
     n_items = n_m * B * H
     # causal items differ in length: one program per item lets the hardware balance them (a static
