@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import fmt_table, measure, measure_graphed, metadata, results_dir, write_csv  # noqa: E402
+from benchmarks.harness import (fmt_table, measure, measure_graphed, metadata, results_dir, save, style_axes,  # noqa: E402
+                                write_csv)
 
 import elsa_vision  # noqa: E402
 from elsa_vision import verify  # noqa: E402
@@ -247,13 +248,7 @@ def plot(rows, path):
             pts = sorted((r["Nq"], r["tflops"]) for r in sweep if r["pass"] == pas and r["dtype"] == dt and r["variant"] == var)
             if pts:
                 ax.plot(*zip(*pts), marker="o", ls="-" if var.startswith("elsa") else "--", label=f"{dt} {var}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens N (B=1, H=16, d=64)")
-        ax.set_ylabel("TF/s")
-        ax.set_title(f"attention {pas}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        style_axes(ax, "tokens N (B=1, H=16, d=64)", "TF/s", f"attention {pas}")
     m = metadata()
     fig.suptitle(f"ELSA vs SDPA — {m['device']}, torch {m['torch']}, triton {m['triton']}, {m['date']}")
     fig.tight_layout()
@@ -306,12 +301,7 @@ def plot_hopper(rows, path):
                          if r["d"] == d and r["causal"] == causal and r["variant"] == var and r["tflops"])
             if pts:
                 ax.plot(*zip(*pts), marker="o", ls="-" if var.startswith("elsa") else "--", label=var)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens N")
-        ax.set_ylabel("TF/s")
-        ax.set_title(f"bf16 forward, d={d}{', causal' if causal else ''}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        style_axes(ax, "tokens N", "TF/s", f"bf16 forward, d={d}{', causal' if causal else ''}", ylog=False)
     m = metadata()
     fig.suptitle(f"Gluon vs portable forward — {m['device']}, torch {m['torch']}, triton {m['triton']}, {m['date']}")
     fig.tight_layout()
@@ -334,10 +324,7 @@ def main(argv=None):
     outdir.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     if a.hopper:
-        rows = hopper_sweep()
-        write_csv(rows, outdir / "attention_hopper.csv")
-        plot_hopper(rows, outdir / "attention_hopper.png")
-        print(f"wrote {outdir / 'attention_hopper'}.csv/.png")
+        save(hopper_sweep(), outdir, "attention_hopper", plot_hopper)
         return
     if a.tune:
         rows = tune(("fwd", "bwd") if a.tune == "both" else (a.tune,), only=a.only)
@@ -369,10 +356,7 @@ def main(argv=None):
                   flush=True)
     rows += few_queries()
     print(fmt_table(rows[-7:], ["dtype", "Nq", "Nk", "variant", "ms", "partitions", "speedup_vs_1_partition"]))
-    name = "attention_quick" if a.quick else "attention"
-    write_csv(rows, outdir / f"{name}.csv")
-    plot(rows, outdir / f"{name}.png")
-    print(f"wrote {outdir / name}.csv/.png")
+    save(rows, outdir, "attention_quick" if a.quick else "attention", plot)
 
 
 if __name__ == "__main__":

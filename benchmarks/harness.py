@@ -165,6 +165,18 @@ def measure_graphed(variants: dict[str, Callable[[], object]], *, rounds: int = 
     return out
 
 
+def style_axes(ax, xlabel: str, ylabel: str, title: str, ylog: bool = True) -> None:
+    """The sweep plots' axes: log₂ x, log y (or linear), labels, grid, a small legend."""
+    ax.set_xscale("log", base=2)
+    if ylog:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def write_csv(rows: list[dict], path: Path) -> Path:
     """Write rows (dicts; the union of keys is the header, metadata first) to ``path``."""
     meta = metadata()
@@ -180,6 +192,13 @@ def write_csv(rows: list[dict], path: Path) -> Path:
         w.writeheader()
         w.writerows(rows)
     return path
+
+
+def save(rows: list[dict], outdir: Path, name: str, plot: Callable[[list[dict], Path], None]) -> None:
+    """``name``.csv and, drawn by ``plot``, ``name``.png in outdir."""
+    write_csv(rows, outdir / f"{name}.csv")
+    plot(rows, outdir / f"{name}.png")
+    print(f"wrote {outdir / name}.csv/.png")
 
 
 def fmt_table(rows: list[dict], cols: list[str]) -> str:

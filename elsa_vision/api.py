@@ -102,7 +102,8 @@ def attention(
         raise ValueError(f"attention: partitions must be a positive int or None, got {partitions!r}")
     prec = resolve_precision(precision, q.dtype)
     p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=causal,
-                has_bias=bias is not None, precision=prec, positive_scale=scale > 0)
+                has_bias=bias is not None, precision=prec, positive_scale=scale > 0, same_lengths=Nq == Nk,
+                keys=Nk if causal and q.device.type == "cpu" else 0)  # (what ECA's auto rule weighs)
     run = select(p, backend).run["attention"]  # before the shortcut below: an unfit call raises either way
     if Nk == 0 or Nq == 0:  # no key: every row is fully masked and returns 0
         out = _nothing_to_attend(q.shape, q, k, v)

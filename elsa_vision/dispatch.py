@@ -44,6 +44,8 @@ class Problem(NamedTuple):
     window_tokens: int = 0       # N per window (the window ops only)
     precision: str = "auto"
     positive_scale: bool = True
+    same_lengths: bool = True    # Nq == Nk (attention)
+    keys: int = 0                # Nk (attention): what a backend's ``auto_when`` may weigh
 
 
 @dataclass
@@ -62,6 +64,11 @@ class Backend:
     available: Callable[[], Optional[str]] = lambda: None  # None when usable, else why not
     devices_note: str = ""
     run: dict = field(default_factory=dict)  # op name → callable
+    requires_causal: bool = False      # refuses non-causal calls
+    requires_same_lengths: bool = False  # refuses Nq ≠ Nk
+    # whether ``"auto"`` takes it for a problem it supports (a backend that is exact everywhere but
+    # faster only somewhere); naming the backend takes it whenever it supports the problem
+    auto_when: Callable[["Problem"], bool] = lambda p: True
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
         reasons = []
@@ -80,6 +87,10 @@ class Backend:
             reasons.append(f"head dim {p.head_dim} outside [{lo}, {hi}]")
         if p.causal and not self.supports_causal:
             reasons.append("causal masking not supported")
+        if self.requires_causal and not p.causal:
+            reasons.append("runs causal attention only (causal=True)")
+        if self.requires_same_lengths and not p.same_lengths:
+            reasons.append("needs as many queries as keys (Nq == Nk)")
         if self.needs_positive_scale and not p.positive_scale:
             reasons.append("scale must be > 0 (the scan folds the scale into its running max)")
         if p.has_bias and not self.supports_bias:
@@ -119,6 +130,17 @@ def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, w
     from .kernels import attention as K
     out, lse = K.attention(q, k, v, bias, scale, causal, precision, partitions)
     return out, (K.natural_lse(lse, bias is not None) if want_lse else None)
+
+
+def _run_eca_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False):
+    from .kernels import eca
+    out, lse = eca.attention(q, k, v, scale)
+    return out, (lse if want_lse else None)
+
+
+def _eca_auto(p: "Problem") -> bool:
+    from .kernels import eca
+    return eca.faster_than_reference(p.keys, p.head_dim)
 
 
 def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False):
@@ -179,7 +201,22 @@ REFERENCE = Backend(
     run={"attention": _run_reference_attention, **{op: _run_reference_window for op in WINDOW_OPS}},
 )
 
-BACKENDS: list[Backend] = [TRITON, REFERENCE]
+ECA = Backend(
+    name="eca",
+    ops=("attention",),
+    devices=("cpu",),
+    dtypes=(torch.float64, torch.float32, torch.bfloat16),
+    head_dims=(1, 1 << 16),
+    supports_causal=True,
+    supports_bias=False,
+    requires_causal=True,
+    requires_same_lengths=True,
+    auto_when=_eca_auto,
+    devices_note=" (an O(L²)-memory CPU backend: S and P are materialised)",
+    run={"attention": _run_eca_attention},
+)
+
+BACKENDS: list[Backend] = [TRITON, ECA, REFERENCE]
 
 
 def triton_serves(device_type: str) -> bool:
@@ -225,6 +262,9 @@ def select(p: Problem, backend: str = "auto") -> Backend:
     unusable = []  # backends that serve this device but are not usable here
     for b in candidates:
         reasons = b.not_supported_reasons(p)
+        if not reasons and backend == "auto" and not b.auto_when(p):
+            refusals.append(f"  {b.name}: not chosen by auto here (name it to use it)")
+            continue
         if not reasons and p.op in b.run:
             for name, why in unusable:
                 _warn_fallback(name, why, b.name, p)
