@@ -92,7 +92,9 @@ def test_bad_option_leaves_the_model_untouched(model_name, options, error, messa
 
 @pytest.mark.parametrize("field,value", [("ratio", 1.5), ("ratio", True), ("protect", -0.1), ("protect", True),
                                          ("start_layer", -1), ("start_layer", True), ("cell", (0, 2)),
-                                         ("similarity_dtype", torch.int8)])
+                                         ("similarity_dtype", torch.int8), ("similarity_dim", 0),
+                                         ("similarity_dim", True), ("similarity_dim", 8.0), ("reuse", 0),
+                                         ("reuse", 2.0), ("reuse", True)])
 def test_token_merging_values_are_checked_when_made(field, value):
     with pytest.raises((TypeError, ValueError), match=f"TokenMerging.{field}"):
         A.TokenMerging(**{field: value})

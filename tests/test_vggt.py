@@ -558,6 +558,47 @@ def test_merging_is_deterministic_and_batch_independent(standin):
     assert plain.num_patched == len(STANDIN_ATTN)
 
 
+def test_similarity_dim_searches_the_projected_rows():
+    """similarity_dim k: the plan is the full search's on the rows projected onto k fixed random
+    directions; k ≥ C is the full dimension itself."""
+    frames_, grid, special = 3, (3, 5), 5
+    metric = torch.randn(2, frames_ * (special + 15), 16, generator=torch.Generator().manual_seed(2))
+    cfg = A.TokenMerging(similarity_dtype=torch.float32, similarity_dim=6, seed=3)
+    rows = A.similarity_rows(metric, cfg)
+    assert rows.shape == (2, metric.shape[1], 6)
+    assert torch.equal(rows, A.similarity_rows(metric, cfg))  # fixed directions
+    full = A.TokenMerging(similarity_dtype=torch.float32, seed=3)
+    proj = A.merge_plan(metric, frames_, grid, special, cfg)
+    assert torch.equal(proj.slot, A.merge_plan(rows, frames_, grid, special, full).slot)
+    assert not torch.equal(proj.slot, A.merge_plan(metric, frames_, grid, special, full).slot)
+    wide = A.TokenMerging(similarity_dtype=torch.float32, similarity_dim=16, seed=3)
+    assert A.similarity_rows(metric, wide) is metric
+    assert torch.equal(A.merge_plan(metric, frames_, grid, special, wide).slot,
+                       A.merge_plan(metric, frames_, grid, special, full).slot)
+
+
+@pytest.mark.parametrize("reuse,plans", [(1, 4), (2, 2), (3, 2), (8, 1)])
+def test_reuse_makes_one_plan_per_reuse_blocks(standin, monkeypatch, reuse, plans):
+    """reuse r: plans are made at global layers 0, r, 2r, … (the stand-in has 4) and the blocks
+    between reuse them; reuse 1 is the default's output, bitwise."""
+    from elsa_vision.adapters.vggt import merging as AM
+    made = []
+    real = AM.merge_plan
+    monkeypatch.setattr(AM, "merge_plan", lambda *a, **k: made.append(1) or real(*a, **k))
+    m = make_standin()
+    x = frames(S=3, B=2)
+    with elsa_vision.patched(m, precision="ieee", token_merging=A.TokenMerging(seed=0, reuse=reuse)):
+        out = run(m, x)
+    assert len(made) == plans
+    assert all(torch.isfinite(out[k]).all() for k in OUTPUTS)
+    with elsa_vision.patched(m, precision="ieee", token_merging=A.TokenMerging(seed=0)):
+        default = run(m, x)
+    if reuse == 1:
+        assert_equal(out, default)
+    else:
+        assert any(not torch.equal(out[k], default[k]) for k in OUTPUTS)
+
+
 def test_merging_at_other_resolutions(standin):
     m = make_standin()
     for hw, S in (((56, 42), 2), ((28, 98), 4)):

@@ -56,11 +56,12 @@ from .attention import VGGTAttentionAdapter
 from .common import (AGGREGATOR_TARGETS, ATTENTION_TARGETS, BLOCK_TARGETS, DPT_HEAD_TARGETS,
                      register_classes)
 from .lean import HEAD_LAYERS, LeanLayerList, VGGTAggregatorAdapter, VGGTDPTHeadAdapter
-from .merging import MergePlan, TokenMerging, destination_pattern, merge_mean, merge_plan, unmerge
+from .merging import MergePlan, TokenMerging, destination_pattern, merge_mean, merge_plan, similarity_rows, unmerge
 
 __all__ = ["AGGREGATOR_TARGETS", "ATTENTION_TARGETS", "BLOCK_TARGETS", "DPT_HEAD_TARGETS", "HEAD_LAYERS",
            "LeanLayerList", "MergePlan", "TokenMerging", "VGGTAggregatorAdapter", "VGGTAttentionAdapter",
-           "VGGTDPTHeadAdapter", "destination_pattern", "merge_mean", "merge_plan", "register_classes", "unmerge"]
+           "VGGTDPTHeadAdapter", "destination_pattern", "merge_mean", "merge_plan", "register_classes", "similarity_rows",
+           "unmerge"]
 
 for _adapter in (VGGTAttentionAdapter(), VGGTAggregatorAdapter(), VGGTDPTHeadAdapter()):
     register(_adapter)

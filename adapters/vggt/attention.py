@@ -178,9 +178,9 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
             main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                plan = call.plan(metric)
+                plan = call.plan(metric, call.layers[id(module)])
         else:
-            plan = call.plan(metric)
+            plan = call.plan(metric, call.layers[id(module)])
     q, k, v = _project(module, x, pos, chunk, prenorm)
     if side is not None:
         main.wait_stream(side)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -36,6 +37,15 @@ class TokenMerging:
     on every device); the same destinations serve every block and batch element. Inference only: in
     training mode the global blocks run exact attention.
 
+    Cheaper assignments (the search is every source against every destination in C dimensions, at
+    every merged block):
+
+    * ``similarity_dim`` k: the similarity is taken between the rows' projections onto k fixed
+      random Gaussian directions (seeded by ``seed``; Johnson–Lindenstrauss: cosines are kept to
+      about 1/√k), so the search costs k/C of the full one. None (or k ≥ C): the full dimension.
+    * ``reuse`` r: a plan is made at blocks start_layer, start_layer + r, … and the r − 1 merged
+      blocks after each reuse it (the tokens' similarities change slowly from block to block).
+
     Differences from the FastVGGT fork's code: it fixes the grid (37×28) and batch 1, picks the
     protected tokens on a fixed stride, lets protected tokens take part twice (as destination and
     as a copy), and leaves the last column of an odd-width grid without destinations.
@@ -47,6 +57,8 @@ class TokenMerging:
     protect: float = 0.1
     cell: tuple[int, int] = (2, 2)
     similarity_dtype: torch.dtype = torch.bfloat16
+    similarity_dim: Optional[int] = None
+    reuse: int = 1
 
     def __post_init__(self):
         def number(v, kind):  # (a bool is an int to Python, never a fraction or a count here)
@@ -64,6 +76,14 @@ class TokenMerging:
         if len(cell) != 2 or not all(number(c, int) and c >= 1 for c in cell):
             raise ValueError(f"TokenMerging.cell must be (rows, cols) of positive ints, got {self.cell!r}")
         object.__setattr__(self, "cell", cell)
+        if self.similarity_dim is not None and not number(self.similarity_dim, int):
+            raise TypeError(f"TokenMerging.similarity_dim must be an int or None, got {self.similarity_dim!r}")
+        if self.similarity_dim is not None and self.similarity_dim < 1:
+            raise ValueError(f"TokenMerging.similarity_dim must be >= 1, got {self.similarity_dim!r}")
+        if not number(self.reuse, int):
+            raise TypeError(f"TokenMerging.reuse must be an int, got {self.reuse!r}")
+        if self.reuse < 1:
+            raise ValueError(f"TokenMerging.reuse must be >= 1, got {self.reuse!r}")
         if self.similarity_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             raise ValueError(f"TokenMerging.similarity_dtype must be a floating dtype, got {self.similarity_dtype!r}")
 
@@ -165,6 +185,24 @@ def _fused_nearest(metric: torch.Tensor):
     return nearest
 
 
+@functools.lru_cache(maxsize=8)
+def _projection_cpu(channels: int, dim: int, seed: int) -> torch.Tensor:
+    """[channels, dim] Gaussian directions of similarity_dim, from the CPU generator of ``seed``."""
+    gen = torch.Generator().manual_seed(seed + 0x5EED)
+    return torch.randn(channels, dim, generator=gen) / math.sqrt(dim)
+
+
+def similarity_rows(metric: torch.Tensor, cfg: TokenMerging) -> torch.Tensor:
+    """The rows the assignment compares: ``metric`` [B, N, C], or its projection [B, N, k] onto
+    cfg.similarity_dim random directions (float32) when k < C."""
+    C = metric.shape[-1]
+    if cfg.similarity_dim is None or cfg.similarity_dim >= C:
+        return metric
+    proj = _projection_cpu(C, cfg.similarity_dim, cfg.seed).to(metric.device)
+    with torch.autocast(metric.device.type, enabled=False):
+        return metric.float() @ proj
+
+
 def merge_plan(metric: torch.Tensor, frames: int, grid: tuple[int, int], special: int, cfg: TokenMerging,
                pattern: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> MergePlan:
     """The merge plan of one global block. metric: [B, N, C], the block's normalized input."""
@@ -182,7 +220,7 @@ def merge_plan(metric: torch.Tensor, frames: int, grid: tuple[int, int], special
     slot = torch.empty(B, N, dtype=torch.int64, device=dev)
     slot[:, dst] = torch.arange(nd, device=dev)
     if ns:
-        sim, best = _nearest(metric, dst, src, cfg.similarity_dtype)
+        sim, best = _nearest(similarity_rows(metric, cfg), dst, src, cfg.similarity_dtype)
         if r == ns:
             slot[:, src] = best
         else:
@@ -228,9 +266,20 @@ class AggregatorCall:
     special: int
     layers: dict  # id(global attention module) → global layer index
     pattern: tuple  # (destinations, sources) on the device, shared by the call's global blocks
+    plans: dict = field(default_factory=dict)  # global layer → its plan (cfg.reuse > 1)
 
-    def plan(self, x: torch.Tensor) -> MergePlan:
-        return merge_plan(x, self.frames, self.grid, self.special, self.cfg, self.pattern)
+    def plan(self, x: torch.Tensor, layer: int) -> MergePlan:
+        """The plan of global layer ``layer`` (x: its metric [B, N, C]): made at the layers
+        start_layer + i·reuse, reused by the layers after each (made here if a block ran out of
+        order and its base layer's plan is missing)."""
+        cfg = self.cfg
+        if cfg.reuse == 1:
+            return merge_plan(x, self.frames, self.grid, self.special, cfg, self.pattern)
+        base = cfg.start_layer + (layer - cfg.start_layer) // cfg.reuse * cfg.reuse
+        plan = self.plans.get(base)
+        if plan is None or plan.slot.shape[0] != x.shape[0] or plan.num_tokens != x.shape[1]:
+            plan = self.plans[base] = merge_plan(x, self.frames, self.grid, self.special, cfg, self.pattern)
+        return plan
 
 
 MERGING: contextvars.ContextVar[Optional[AggregatorCall]] = contextvars.ContextVar("elsa_vggt_merging",
