@@ -1,0 +1,78 @@
+"""Attention over tokens sharded across processes (torch.distributed): every rank's queries attend to
+the keys of all ranks (causal: of the ranks up to its own), exactly as one process would.
+
+Each rank holds a contiguous shard of the sequence — rank 0 the first tokens, rank r the r-th
+slice; shards may differ in length. The key/value shards are all-gathered in one collective
+(autograd-aware: in the backward, every rank's key/value gradients are summed back to the rank
+that owns them, again in one collective), and each
+rank runs one ELSA call of its queries against the keys it sees. Causal attention needs no mask
+of its own: a rank's queries are the last rows of the keys it sees, and ELSA's bottom-right
+causal alignment (query i sees key j ≤ i + Nk − Nq) is then exactly the global causal rule.
+
+Memory: each rank holds every key/value shard it sees (O(N) per rank, not O(N / ranks)); the
+attention itself keeps ELSA's O(n) extra memory per rank.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .api import attention as _attention
+
+
+def _dist():
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("elsa_vision.distributed.attention needs an initialised default process group "
+                           "(torch.distributed.init_process_group), or a group passed as group=")
+    return dist
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, scale: Optional[float] = None,
+              causal: bool = False, precision: str = "auto", backend: str = "auto") -> torch.Tensor:
+    """This rank's rows of attention over the whole sharded sequence.
+
+    Args:
+        q: [B, H, n_q, D], this rank's queries; k, v: [B, H, n_k, D], its keys and values. With
+            ``causal`` the shards hold the same tokens (n_q == n_k on every rank). B, H, D, dtype
+            and device agree across ranks.
+        group: the process group (None: the default one); shards are in its rank order.
+        scale, causal, precision, backend: as :func:`elsa_vision.attention` (no bias).
+
+    Returns:
+        [B, H, n_q, D]. Differentiable in q, k and v; every rank of the group must run the
+        backward (its all-gathers' gradients are collectives), as with DistributedDataParallel.
+    """
+    dist = _dist()
+    from torch.distributed.nn.functional import all_gather
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"distributed.attention: q, k, v must be [B, H, N, D], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"distributed.attention: causal attention needs each rank's query and key shards to be the "
+                         f"same tokens (n_q == n_k), got {q.shape[2]} and {k.shape[2]}")
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    # every shard's length, and a check that the ranks agree on the rest of the shape
+    meta = torch.tensor([k.shape[2], k.shape[0], k.shape[1], k.shape[3]], dtype=torch.int64,
+                        device=k.device if k.is_cuda else "cpu")
+    metas = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(metas, meta, group=group)
+    metas = [m.tolist() for m in metas]
+    if any(m[1:] != metas[0][1:] for m in metas):
+        raise ValueError(f"distributed.attention: the ranks' k/v shards differ in [B, H, ·, D]: "
+                         f"{[(m[1], m[2], m[3]) for m in metas]}")
+    lengths = [m[0] for m in metas]
+    longest = max(lengths)
+
+    # k and v travel in one collective: two would each add a collective to the backward, and the
+    # autograd engine may run independent branches in another order on another rank (gloo would
+    # then pair one rank's dK with another's dV)
+    kv = torch.stack((k, v))
+    if kv.shape[3] < longest:
+        kv = torch.nn.functional.pad(kv, (0, 0, 0, longest - kv.shape[3]))
+    parts = all_gather(kv.contiguous(), group=group)
+    seen = range(rank + 1) if causal else range(world)
+    keys = torch.cat([parts[i][:, :, :, :lengths[i]] for i in seen], dim=3)
+    return _attention(q, keys[0], keys[1], scale=scale, causal=causal, precision=precision, backend=backend)
