@@ -2,9 +2,9 @@
 the keys of all ranks (causal: of the ranks up to its own), exactly as one process would.
 
 Each rank holds a contiguous shard of the sequence — rank 0 the first tokens, rank r the r-th
-slice; shards may differ in length. The key/value shards are all-gathered in one collective
-(autograd-aware: in the backward, every rank's key/value gradients are summed back to the rank
-that owns them, again in one collective), and each
+slice; shards may differ in length. The key/value shards are all-gathered in one collective, and
+in the backward every rank's key/value gradients are summed (one all-reduce) and each rank keeps
+its own shard's; each
 rank runs one ELSA call of its queries against the keys it sees. Causal attention needs no mask
 of its own: a rank's queries are the last rows of the keys it sees, and ELSA's bottom-right
 causal alignment (query i sees key j ≤ i + Nk − Nq) is then exactly the global causal rule.
@@ -29,6 +29,27 @@ def _dist():
     return dist
 
 
+class _Gather(torch.autograd.Function):
+    """All-gather of equal-shaped shards [*] → [world, *]; the backward sums every rank's gradient
+    of the gathered tensor (one all-reduce) and returns this rank's slice: one collective each way."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, group, world: int, rank: int):
+        import torch.distributed as dist
+        shard = shard.contiguous()
+        out = shard.new_empty((world, *shard.shape))
+        dist.all_gather(list(out.unbind(0)), shard, group=group)
+        ctx.group, ctx.rank = group, rank
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None, None, None
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, scale: Optional[float] = None,
               causal: bool = False, precision: str = "auto", backend: str = "auto") -> torch.Tensor:
     """This rank's rows of attention over the whole sharded sequence.
@@ -45,7 +66,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         backward (its all-gathers' gradients are collectives), as with DistributedDataParallel.
     """
     dist = _dist()
-    from torch.distributed.nn.functional import all_gather
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"distributed.attention: q, k, v must be [B, H, N, D], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -72,7 +92,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     kv = torch.stack((k, v))
     if kv.shape[3] < longest:
         kv = torch.nn.functional.pad(kv, (0, 0, 0, longest - kv.shape[3]))
-    parts = all_gather(kv.contiguous(), group=group)
+    parts = _Gather.apply(kv, group, world, rank)
     seen = range(rank + 1) if causal else range(world)
     keys = torch.cat([parts[i][:, :, :, :lengths[i]] for i in seen], dim=3)
     return _attention(q, keys[0], keys[1], scale=scale, causal=causal, precision=precision, backend=backend)
