@@ -117,7 +117,6 @@ def _step(j, g, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready
                           gl.zeros([WG_M, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
     if not FIRST:
         pv = warpgroup_mma(p16, v_ring.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
-    if not FIRST:
         s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])  # QKᵀ_j; P·V_(j−1) stays in flight
     else:
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
