@@ -233,7 +233,7 @@ def _padded(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, dim - d, 0, length - L))
 
 
-def _unit(length: int, dim: int, depth: int) -> int:
+def _depth_allowed(length: int, dim: int, depth: int) -> int:
     """The depth the blocks allow: each level needs L and d divisible by 4, blocks of ≥ 4 rows."""
     while depth and (length < 4 ** depth or dim < 4 ** depth):
         depth -= 1
@@ -314,6 +314,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, d
     base = BASE if base is None else base
     dtype = q.dtype
     work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    depth = _unit(q.shape[-2], q.shape[-1], depth)
+    depth = _depth_allowed(q.shape[-2], q.shape[-1], depth)
     out, lse = _ECA.apply(q.to(work), k.to(work), v.to(work), float(scale), depth, base)
     return out.to(dtype), lse.float()
