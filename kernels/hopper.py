@@ -238,6 +238,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk,
         mbarrier.init(v_empty.index(i), count=NUM_WG)
     fence_async_shared()
 
+    # one literal partition list per warpgroup count: Gluon 3.6 builds it at compile time and takes
+    # neither a comprehension nor the consumers' arguments grouped into tuples
     if NUM_WG == 3:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
