@@ -128,7 +128,7 @@ def register(adapter: Adapter) -> Adapter:
 
 def _load_builtin() -> None:
     # Importing an adapter file registers its adapters; a missing optional package is fine.
-    for mod in ("timm", "vggt"):
+    for mod in ("timm", "vggt", "streamvggt"):
         name = f"{__package__}.{mod}"
         if importlib.util.find_spec(name) is None:  # adapter file not shipped in this build
             continue

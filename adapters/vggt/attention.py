@@ -43,7 +43,7 @@ def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
     return rope._compute_frequency_components(D // 2, hi + 1, x.device, torch.float32)
 
 
-def _project(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None):
+def project_qkv(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None):
     """q, k, v [B, H, N, D] after q/k norm and RoPE, exactly as vggt's Attention forms them from
     ``prenorm(x)`` (``x`` itself when prenorm is None).
 
@@ -105,7 +105,7 @@ def _project(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None):
     return tuple(b.transpose(1, 2) for b in bufs)
 
 
-def _project_out(module, out: torch.Tensor, chunk: Optional[int]) -> torch.Tensor:
+def project_out(module, out: torch.Tensor, chunk: Optional[int]) -> torch.Tensor:
     """proj(out as [B, M, C]) for out [B, H, M, D]; with ``chunk``, a chunk of tokens at a time (no
     token-major copy of the whole output)."""
     B, H, M, D = out.shape
@@ -181,7 +181,7 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
                 plan = call.plan(metric, call.layers[id(module)])
         else:
             plan = call.plan(metric, call.layers[id(module)])
-    q, k, v = _project(module, x, pos, chunk, prenorm)
+    q, k, v = project_qkv(module, x, pos, chunk, prenorm)
     if side is not None:
         main.wait_stream(side)
         for t in (plan.slot, plan.counts, plan.destinations):
@@ -197,7 +197,7 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
     scale = None if kind.fork or module.fused_attn else float(module.scale)
     out = attention(q, k, v, scale=scale, precision=opts.get("precision", "auto"), backend=opts.get("backend", "auto"))
     del q, k, v
-    y = module.proj_drop(_project_out(module, out, chunk))
+    y = module.proj_drop(project_out(module, out, chunk))
     if plan is not None:
         y = unmerge(y, plan)
     elif unmerge_fn is not None:
