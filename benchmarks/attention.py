@@ -4,6 +4,8 @@
     python benchmarks/attention.py --quick      # N 4K/16K, d 64
     python benchmarks/attention.py --hopper     # Gluon (sm_90) vs portable forward vs cuDNN/flash, bf16
                                                 # → attention_hopper.{csv,png} (sets kernels/hopper.py's policy)
+    python benchmarks/attention.py --decode     # few queries against long keys (KV-cache shapes)
+                                                # → attention_decode.{csv,png}
     python benchmarks/attention.py --tune fwd   # tile-shape sweep for the kernel config tables
                                                 # (bwd: the dQ tile; bwdkv: the dK/dV kernel's own)
 
@@ -162,6 +164,43 @@ def few_queries(d=64, nq=16, nk=131072, H=16):
     return rows
 
 
+def decode_sweep() -> list[dict]:
+    """Streaming shapes: Nq ∈ {16, one 1041-token frame, four frames} against Nk up to a million
+    keys (a KV cache of ~1000 frames), bf16 and fp32, forward."""
+    rows = []
+    for nq, nk in itertools.product((16, 1041, 4 * 1041), (131072, 416400, 1041000)):
+        for dtn in ("bf16", "fp32"):
+            skip = ("sdpa-math", "elsa-ieee", "elsa-tf32") if dtn == "fp32" else ("sdpa-math",)
+            new = run_case(1, 16, nq, nk, 64, dtn, False, budget_ms=800, tag="decode", skip=skip)
+            rows += new
+            print(fmt_table(new, ["dtype", "Nq", "Nk", "variant", "ms", "tflops", "max_err_vs_fp64"]), flush=True)
+    return rows
+
+
+def plot_decode(rows, path):
+    """Per dtype: the fastest SDPA backend's time over ELSA's (its fastest mode) against Nk, a line per Nq."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, dtn in zip(axes, ("bf16", "fp32")):
+        for nq in sorted({r["Nq"] for r in rows}):
+            pts = []
+            for nk in sorted({r["Nk"] for r in rows}):
+                case = [r for r in rows if r["dtype"] == dtn and r["Nq"] == nq and r["Nk"] == nk and r["ms"]]
+                elsa = [r["ms"] for r in case if r["variant"].startswith("elsa")]
+                base = [r["ms"] for r in case if r["variant"].startswith("sdpa")]
+                if elsa and base:
+                    pts.append((nk, min(base) / min(elsa)))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"Nq = {nq}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        style_axes(ax, "keys (Nk)", "fastest SDPA time / ELSA time", f"decode shapes, {dtn}, H=16, d=64", ylog=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # Tile shapes tried by --tune: (block_m, block_n, num_warps, num_stages) per (pass, dtype, precision, d).
 # Kept short: each candidate is a separate compile.
 CANDIDATES = {
@@ -317,6 +356,7 @@ def main(argv=None):
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--hopper", action="store_true", help="the Gluon (sm_90) forward against the portable one")
+    ap.add_argument("--decode", action="store_true", help="few queries against long keys (KV-cache shapes)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
@@ -325,6 +365,9 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     if a.hopper:
         save(hopper_sweep(), outdir, "attention_hopper", plot_hopper)
+        return
+    if a.decode:
+        save(decode_sweep(), outdir, "attention_decode", plot_decode)
         return
     if a.tune:
         rows = tune(("fwd", "bwd") if a.tune == "both" else (a.tune,), only=a.only)

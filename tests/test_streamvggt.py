@@ -235,3 +235,34 @@ def test_real_aggregator_follows_the_rule(mode):
     assert not delegated(agg)
     e, r = max_err(out, oracle), max_err(ref, oracle)
     assert e <= tolerance(r, torch.float32), f"{e:.3g} vs {r:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_STREAMVGGT, reason="streamvggt is not importable")
+def test_gpu_real_aggregator_bf16_batch_and_stream():
+    """The full-size aggregator (random weights, 3 frames of 392×518) under bf16 autocast: batch and
+    streaming outputs follow the rule against the float64 unpatched model, and the patched stream
+    equals the patched batch to the same rule."""
+    from streamvggt.models.aggregator import Aggregator
+    torch.manual_seed(0)
+    agg = Aggregator().cuda().eval()
+    x = torch.rand(1, 3, 3, 392, 518, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+
+    def last(a, x, mode, autocast=True):
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            if mode == "batch":
+                return a(x)[0][-1].double()
+            past, outs = [None] * a.depth, []
+            for i in range(x.shape[1]):
+                out, _, past = a(x[:, i:i + 1], past_key_values=past, use_cache=True, past_frame_idx=i)
+                outs.append(out[-1].double())
+            return torch.cat(outs, dim=1)
+
+    oracle = last(copy.deepcopy(agg).double(), x.double(), "batch", autocast=False)
+    ref = {m: last(agg, x, m) for m in ("batch", "stream")}
+    elsa_vision.patch(agg)
+    out = {m: last(agg, x, m) for m in ("batch", "stream")}
+    assert not delegated(agg)
+    for m in out:
+        e, r = max_err(out[m], oracle), max_err(ref[m], oracle)
+        assert e <= tolerance(r, torch.bfloat16), f"{m}: {e:.3g} vs {r:.3g}"
