@@ -7,14 +7,17 @@ native, in one process on one GPU.
 Each variant streams the same random frames (392×518, random weights: timing only) through
 StreamVGGT's aggregator and camera head with their key/value caches — what ``StreamVGGT.inference``
 runs per frame before the DPT heads, whose cost does not depend on the frame index. Per frame: the
-step's time (CUDA events), the memory allocated after it and the step's peak. Native runs first, then
-the same model patched (``elsa_vision.patch``), then it is unpatched. At the frames in ``--check`` the
+step's time (CUDA events), the memory allocated after it and the step's peak. The patched model
+(``elsa_vision.patch``) runs first, then the same model unpatched (native). At the frames in ``--check`` the
 last layer's tokens of both variants are compared (max |patched − native|). A variant that runs out
-of memory stops there; its last frame is in the CSV.
+of memory stops there; its last frame is in the CSV. Set
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` for long streams: both variants' caches grow,
+and without it freed smaller blocks stay reserved.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,13 +42,17 @@ def build(device):
     return agg.to(device).eval(), cam.to(device).eval()
 
 
-def stream(agg, cam, images, dtype, check, keep):
+def stream(agg, cam, images, dtype, check, keep, budget_s=None):
     """Stream images [S, 3, H, W] one at a time; a row per frame, and the last layer's tokens at
-    the frames in ``check`` (into ``keep``)."""
+    the frames in ``check`` (into ``keep``). Stops after ``budget_s`` seconds (a row says so)."""
     past, past_cam = [None] * agg.depth, [None] * cam.trunk_depth
     rows = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
     for i in range(images.shape[0]):
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            rows.append({"frame": i, "error": f"stopped: --budget-s {budget_s:g} s spent"})
+            break
         torch.cuda.reset_peak_memory_stats()
         try:
             start.record()
@@ -96,10 +103,11 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=518)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--precision", default="auto", help="ELSA precision (fp32 runs)")
-    ap.add_argument("--variants", default="native,elsa")
+    ap.add_argument("--variants", default="elsa,native")
     ap.add_argument("--check", default="0,1,10,100,250,499", help="frames whose outputs are compared")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--name", default="stream")
+    ap.add_argument("--budget-s", type=float, help="stop a variant's stream after this many seconds")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/stream.py needs a CUDA GPU")
@@ -115,7 +123,7 @@ def main(argv=None):
             elsa_vision.patch(cam, precision=a.precision)
         t0 = time.perf_counter()
         outs[var] = {}
-        new = stream(agg, cam, images, dtype, check, outs[var])
+        new = stream(agg, cam, images, dtype, check, outs[var], a.budget_s)
         print(f"{var}: {len(new)} frames in {time.perf_counter() - t0:.1f} s; "
               + ", ".join(f"frame {r['frame']}: {r['ms']:.1f} ms {r['peak_gib']:.1f} GiB"
                           for r in new if r.get("ms") and r["frame"] in check), flush=True)
@@ -133,7 +141,7 @@ def main(argv=None):
         for r in rows:
             if r.get("ms") and r["frame"] in native:
                 r["speedup_vs_native"] = native[r["frame"]]["ms"] / r["ms"]
-    meta = metadata()
+    meta = dict(metadata(), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     rows = [dict(r, **meta) for r in rows]
     outdir = Path(a.out) if a.out else results_dir()
     outdir.mkdir(parents=True, exist_ok=True)
