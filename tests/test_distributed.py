@@ -66,3 +66,111 @@ def test_needs_a_process_group():
         pytest.skip("a process group is initialised in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         distributed.attention(q, q, q)
+
+
+# --- VGGT with its frames sharded across ranks: patch(model, process_group=group) ---
+
+OUTPUTS = ("pose_enc", "depth", "depth_conf", "world_points", "world_points_conf")
+
+
+def _standin_vggt(dtype):
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import vggt_standin as V
+    from elsa_vision.adapters import vggt as A
+    remove = A.register_classes(**V.CLASSES)
+    torch.manual_seed(0)
+    model = V.VGGT().to(dtype)
+    images = torch.rand(1, 5, 3, 28, 42, generator=torch.Generator().manual_seed(1)).to(dtype)
+    weights = {k: torch.randn(256, generator=torch.Generator().manual_seed(i)).to(dtype)
+               for i, k in enumerate(OUTPUTS)}
+    return model, images, weights, remove
+
+
+def _loss(out, weights):
+    """A loss that reads every output of every frame (sums of frame-local terms)."""
+    return sum((out[k] * weights[k][:out[k].shape[-1]]).sum() for k in OUTPUTS)
+
+
+def _vggt_worker(rank, world, init_file, lengths, train, options, dtype, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, images, weights, _ = _standin_vggt(dtype)
+        start = sum(lengths[:rank])
+        local = images[:, start:start + lengths[rank]]
+        report = elsa_vision.patch(model, process_group=dist.group.WORLD, **options)
+        assert report.patched.get("vggt-camera-head") and report.patched.get("vggt-aggregator"), str(report)
+        if train:
+            model.train()
+            out = model(local)
+            _loss(out, weights).backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            for g in grads.values():
+                dist.all_reduce(g)
+            torch.save({"grads": grads}, os.path.join(out_dir, f"{rank}.pt"))
+        else:
+            with torch.no_grad():
+                out = model.eval()(local)
+            torch.save({k: out[k] for k in OUTPUTS}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _vggt_run(lengths, train, options, dtype):
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        mp.spawn(_vggt_worker, args=(len(lengths), init, lengths, train, options, dtype, tmp), nprocs=len(lengths))
+        return [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(len(lengths))]
+
+
+@pytest.mark.parametrize("lengths,options,dtype,tol", [
+    ([2, 3], {"backend": "reference"}, torch.float64, 1e-10),
+    ([1, 3, 1], {"backend": "reference", "lean_memory": [1, 3]}, torch.float64, 1e-10),
+    ([3, 2], {"backend": "triton"}, torch.float32, 2e-5),
+])
+def test_vggt_sharded_equals_one_process(lengths, options, dtype, tol):
+    """The VGGT stand-in with its 5 frames split over 2 or 3 ranks (uneven): every rank's predictions
+    of its frames equal one process's predictions of all frames (the same patched model without a
+    group; the special tokens of frame 0 only on rank 0, global attention and the camera trunk
+    over every rank's frames)."""
+    if options["backend"] == "triton" and not elsa_vision.dispatch.triton_serves("cpu"):
+        pytest.skip("the Triton kernels serve CPU tensors only under TRITON_INTERPRET=1")
+    parts = _vggt_run(lengths, False, options, dtype)
+    model, images, _, remove = _standin_vggt(dtype)
+    try:
+        elsa_vision.patch(model, **options)
+        with torch.no_grad():
+            want = model.eval()(images)
+    finally:
+        remove()
+    for k in OUTPUTS:
+        torch.testing.assert_close(torch.cat([p[k] for p in parts], dim=1), want[k], rtol=0, atol=tol, msg=k)
+
+
+def test_vggt_sharded_training_gradients():
+    """Training mode over 2 ranks: the parameter gradients summed over the ranks (what DDP's
+    all-reduce forms) equal one process's gradients of the same loss over all frames."""
+    parts = _vggt_run([3, 2], True, {"backend": "reference"}, torch.float64)
+    model, images, weights, remove = _standin_vggt(torch.float64)
+    try:
+        elsa_vision.patch(model, backend="reference")
+        model.train()
+        _loss(model(images), weights).backward()
+    finally:
+        remove()
+    grads = parts[0]["grads"]
+    assert len(grads) > 20
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[n], p.grad, rtol=0, atol=1e-9, msg=n)
+
+
+def test_vggt_process_group_refusals():
+    model, _, _, remove = _standin_vggt(torch.float32)
+    try:
+        if not (dist.is_available() and dist.is_initialized()):
+            with pytest.raises(RuntimeError, match="init_process_group"):
+                elsa_vision.patch(model, process_group=object())
+        assert not elsa_vision.adapters.registry.patched_modules(model)
+    finally:
+        remove()

@@ -331,4 +331,5 @@ class VGGT(nn.Module):
         return preds
 
 
-CLASSES = dict(attention=[Attention, MemEffAttention], aggregator=[Aggregator], block=[Block], dpt_head=[DPTHead])
+CLASSES = dict(attention=[Attention, MemEffAttention], aggregator=[Aggregator], block=[Block], dpt_head=[DPTHead],
+               camera_head=[CameraHead])

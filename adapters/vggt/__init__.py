@@ -47,21 +47,29 @@ Patch options (keywords of ``elsa_vision.patch``):
   [B, S, P, 2C] layer instead of five (at 392×518, 3.4 GB float32 per 400 frames each), for the
   price of one device-to-host and one host-to-device pass over them. Values are unchanged (copies).
 * ``token_merging``: a :class:`TokenMerging` (upstream VGGT only, inference only).
+* ``process_group``: a torch.distributed ProcessGroup; every rank calls the model on its own
+  contiguous shard of the frames and gets their predictions, global attention and the camera
+  head's trunk spanning the ranks (sharded.py). Composes with ``lean_memory``, not with
+  ``token_merging``; the track head raises.
 
 Modules: common.py (the classes served, the lean option), attention.py (the attention adapter),
-merging.py (token merging), lean.py (lean memory: the aggregator and DPT-head adapters).
+merging.py (token merging), lean.py (lean memory: the aggregator and DPT-head adapters), sharded.py
+(frames across ranks: the camera- and track-head adapters, the context global attention reads).
 """
 from ..registry import register
 from .attention import VGGTAttentionAdapter
-from .common import (AGGREGATOR_TARGETS, ATTENTION_TARGETS, BLOCK_TARGETS, DPT_HEAD_TARGETS,
-                     register_classes)
+from .common import (AGGREGATOR_TARGETS, ATTENTION_TARGETS, BLOCK_TARGETS, CAMERA_HEAD_TARGETS, DPT_HEAD_TARGETS,
+                     TRACK_HEAD_TARGETS, register_classes)
 from .lean import HEAD_LAYERS, LeanLayerList, VGGTAggregatorAdapter, VGGTDPTHeadAdapter
+from .sharded import VGGTCameraHeadAdapter, VGGTTrackHeadAdapter
 from .merging import MergePlan, TokenMerging, destination_pattern, merge_mean, merge_plan, similarity_rows, unmerge
 
-__all__ = ["AGGREGATOR_TARGETS", "ATTENTION_TARGETS", "BLOCK_TARGETS", "DPT_HEAD_TARGETS", "HEAD_LAYERS",
+__all__ = ["AGGREGATOR_TARGETS", "ATTENTION_TARGETS", "BLOCK_TARGETS", "CAMERA_HEAD_TARGETS", "DPT_HEAD_TARGETS",
+           "HEAD_LAYERS", "TRACK_HEAD_TARGETS", "VGGTCameraHeadAdapter", "VGGTTrackHeadAdapter",
            "LeanLayerList", "MergePlan", "TokenMerging", "VGGTAggregatorAdapter", "VGGTAttentionAdapter",
            "VGGTDPTHeadAdapter", "destination_pattern", "merge_mean", "merge_plan", "register_classes", "similarity_rows",
            "unmerge"]
 
-for _adapter in (VGGTAttentionAdapter(), VGGTAggregatorAdapter(), VGGTDPTHeadAdapter()):
+for _adapter in (VGGTAttentionAdapter(), VGGTAggregatorAdapter(), VGGTDPTHeadAdapter(), VGGTCameraHeadAdapter(),
+                 VGGTTrackHeadAdapter()):
     register(_adapter)

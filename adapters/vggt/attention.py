@@ -13,6 +13,7 @@ from ...kernels.limits import HEAD_DIMS
 from ..registry import PatchState, bypass_reason, hooked
 from .common import ATTENTION_TARGETS, LEAN_CHUNK, Kind, VGGTAdapter, attention_kind, lean_option
 from .merging import FORK_BLOCKS, AggregatorCall, fork_merge, merge_mean, merging_now, unmerge
+from .sharded import sharded_group
 
 
 def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
@@ -195,7 +196,13 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
         q, k, v = (merge_mean(t.transpose(1, 2), plan).transpose(1, 2) for t in (q, k, v))
     # SDPA's default scale is 1/sqrt(head_dim); the unfused path multiplies by module.scale
     scale = None if kind.fork or module.fused_attn else float(module.scale)
-    out = attention(q, k, v, scale=scale, precision=opts.get("precision", "auto"), backend=opts.get("backend", "auto"))
+    kw = dict(scale=scale, precision=opts.get("precision", "auto"), backend=opts.get("backend", "auto"))
+    group = sharded_group(module)
+    if group is not None:  # a global block or camera trunk of a sharded call: every rank's keys
+        from ...distributed import attention as sharded_attention
+        out = sharded_attention(q, k, v, group=group, **kw)
+    else:
+        out = attention(q, k, v, **kw)
     del q, k, v
     y = module.proj_drop(project_out(module, out, chunk))
     if plan is not None:

@@ -24,11 +24,19 @@ BLOCK_TARGETS = ("vggt.layers.block:Block",)
 DPT_HEAD_TARGETS = ("vggt.heads.dpt_head:DPTHead",)
 
 
-EXTRA: dict[str, list[type]] = {"attention": [], "aggregator": [], "block": [], "dpt_head": []}
+CAMERA_HEAD_TARGETS = ("vggt.heads.camera_head:CameraHead",)
+
+
+TRACK_HEAD_TARGETS = ("vggt.heads.track_head:TrackHead",)
+
+
+EXTRA: dict[str, list[type]] = {"attention": [], "aggregator": [], "block": [], "dpt_head": [], "camera_head": [],
+                                "track_head": []}
 
 
 def register_classes(*, attention: Sequence[type] = (), aggregator: Sequence[type] = (),
-                     block: Sequence[type] = (), dpt_head: Sequence[type] = ()) -> Callable[[], None]:
+                     block: Sequence[type] = (), dpt_head: Sequence[type] = (), camera_head: Sequence[type] = (),
+                     track_head: Sequence[type] = ()) -> Callable[[], None]:
     """Serve classes that carry vggt's code outside the ``vggt`` package (a vendored copy, a test
     stand-in) as if they were vggt's own. Returns a function that removes them again.
 
@@ -42,10 +50,14 @@ def register_classes(*, attention: Sequence[type] = (), aggregator: Sequence[typ
     block: ``Block``-like classes (norm1, attn, ls1, norm2, mlp, ls2) that lean mode may run in chunks.
     dpt_head: classes with ``DPTHead``'s forward(aggregated_tokens_list, images, patch_start_idx,
         frames_chunk_size=8) and ``_forward_impl(..., frames_start_idx, frames_end_idx)``.
+    camera_head: classes whose ``trunk`` (a sequence of ``Block``-like modules) attends over frames,
+        as vggt's ``CameraHead`` (sharded with ``process_group``).
+    track_head: classes that read the first frame's features, as vggt's ``TrackHead`` (refused with
+        ``process_group``).
     """
     added: list[tuple[str, type]] = []
     for key, classes in (("attention", attention), ("aggregator", aggregator), ("block", block),
-                         ("dpt_head", dpt_head)):
+                         ("dpt_head", dpt_head), ("camera_head", camera_head), ("track_head", track_head)):
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
                 raise TypeError(f"register_classes: {key} entries must be nn.Module classes, got {cls!r}")
@@ -134,6 +146,11 @@ def check_options(options: dict) -> None:
                          "pass lean_memory=True (or a list of layers) with it")
     check_count(options, "lean_chunk", "tokens")
     check_count(options, "head_chunk", "frames", none_ok=True)
+    from .sharded import check_group
+    check_group(options.get("process_group"))
+    if options.get("process_group") is not None and tm is not None:
+        raise ValueError("token_merging with process_group is not supported: merging chooses its destination tokens "
+                         "within one process; patch without one of them")
 
 
 LEAN_CHUNK = 1 << 16  # lean_chunk's default: tokens per chunk of the global blocks' projections and MLP

@@ -16,6 +16,7 @@ from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, unsuppo
 from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, LEAN_CHUNK, VGGTAdapter, attention_kind, block_classes,
                      is_fork_aggregator, lean_option)
 from .merging import AggregatorCall, merging, pattern_on
+from .sharded import first_frame_tokens_elsewhere, rank_of, sharding
 
 
 HEAD_LAYERS = (4, 11, 17, 23)  # what VGGT's DPT heads (depth, point, track) read; the camera head reads the last
@@ -211,58 +212,72 @@ def _to_host(frame: torch.Tensor, glob: torch.Tensor, step: int) -> torch.Tensor
 
 
 class VGGTAggregatorAdapter(VGGTAdapter):
-    """Lean memory and the token-merging context for vggt's ``Aggregator``."""
+    """Lean memory, the token-merging context and frame sharding (``process_group``, see
+    sharded.py) for vggt's ``Aggregator``."""
 
     name = "vggt-aggregator"
     targets = AGGREGATOR_TARGETS
-    options = frozenset({"lean_memory", "lean_chunk", "lean_offload"})
+    options = frozenset({"lean_memory", "lean_chunk", "lean_offload", "process_group"})
 
     extra = "aggregator"
 
     def skip_reason(self, module, options):
-        tm, lean = options.get("token_merging"), lean_option(options)
-        if lean is None and tm is None:
-            return "nothing to change (lean_memory and token_merging not requested)"
+        tm, lean, group = options.get("token_merging"), lean_option(options), options.get("process_group")
+        if lean is None and tm is None and group is None:
+            return "nothing to change (lean_memory, token_merging and process_group not requested)"
         if is_fork_aggregator(type(module)):
             if tm is not None:
                 raise ValueError("token_merging=TokenMerging(...) is for upstream VGGT; the FastVGGT fork merges "
                                  "tokens itself (its `merging` setting): patch it without token_merging")
+            if group is not None:
+                raise ValueError("process_group is for upstream VGGT's aggregator; the FastVGGT fork's merging "
+                                 "runs within one process: patch it without process_group")
             return "FastVGGT fork aggregator: already keeps only the layers its heads read"
         if lean is not None:
             _kept_layers(module.depth, lean)  # validate now
         return None
 
     def forward(self, agg, state: PatchState, images, *args, **kwargs):
-        if agg.training:
-            return state.delegate(images, *args, reason="training mode (lean memory and token merging are "
-                                  "inference-only)", **kwargs)
-        if not isinstance(images, torch.Tensor) or images.dim() != 5:
-            return state.delegate(images, *args, reason="images not [B, S, 3, H, W]", **kwargs)
         opts = state.options
-        cfg, lean = opts.get("token_merging"), lean_option(opts)
-        scope = contextlib.nullcontext()
+        cfg, lean, group = opts.get("token_merging"), lean_option(opts), opts.get("process_group")
+        if not isinstance(images, torch.Tensor) or images.dim() != 5:
+            if group is not None:
+                raise ValueError(f"a VGGT aggregator patched with process_group takes this rank's frames as images "
+                                 f"[B, S, 3, H, W], got {getattr(images, 'shape', type(images).__name__)}")
+            return state.delegate(images, *args, reason="images not [B, S, 3, H, W]", **kwargs)
+        if agg.training:
+            if group is None:
+                return state.delegate(images, *args, reason="training mode (lean memory and token merging are "
+                                      "inference-only)", **kwargs)
+            cfg = lean = None  # sharding holds in training; lean memory and merging are inference-only
+        scopes = contextlib.ExitStack()
+        shadowed = {}  # instance attributes shadowing the class's methods / parameters for this call only
+        if group is not None:
+            scopes.enter_context(sharding(group, agg.global_blocks))
+            if rank_of(group) > 0:
+                shadowed.update(first_frame_tokens_elsewhere(agg))
         if cfg is not None:
             grid = (images.shape[-2] // agg.patch_size, images.shape[-1] // agg.patch_size)
             layers = {id(b.attn): i for i, b in enumerate(agg.global_blocks) if hasattr(b, "attn")}
             # the pattern goes to the device before any block is queued: a host-to-device copy
             # later would wait for the GPU to drain its queue
             pattern = tuple(t.to(images.device) for t in pattern_on(images.shape[1], grid, agg.patch_start_idx, cfg))
-            scope = merging(AggregatorCall(cfg, images.shape[1], grid, agg.patch_start_idx, layers, pattern))
+            scopes.enter_context(merging(AggregatorCall(cfg, images.shape[1], grid, agg.patch_start_idx, layers,
+                                                        pattern)))
         keep = _kept_layers(agg.depth, lean) if lean is not None else None
         host = {} if keep is not None and opts.get("lean_offload") else None
         if keep is not None:
             chunk = opts.get("lean_chunk", LEAN_CHUNK)
-            # instance attributes shadow the class methods for this call only
-            embed = agg.__dict__["patch_embed"] = _PatchEmbedOnce(agg.patch_embed, images)
-            agg.__dict__["_process_frame_attention"] = _lean_process(agg, "frame", keep, chunk, host, embed)
-            agg.__dict__["_process_global_attention"] = _lean_process(agg, "global", keep, chunk, host)
+            embed = shadowed["patch_embed"] = _PatchEmbedOnce(agg.patch_embed, images)
+            shadowed["_process_frame_attention"] = _lean_process(agg, "frame", keep, chunk, host, embed)
+            shadowed["_process_global_attention"] = _lean_process(agg, "global", keep, chunk, host)
+        agg.__dict__.update(shadowed)
         try:
-            with scope:
+            with scopes:
                 outputs, patch_start_idx = state.original(images, *args, **kwargs)
         finally:
-            if keep is not None:
-                for name in ("patch_embed", "_process_frame_attention", "_process_global_attention"):
-                    agg.__dict__.pop(name, None)
+            for name in shadowed:
+                agg.__dict__.pop(name, None)
         if keep is not None:
             if host:
                 if images.is_cuda:
