@@ -4,6 +4,8 @@
     python demos/reconstruct.py walk.mp4 --frames 400 --lean --merge        # long video, one GPU
     python demos/reconstruct.py walk.mp4 --frames 2000 --lean --offload     # longest: layers in host memory
     python demos/reconstruct.py path/to/images/ --baseline                   # native attention, to compare
+    torchrun --nproc-per-node 4 demos/reconstruct.py walk.mp4 --frames 4000 --lean --distributed
+                                              # frames sharded over 4 GPUs; rank 0 writes the results
     python demos/reconstruct.py path/to/images/ --random-weights --device cpu --width 140   # offline smoke run
     python demos/reconstruct.py /tmp/scene --synthetic --frames 400 --random-weights --lean  # offline timing run
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -398,6 +401,34 @@ def _preview(path: Path, rgb, depth, pts, cols, centres) -> None:
 # Main
 # ------------------------------------------------------------------------------------------------
 
+def start_distributed(args):
+    """The default process group of a torchrun launch (NCCL on CUDA, gloo on the CPU)."""
+    import torch.distributed as dist
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return dist.group.WORLD
+
+
+def shard_sizes(frames: int, ranks: int) -> list[int]:
+    """Contiguous shares of ``frames`` over ``ranks``, the first ones a frame larger when it does not divide."""
+    return [frames // ranks + (r < frames % ranks) for r in range(ranks)]
+
+
+def gather_predictions(preds: dict, seconds: float, peak):
+    """Rank 0: every rank's predictions concatenated over frames (dim 1, in rank order), the slowest
+    rank's seconds and every rank's peak; other ranks: (None, seconds, peaks)."""
+    import torch.distributed as dist
+    mine = ({k: v.cpu() for k, v in preds.items()}, seconds, peak)
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return None, seconds, None
+    return ({k: torch.cat([g[0][k] for g in gathered], dim=1) for k in gathered[0][0]},
+            max(g[1] for g in gathered), [g[2] for g in gathered])
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -433,6 +464,9 @@ def parse_args(argv=None):
     p.add_argument("--conf-percentile", type=float, default=50.0,
                    help="drop points below this confidence percentile (default 50)")
     p.add_argument("--max-points", type=int, default=2_000_000)
+    p.add_argument("--distributed", action="store_true",
+                   help="under torchrun: each process runs its contiguous share of the frames on its own GPU "
+                        "(patch(model, process_group=...)), rank 0 gathers the predictions and writes them")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if args.frames < 1:
@@ -441,6 +475,12 @@ def parse_args(argv=None):
         p.error("--merge and --lean are ELSA patch options; they cannot be combined with --baseline")
     if args.offload and not args.lean:
         p.error("--offload moves the layers --lean keeps to host memory: add --lean")
+    if args.distributed and (args.baseline or args.merge is not None):
+        p.error("--distributed shards the frames through ELSA's patch: it cannot be combined with --baseline or "
+                "--merge (token merging chooses its destinations within one process)")
+    if args.distributed and "WORLD_SIZE" not in os.environ:
+        p.error("--distributed runs under torchrun (it reads RANK / WORLD_SIZE / LOCAL_RANK), e.g. "
+                "torchrun --nproc-per-node 2 demos/reconstruct.py ... --distributed")
     if args.merge is not None and not 0.0 <= args.merge <= 1.0:
         p.error("--merge RATIO must be in [0, 1]")
     if not 0.0 <= args.conf_percentile < 100.0:
@@ -471,11 +511,22 @@ def main(argv=None) -> dict:
     QUIET = args.quiet
     if args.synthetic:
         write_synthetic_scene(args.input, args.frames)
+    group = start_distributed(args) if args.distributed else None
+    rank = 0 if group is None else torch.distributed.get_rank()
     frames, labels = read_frames(args.input, args.frames)
     images = preprocess(frames, args.width)
     S, _, H, W = images.shape
-    print(f"{S} frames at {H}x{W} from {args.input}")
+    if rank == 0:
+        print(f"{S} frames at {H}x{W} from {args.input}")
     device = torch.device(args.device)
+    shards = None
+    if group is not None:
+        shards = shard_sizes(S, torch.distributed.get_world_size())
+        if min(shards) < 1:
+            raise DemoError(f"--distributed: {S} frames cannot give each of {len(shards)} processes one")
+        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}") if device.type == "cuda" else device
+        start = sum(shards[:rank])
+        images_all, images = images, images[start:start + shards[rank]]
 
     t0 = time.perf_counter()
     model, weights = load_model(args)
@@ -486,15 +537,28 @@ def main(argv=None) -> dict:
     report = None
     if not args.baseline:
         tm = elsa_vision.TokenMerging(ratio=args.merge, seed=args.merge_seed) if args.merge is not None else None
+        extra = {} if group is None else {"process_group": group}
         report = elsa_vision.patch(model, precision=args.precision, backend=args.backend,
-                                   lean_memory=args.lean, lean_offload=args.offload, token_merging=tm)
-        print(report)
+                                   lean_memory=args.lean, lean_offload=args.offload, token_merging=tm, **extra)
+        if rank == 0:
+            print(report)
     dtype = autocast_dtype(device, args.dtype)
-    preds, seconds, peak = infer(model, images, device, dtype, progress=not args.quiet)
-    print(f"inference: {seconds:.2f} s" + (f", peak memory {peak / 2**30:.2f} GiB" if peak is not None else ""))
+    preds, seconds, peak = infer(model, images, device, dtype, progress=not args.quiet and rank == 0)
+    preds = {k: v for k, v in preds.items() if isinstance(v, torch.Tensor)}
+    peaks = None
+    if group is not None:
+        preds, seconds, peaks = gather_predictions(preds, seconds, peak)
+        if rank != 0:
+            torch.distributed.destroy_process_group()
+            return {}
+        images = images_all
+        peak = max(peaks) if all(p is not None for p in peaks) else None
+        print(f"{len(shards)} processes, frames per process {shards}")
+    print(f"inference: {seconds:.2f} s" + (f", peak memory {peak / 2**30:.2f} GiB" if peak is not None else "")
+          + (" (the largest of the processes')" if peaks else ""))
 
     args.out.mkdir(parents=True, exist_ok=True)
-    saved = save_outputs(args.out, images, {k: v for k, v in preds.items() if isinstance(v, torch.Tensor)}, labels, args)
+    saved = save_outputs(args.out, images, preds, labels, args)
     P = model.aggregator.patch_start_idx + (H // 14) * (W // 14)
     summary = {
         "input": str(args.input), "frames": S, "image_size_hw": [H, W], "tokens_per_frame": P,
@@ -505,9 +569,13 @@ def main(argv=None) -> dict:
         "weights": weights, "model_load_seconds": round(load_s, 3), "inference_seconds": round(seconds, 3),
         "peak_memory_gib": None if peak is None else round(peak / 2**30, 3),
         "patched_modules": None if report is None else report.num_patched,
+        "processes": 1 if shards is None else len(shards), "frames_per_process": shards,
+        "peak_memory_gib_per_process": None if not peaks or None in peaks else [round(p / 2**30, 3) for p in peaks],
         "torch": torch.__version__, **saved,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if group is not None:
+        torch.distributed.destroy_process_group()
     print(f"wrote {args.out}/: points.ply ({saved['points_written']:,} points), scene.glb, cameras.json, "
           "depth/, preview.png, summary.json")
     return summary
