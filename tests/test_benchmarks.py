@@ -199,3 +199,21 @@ def test_frames_memory_rehearsal(standin, monkeypatch):
     with pytest.raises(TypeError):  # and left it: the spy is launched (and fails) again
         K.forward(q, k, v, None, 0.25, False, "ieee")
     assert launched
+
+
+def test_distributed_benchmark_cpu_smoke(tmp_path):
+    """benchmarks/distributed.py under torchrun on two CPU processes (gloo): the attention part writes
+    its rows, with the one-process baseline and the scaling columns."""
+    import csv
+    import os
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the reference backend: fast
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(ROOT / "benchmarks" / "distributed.py"), "--device", "cpu", "--parts", "attention",
+                           "--frames", "2,3", "--tokens", "16", "--dtypes", "fp32", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "distributed_2.csv")))
+    assert [(r["frames"], r["part"]) for r in rows] == [("2", "attention"), ("3", "attention")]
+    assert all(float(r["seconds"]) > 0 and float(r["efficiency"]) > 0 and r["ranks"] == "2" for r in rows)
+    assert (tmp_path / "distributed_2.png").stat().st_size > 0

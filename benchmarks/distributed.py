@@ -1,0 +1,227 @@
+"""Frames across GPUs: time, memory per GPU and scaling of sharded attention and of VGGT's
+aggregator (``patch(model, process_group=...)``) against one GPU, under torchrun.
+
+    torchrun --nproc-per-node 2 benchmarks/distributed.py --frames 400,1000 --dtypes bf16,fp32
+        → benchmarks/results/<device>/distributed_<ranks>.{csv,png}
+    torchrun --nproc-per-node 2 benchmarks/distributed.py --device cpu --parts attention --frames 2 --tokens 64
+        (a CPU smoke run over gloo)
+
+Per frame count and dtype, two parts:
+
+* ``attention``: global attention over frames × ``--tokens`` tokens (H = 16, d = 64, random), each
+  rank holding a contiguous shard of the queries and keys: ``elsa_vision.distributed.attention``
+  against ``elsa_vision.attention`` over the whole sequence on rank 0 alone (the one-GPU baseline,
+  the other ranks waiting).
+* ``aggregator``: VGGT's aggregator (random weights, 392×518 frames, ``lean_memory=True``), every
+  rank running its share of the frames, against the whole sequence on rank 0 alone (needs vggt).
+
+Each row: ranks, frames, part, dtype, the slowest rank's seconds, every rank's peak memory, the
+one-GPU seconds and peak, speed-up (one GPU / sharded) and scaling efficiency (speed-up / ranks).
+A part that runs out of memory on one GPU leaves the baseline empty; ``--no-baseline`` skips it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import metadata, results_dir, save, style_axes  # noqa: E402
+
+import elsa_vision  # noqa: E402
+from elsa_vision import distributed  # noqa: E402
+
+DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def shards(n: int, ranks: int) -> list[int]:
+    return [n // ranks + (r < n % ranks) for r in range(ranks)]
+
+
+def timed(fn, device):
+    """(seconds, peak bytes or None, error or None) of one call, after a barrier."""
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    err = None
+    try:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except torch.OutOfMemoryError:
+        err = "out of memory"
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return seconds, peak, err
+
+
+def attention_part(frames, tokens, dtype, device, baseline):
+    """One-GPU and sharded global attention over frames × tokens, forward (inference)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = frames * tokens
+    counts = shards(frames, world)
+    lo = sum(counts[:rank]) * tokens
+    hi = lo + counts[rank] * tokens
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def make(rows):
+        return torch.randn(1, 16, rows, 64, device=device, dtype=dtype, generator=g)
+
+    one = None
+    if baseline:
+        if rank == 0:
+            q, k, v = make(n), make(n), make(n)
+            timed_local(lambda: elsa_vision.attention(q, k, v), device)  # compile outside the timing
+            one = timed_local(lambda: elsa_vision.attention(q, k, v), device)
+            del q, k, v
+        dist.barrier()
+    q, k, v = make(hi - lo), make(hi - lo), make(hi - lo)
+    with torch.no_grad():
+        distributed.attention(q, k, v)  # warm-up (compile, communicators)
+        res = timed(lambda: distributed.attention(q, k, v), device)
+    return res, one
+
+
+def timed_local(fn, device):
+    """timed() without the barrier: rank 0 alone."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    err = None
+    try:
+        with torch.no_grad():
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except torch.OutOfMemoryError:
+        err = "out of memory"
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return time.perf_counter() - t0, peak, err
+
+
+def aggregator_part(frames, dtype, device, baseline, hw):
+    try:
+        from vggt.models.aggregator import Aggregator
+    except ImportError as e:
+        raise SystemExit(f"--parts aggregator needs vggt (pip install git+https://github.com/facebookresearch/vggt): {e}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    agg = Aggregator().to(device).eval()
+    g = torch.Generator(device=device).manual_seed(1)
+    images = torch.rand(1, frames, 3, *hw, device=device, generator=g)
+    counts = shards(frames, world)
+    lo = sum(counts[:rank])
+    auto = (lambda: torch.autocast(device.type, dtype)) if dtype != torch.float32 else None
+
+    def run(model, x):
+        with torch.no_grad():
+            if auto is None:
+                return model(x)
+            with auto():
+                return model(x)
+
+    one = None
+    if baseline:
+        if rank == 0:
+            elsa_vision.patch(agg, lean_memory=True)
+            run(agg, images[:, :2])  # compile outside the timing
+            one = timed_local(lambda: run(agg, images), device)
+            elsa_vision.unpatch(agg)
+        dist.barrier()
+    elsa_vision.patch(agg, lean_memory=True, process_group=dist.group.WORLD)
+    local = images[:, lo:lo + counts[rank]]
+    run(agg, local[:, :1])  # warm-up: every rank compiles its kernels (the collectives run too)
+    res = timed(lambda: run(agg, local), device)
+    elsa_vision.unpatch(agg)
+    return res, one
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for part in dict.fromkeys(r["part"] for r in rows):
+        for dt in dict.fromkeys(r["dtype"] for r in rows):
+            pts = [(r["frames"], r["efficiency"]) for r in rows
+                   if r["part"] == part and r["dtype"] == dt and r.get("efficiency")]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{part} {dt}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    style_axes(ax, "frames", "scaling efficiency (speed-up / ranks)",
+               f"{rows[0]['ranks']} ranks against one", ylog=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--frames", default="400,1000")
+    ap.add_argument("--dtypes", default="bf16")
+    ap.add_argument("--parts", default="attention,aggregator")
+    ap.add_argument("--tokens", type=int, default=1041, help="tokens per frame of the attention part")
+    ap.add_argument("--height", type=int, default=392)
+    ap.add_argument("--width", type=int, default=518)
+    ap.add_argument("--no-baseline", action="store_true", help="skip the one-GPU runs")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
+    a = ap.parse_args(argv)
+    if "WORLD_SIZE" not in os.environ:
+        raise SystemExit("benchmarks/distributed.py runs under torchrun, e.g. torchrun --nproc-per-node 2 "
+                         "benchmarks/distributed.py")
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    try:
+        for part in a.parts.split(","):
+            for frames in (int(f) for f in a.frames.split(",")):
+                for dtn in a.dtypes.split(","):
+                    if part == "attention":
+                        (sec, peak, err), one = attention_part(frames, a.tokens, DT[dtn], device, not a.no_baseline)
+                    else:
+                        (sec, peak, err), one = aggregator_part(frames, DT[dtn], device, not a.no_baseline,
+                                                                (a.height, a.width))
+                    everyone = [None] * world
+                    dist.all_gather_object(everyone, (sec, peak, err))
+                    if rank:
+                        continue
+                    row = {"ranks": world, "frames": frames, "part": part, "dtype": dtn,
+                           "seconds": max(e[0] for e in everyone),
+                           "peak_gib_per_rank": ";".join(f"{e[1] / 2**30:.2f}" if e[1] is not None else ""
+                                                         for e in everyone),
+                           "error": next((e[2] for e in everyone if e[2]), None)}
+                    if one is not None:
+                        row.update(one_gpu_seconds=one[0], one_gpu_peak_gib=None if one[1] is None else one[1] / 2**30,
+                                   one_gpu_error=one[2])
+                        if not one[2] and not row["error"]:
+                            row["speedup"] = one[0] / row["seconds"]
+                            row["efficiency"] = row["speedup"] / world
+                    rows.append(row)
+                    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        if rank == 0:
+            meta = metadata()
+            rows = [dict(r, **meta) for r in rows]
+            outdir = Path(a.out) if a.out else results_dir()
+            outdir.mkdir(parents=True, exist_ok=True)
+            save(rows, outdir, f"distributed_{world}", plot)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
