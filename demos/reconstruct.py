@@ -490,19 +490,25 @@ def parse_args(argv=None):
     if args.synthetic and args.input.exists() and (not args.input.is_dir() or any(args.input.iterdir())):
         p.error(f"--synthetic writes frames into INPUT, but {args.input} is a file or a non-empty folder; "
                 "name a new folder")
+    check_setup(p, args, ("cv2", "trimesh", "matplotlib"))
+    return args
+
+
+def check_setup(p: argparse.ArgumentParser, args, modules: tuple[str, ...]) -> None:
+    """The demos' last argument checks, before any model loads (a missing writer found after minutes
+    of inference loses the result): --out names a folder, ``modules`` are installed, and the device
+    and backend can run."""
     if args.out.exists() and not args.out.is_dir():
         p.error(f"--out {args.out} is a file; name a folder")
-    # Checked before the model runs: a missing writer found after minutes of inference loses the result.
     import importlib.util
-    missing = [m for m in ("cv2", "trimesh", "matplotlib") if importlib.util.find_spec(m) is None]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        p.error(f"missing module(s) to write the results: {', '.join(missing)}; "
+        p.error(f"missing module(s) to read the input or write the results: {', '.join(missing)}; "
                 "install them with pip install 'elsa-vision[demo]'")
     from elsa_vision.dispatch import device_problem
     why = device_problem(args.device, args.backend)
     if why:
         p.error(f"--device / --backend: {why}")
-    return args
 
 
 def main(argv=None) -> dict:
