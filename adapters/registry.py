@@ -43,6 +43,9 @@ class Adapter:
     # ``token_merging`` (patch refuses a keyword that no registered adapter reads: a typo never
     # silently does nothing)
     options: frozenset = frozenset()
+    # options that take effect through a module of this adapter only: ``patch`` raises when one is
+    # given (not None) and no module of this adapter gets patched (it would silently do nothing)
+    anchors: frozenset = frozenset()
 
     def classes(self) -> tuple[type, ...]:
         found = []
@@ -217,6 +220,11 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
             report.skipped.setdefault(adapter.name, []).append((name, why))
             continue
         chosen.append((name, mod, adapter))
+    for adapter in ADAPTERS:
+        for opt in adapter.anchors:
+            if opts.get(opt) is not None and not any(a is adapter for _, _, a in chosen):
+                raise ValueError(f"patch(): {opt} works through {adapter.name} modules, and this model has none that "
+                                 f"would be patched ({type(model).__name__}); leave {opt} out")
     for name, mod, adapter in chosen:
         _bind(mod, adapter, opts)
         report.patched.setdefault(adapter.name, []).append(name)

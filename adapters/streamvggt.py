@@ -42,8 +42,11 @@ camera token per refinement iteration in the camera head). A cache grows by an e
 its entries and each entry is copied O(1) times on average.
 
 A streaming call with gradients enabled runs the original forward (its cache is the original's
-tuple, which autograd can follow); a :class:`KVCache` given to a call with gradients raises.
-``lean_memory`` and ``token_merging`` are VGGT options: patching a StreamVGGT module with them raises.
+tuple, which autograd can follow); a :class:`KVCache` given to a call with gradients raises, as does
+one given to a call the original forward would have to serve (hooks on ``attn_drop``, attention
+dropout in training, a mask with the cache): the original cannot read it.
+``lean_memory``, ``token_merging`` and ``process_group`` are VGGT options: patching a StreamVGGT
+module with them raises.
 """
 from __future__ import annotations
 
@@ -223,10 +226,10 @@ class _StreamAdapter(Adapter):
         check_count(options, "kv_reserve", "entries")
 
     def skip_reason(self, module, options):
-        for name in ("lean_memory", "token_merging"):
+        for name in ("lean_memory", "token_merging", "process_group"):
             if options.get(name) not in (None, False):
                 raise ValueError(f"{name} is a VGGT option; patch StreamVGGT without it (its streaming path keeps "
-                                 "only the key/value cache)")
+                                 "only the key/value cache; frames across ranks are not built for it)")
         return None
 
 
@@ -265,6 +268,9 @@ class StreamAttentionAdapter(_StreamAdapter, VGGTAttentionAdapter):
         try:
             bound = sig.bind(module, *args, **kwargs)
         except TypeError:
+            if any(isinstance(t, KVCache) for t in (*args, *kwargs.values())):
+                raise TypeError(f"StreamVGGT attention: arguments its forward{sig} does not take, with a KVCache "
+                                "(which only the patched forward reads)") from None
             return state.delegate(*args, reason="arguments the original forward does not take", **kwargs)
         bound.apply_defaults()
         a = bound.arguments
@@ -291,6 +297,10 @@ class StreamAttentionAdapter(_StreamAdapter, VGGTAttentionAdapter):
             if y is not None:
                 return y
             why = "q, k, v of different dtypes outside autocast"
+        if isinstance(past, KVCache):
+            # the original would read the cache's normed, rotated keys as raw ones and normalise them again
+            raise RuntimeError(f"StreamVGGT attention: this call needs the original forward ({why}), which cannot "
+                               "read a KVCache; start a new stream for it (past_key_values None)")
         if isinstance(mask, FrameCausal):  # (the original forward needs the mask itself)
             L = x.shape[1]
             frame = torch.arange(L, device=x.device) // mask.frame_len

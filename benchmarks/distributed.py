@@ -17,11 +17,14 @@ Per frame count and dtype, two parts:
 
 Each row: ranks, frames, part, dtype, the slowest rank's seconds, every rank's peak memory, the
 one-GPU seconds and peak, speed-up (one GPU / sharded) and scaling efficiency (speed-up / ranks).
-A part that runs out of memory on one GPU leaves the baseline empty; ``--no-baseline`` skips it.
+A part that runs out of memory on one GPU leaves the baseline empty; ``--no-baseline`` skips it. A
+rank that runs out of memory inside a sharded call leaves the others waiting in the collective
+until the process group's timeout (``--timeout-s``), which then ends the run.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import time
@@ -117,8 +120,8 @@ def aggregator_part(frames, dtype, device, baseline, hw):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     agg = Aggregator().to(device).eval()
-    g = torch.Generator(device=device).manual_seed(1)
-    images = torch.rand(1, frames, 3, *hw, device=device, generator=g)
+    # made on the host: each rank's device holds its own frames only (rank 0 all of them for the baseline)
+    images = torch.rand(1, frames, 3, *hw, generator=torch.Generator().manual_seed(1))
     counts = shards(frames, world)
     lo = sum(counts[:rank])
     auto = (lambda: torch.autocast(device.type, dtype)) if dtype != torch.float32 else None
@@ -134,12 +137,14 @@ def aggregator_part(frames, dtype, device, baseline, hw):
     if baseline:
         if rank == 0:
             elsa_vision.patch(agg, lean_memory=True)
-            run(agg, images[:, :2])  # compile outside the timing
-            one = timed_local(lambda: run(agg, images), device)
+            whole = images.to(device)
+            run(agg, whole[:, :2])  # compile outside the timing
+            one = timed_local(lambda: run(agg, whole), device)
+            del whole
             elsa_vision.unpatch(agg)
         dist.barrier()
     elsa_vision.patch(agg, lean_memory=True, process_group=dist.group.WORLD)
-    local = images[:, lo:lo + counts[rank]]
+    local = images[:, lo:lo + counts[rank]].to(device)
     run(agg, local[:, :1])  # warm-up: every rank compiles its kernels (the collectives run too)
     res = timed(lambda: run(agg, local), device)
     elsa_vision.unpatch(agg)
@@ -176,6 +181,8 @@ def main(argv=None):
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-GPU runs")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
+    ap.add_argument("--timeout-s", type=float, default=900,
+                    help="process-group timeout: how long the other ranks wait in a collective for one that failed")
     a = ap.parse_args(argv)
     if "WORLD_SIZE" not in os.environ:
         raise SystemExit("benchmarks/distributed.py runs under torchrun, e.g. torchrun --nproc-per-node 2 "
@@ -183,7 +190,7 @@ def main(argv=None):
     cuda = a.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=a.timeout_s))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []

@@ -174,3 +174,68 @@ def test_vggt_process_group_refusals():
         assert not elsa_vision.adapters.registry.patched_modules(model)
     finally:
         remove()
+
+
+def _refusal_worker(rank, world, init_file, out_dir):
+    """What a sharded model refuses rather than attending to this rank's frames alone."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    found = {}
+    try:
+        group = dist.group.WORLD
+        model, images, _, _ = _standin_vggt(torch.float32)
+        local = images[:, rank * 2:rank * 2 + 2]
+        elsa_vision.patch(model, process_group=group, backend="reference", exclude=["aggregator.global_blocks.1.*"])
+        try:
+            with torch.no_grad():
+                model.eval()(local)
+        except RuntimeError as e:
+            found["excluded"] = str(e)
+        elsa_vision.unpatch(model)
+        elsa_vision.patch(model, process_group=group, backend="reference")
+        hook = model.aggregator.global_blocks[0].attn.attn_drop.register_forward_hook(lambda *a: None)
+        try:
+            with torch.no_grad():
+                model.eval()(local)
+        except RuntimeError as e:
+            found["fallback"] = str(e)
+        hook.remove()
+        try:
+            elsa_vision.patch(torch.nn.Sequential(torch.nn.Linear(2, 2)), process_group=group)
+        except ValueError as e:
+            found["no_aggregator"] = str(e)
+        import streamvggt_standin as SV
+        from elsa_vision.adapters import streamvggt as AS
+        remove = AS.register_classes(**SV.CLASSES)
+        try:
+            elsa_vision.patch(SV.StreamVGGT(), process_group=group)
+        except ValueError as e:
+            found["streamvggt"] = str(e)
+        remove()
+        torch.save(found, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vggt_sharded_refuses_local_attention():
+    """A global block left unpatched, or one whose call needs the original forward, raises instead of
+    attending to this rank's frames only; a process_group no module can use raises at patch()."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_refusal_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2)
+        found = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
+    for f in found:
+        assert "global_blocks[1].attn is not patched with this process_group" in f["excluded"]
+        assert "spans the ranks" in f["fallback"] and "hooks on attn_drop" in f["fallback"]
+        assert "process_group works through vggt-aggregator modules" in f["no_aggregator"]
+        assert "process_group is a VGGT option" in f["streamvggt"]
+
+
+def test_process_group_none_under_a_launch(monkeypatch):
+    model, _, _, remove = _standin_vggt(torch.float32)
+    try:
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ValueError, match="init_process_group"):
+            elsa_vision.patch(model, process_group=None)
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        elsa_vision.patch(model, process_group=None)  # off: one process
+    finally:
+        remove()

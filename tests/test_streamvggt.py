@@ -158,6 +158,18 @@ def test_streaming_with_gradients_runs_the_original(standin):
         model.aggregator(x[:, 1:2], past_key_values=past, use_cache=True)
 
 
+def test_a_cache_never_reaches_the_original_forward(standin):
+    """A call the original forward would have to serve (here: hooks on attn_drop) raises when it is
+    given a KVCache: the original would normalise and rotate the cached keys a second time."""
+    model, x = make(), frames(S=2)
+    elsa_vision.patch(model)
+    with torch.no_grad():
+        _, _, past = model.aggregator(x[:, :1], past_key_values=[None] * 4, use_cache=True)
+        model.aggregator.global_blocks[0].attn.attn_drop.register_forward_hook(lambda *a: None)
+        with pytest.raises(RuntimeError, match="cannot read a KVCache"):
+            model.aggregator(x[:, 1:2], past_key_values=past, use_cache=True)
+
+
 def test_batch_gradients_follow_the_rule(standin):
     model, x = make(), frames(S=3)
     w = torch.randn(4, 1, 3, 11, 128, generator=torch.Generator().manual_seed(5))

@@ -5,8 +5,8 @@ It keeps what the ELSA adapter relies on: the class names, attribute names and f
 ``Attention`` / ``MemEffAttention`` (qkv → q/k LayerNorm → shared 2-D RoPE → SDPA → proj), ``Block``,
 the DINOv2-style patch embedding (class + 4 register tokens, MemEffAttention blocks), the
 ``Aggregator`` (5 special tokens per frame, frame / global alternation, per-layer outputs
-concatenated to 2C), a camera head whose trunk attends over frames (head dim 128 with the default
-sizes here) and DPT-style heads (``forward`` / ``_forward_impl`` as in vggt) that read chosen
+concatenated to 2C, blocks checkpointed in training), a camera head whose trunk attends over
+frames (head dim 128 with the default sizes here) and DPT-style heads (``forward`` / ``_forward_impl`` as in vggt) that read chosen
 aggregator layers, processing frames in chunks.
 Sizes are small so that the Triton interpreter runs it in seconds.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class RotaryPositionEmbedding2D(nn.Module):
@@ -224,6 +225,12 @@ class Aggregator(nn.Module):
                 output_list.append(torch.cat([frame_intermediates[i], global_intermediates[i]], dim=-1))
         return output_list, self.patch_start_idx
 
+    def _run(self, block, tokens, pos):
+        """As vggt: in training, blocks are checkpointed (recomputed in the backward)."""
+        if self.training:
+            return checkpoint(block, tokens, pos, use_reentrant=False)
+        return block(tokens, pos=pos)
+
     def _process_frame_attention(self, tokens, B, S, P, C, frame_idx, pos=None):
         if tokens.shape != (B * S, P, C):
             tokens = tokens.view(B, S, P, C).view(B * S, P, C)
@@ -231,7 +238,7 @@ class Aggregator(nn.Module):
             pos = pos.view(B, S, P, 2).view(B * S, P, 2)
         intermediates = []
         for _ in range(self.aa_block_size):
-            tokens = self.frame_blocks[frame_idx](tokens, pos=pos)
+            tokens = self._run(self.frame_blocks[frame_idx], tokens, pos)
             frame_idx += 1
             intermediates.append(tokens.view(B, S, P, C))
         return tokens, frame_idx, intermediates
@@ -243,7 +250,7 @@ class Aggregator(nn.Module):
             pos = pos.view(B, S, P, 2).view(B, S * P, 2)
         intermediates = []
         for _ in range(self.aa_block_size):
-            tokens = self.global_blocks[global_idx](tokens, pos=pos)
+            tokens = self._run(self.global_blocks[global_idx], tokens, pos)
             global_idx += 1
             intermediates.append(tokens.view(B, S, P, C))
         return tokens, global_idx, intermediates

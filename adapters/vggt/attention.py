@@ -187,7 +187,11 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
         main.wait_stream(side)
         for t in (plan.slot, plan.counts, plan.destinations):
             t.record_stream(main)  # made on the side stream, used (and freed) on the main one
+    group = sharded_group(module, opts)
     if autocast_dtype(x.device.type) is None and not (q.dtype == k.dtype == v.dtype):
+        if group is not None:
+            raise RuntimeError(f"q, k, v of different dtypes ({q.dtype}, {k.dtype}, {v.dtype}) outside autocast in "
+                               "attention that spans the ranks of a process group: run the model in one dtype")
         return None
     if kind.fork:
         if merging is not None and merging in FORK_BLOCKS:
@@ -197,7 +201,6 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
     # SDPA's default scale is 1/sqrt(head_dim); the unfused path multiplies by module.scale
     scale = None if kind.fork or module.fused_attn else float(module.scale)
     kw = dict(scale=scale, precision=opts.get("precision", "auto"), backend=opts.get("backend", "auto"))
-    group = sharded_group(module)
     if group is not None:  # a global block or camera trunk of a sharded call: every rank's keys
         from ...distributed import attention as sharded_attention
         out = sharded_attention(q, k, v, group=group, **kw)
@@ -243,4 +246,7 @@ class VGGTAttentionAdapter(VGGTAdapter):
             if y is not None:
                 return y
             why = "q, k, v of different dtypes outside autocast"
+        if sharded_group(module, state.options) is not None:
+            raise RuntimeError(f"this attention spans the ranks of a process group, which the original forward "
+                               f"cannot: {why}")
         return state.delegate(*args, reason=why, **kwargs)

@@ -147,7 +147,7 @@ def check_options(options: dict) -> None:
     check_count(options, "lean_chunk", "tokens")
     check_count(options, "head_chunk", "frames", none_ok=True)
     from .sharded import check_group
-    check_group(options.get("process_group"))
+    check_group(options)
     if options.get("process_group") is not None and tm is not None:
         raise ValueError("token_merging with process_group is not supported: merging chooses its destination tokens "
                          "within one process; patch without one of them")

@@ -16,7 +16,7 @@ from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, unsuppo
 from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, LEAN_CHUNK, VGGTAdapter, attention_kind, block_classes,
                      is_fork_aggregator, lean_option)
 from .merging import AggregatorCall, merging, pattern_on
-from .sharded import first_frame_tokens_elsewhere, rank_of, sharding
+from .sharded import check_spanning, first_frame_tokens_elsewhere, mark_spanning, rank_of
 
 
 HEAD_LAYERS = (4, 11, 17, 23)  # what VGGT's DPT heads (depth, point, track) read; the camera head reads the last
@@ -218,6 +218,7 @@ class VGGTAggregatorAdapter(VGGTAdapter):
     name = "vggt-aggregator"
     targets = AGGREGATOR_TARGETS
     options = frozenset({"lean_memory", "lean_chunk", "lean_offload", "process_group"})
+    anchors = frozenset({"process_group"})
 
     extra = "aggregator"
 
@@ -235,6 +236,8 @@ class VGGTAggregatorAdapter(VGGTAdapter):
             return "FastVGGT fork aggregator: already keeps only the layers its heads read"
         if lean is not None:
             _kept_layers(module.depth, lean)  # validate now
+        if group is not None:
+            mark_spanning(module.global_blocks)
         return None
 
     def forward(self, agg, state: PatchState, images, *args, **kwargs):
@@ -250,10 +253,10 @@ class VGGTAggregatorAdapter(VGGTAdapter):
                 return state.delegate(images, *args, reason="training mode (lean memory and token merging are "
                                       "inference-only)", **kwargs)
             cfg = lean = None  # sharding holds in training; lean memory and merging are inference-only
-        scopes = contextlib.ExitStack()
+        scope = contextlib.nullcontext()
         shadowed = {}  # instance attributes shadowing the class's methods / parameters for this call only
         if group is not None:
-            scopes.enter_context(sharding(group, agg.global_blocks))
+            check_spanning(agg.global_blocks, VGGTAttentionAdapter, group, "aggregator global_blocks")
             if rank_of(group) > 0:
                 shadowed.update(first_frame_tokens_elsewhere(agg))
         if cfg is not None:
@@ -262,8 +265,7 @@ class VGGTAggregatorAdapter(VGGTAdapter):
             # the pattern goes to the device before any block is queued: a host-to-device copy
             # later would wait for the GPU to drain its queue
             pattern = tuple(t.to(images.device) for t in pattern_on(images.shape[1], grid, agg.patch_start_idx, cfg))
-            scopes.enter_context(merging(AggregatorCall(cfg, images.shape[1], grid, agg.patch_start_idx, layers,
-                                                        pattern)))
+            scope = merging(AggregatorCall(cfg, images.shape[1], grid, agg.patch_start_idx, layers, pattern))
         keep = _kept_layers(agg.depth, lean) if lean is not None else None
         host = {} if keep is not None and opts.get("lean_offload") else None
         if keep is not None:
@@ -273,7 +275,7 @@ class VGGTAggregatorAdapter(VGGTAdapter):
             shadowed["_process_global_attention"] = _lean_process(agg, "global", keep, chunk, host)
         agg.__dict__.update(shadowed)
         try:
-            with scopes:
+            with scope:
                 outputs, patch_start_idx = state.original(images, *args, **kwargs)
         finally:
             for name in shadowed:

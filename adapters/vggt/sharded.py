@@ -6,7 +6,10 @@ the predictions of its own frames — those one process would give for them from
 
 * frame attention and everything per frame (patch embed, MLPs, the DPT heads) run locally;
 * the aggregator's global attention and the camera head's trunk (which attends over frames) run
-  through :func:`elsa_vision.distributed.attention`: this rank's queries against every rank's keys;
+  through :func:`elsa_vision.distributed.attention`: this rank's queries against every rank's keys
+  (patch the whole model: an aggregator or camera head whose attention modules are not patched with
+  the same group raises at its call, and such an attention call that would need the original
+  forward raises instead of attending locally);
 * the first frame's special camera and register tokens (VGGT gives frame 0 its own) are rank 0's:
   the other ranks' frames all take the "other frames" tokens.
 
@@ -18,46 +21,47 @@ every rank and raises when called with a group.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from dataclasses import dataclass
+import os
+import weakref
 from typing import Optional
 
 import torch
 
-from ..registry import PatchState
+from ..registry import PatchState, is_patched
 from .common import CAMERA_HEAD_TARGETS, TRACK_HEAD_TARGETS, VGGTAdapter
 
 
-@dataclass(frozen=True)
-class Sharding:
-    group: object            # the torch.distributed ProcessGroup
-    modules: frozenset       # ids of the attention modules whose calls span the ranks
+# Attention modules whose calls span the ranks when they are patched with a process group: the
+# aggregator's global blocks' and the camera trunk's, marked when their aggregator / camera head is
+# patched. The group itself is read from the module's own patch options at each call (so a module
+# re-patched without a group runs locally), and the marking holds outside the aggregator's forward:
+# vggt's training mode recomputes checkpointed blocks in the backward.
+SPANNING: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
-SHARDING: contextvars.ContextVar[Optional[Sharding]] = contextvars.ContextVar("elsa_vggt_sharding", default=None)
-_RUNNING = [0]  # sharded calls running now, in any context (see merging._RUNNING: the same reason)
+def mark_spanning(blocks) -> None:
+    for b in blocks:
+        attn = getattr(b, "attn", None)
+        if attn is not None:
+            SPANNING.add(attn)
 
 
-def sharded_group(module) -> Optional[object]:
-    """The process group this attention module's call spans, if it runs inside a sharded call."""
-    if not _RUNNING[0]:
-        return None
-    s = SHARDING.get()
-    return s.group if s is not None and id(module) in s.modules else None
+def sharded_group(module, options: dict) -> Optional[object]:
+    """The process group this attention module's calls span (None: they are local)."""
+    group = options.get("process_group")
+    return group if group is not None and module in SPANNING else None
 
 
-@contextlib.contextmanager
-def sharding(group, blocks):
-    """Run the block of a ``with`` with the attention of ``blocks`` (modules with ``.attn``) spanning
-    the ranks of ``group``."""
-    token = SHARDING.set(Sharding(group, frozenset(id(b.attn) for b in blocks if hasattr(b, "attn"))))
-    _RUNNING[0] += 1
-    try:
-        yield
-    finally:
-        _RUNNING[0] -= 1
-        SHARDING.reset(token)
+def check_spanning(blocks, adapter_cls, group, where: str) -> None:
+    """Raise unless every block's attention is patched by ``adapter_cls`` with ``group``: an attention
+    left to the original (excluded, patched separately) would attend to this rank's frames only."""
+    for i, b in enumerate(blocks):
+        state = getattr(b, "attn", None).__dict__.get("_elsa") if hasattr(b, "attn") else None
+        if not (is_patched(b.attn) and isinstance(state.adapter, adapter_cls)
+                and state.options.get("process_group") is group):
+            raise RuntimeError(f"{where}[{i}].attn is not patched with this process_group, so its attention would "
+                               "see this rank's frames only; patch the whole model with process_group (without "
+                               "include/exclude patterns that leave these modules out)")
 
 
 def rank_of(group) -> int:
@@ -76,9 +80,18 @@ def first_frame_tokens_elsewhere(agg) -> dict:
     return out
 
 
-def check_group(group) -> None:
-    """``process_group``: None or an initialised torch.distributed ProcessGroup."""
+def check_group(options: dict) -> None:
+    """``process_group``: absent, None, or a ProcessGroup of an initialised torch.distributed. None
+    under a multi-process launch (WORLD_SIZE > 1) is refused: ``torch.distributed.group.WORLD`` is
+    None until ``init_process_group`` runs, and the model would then run each rank's frames alone."""
+    if "process_group" not in options:
+        return
+    group = options["process_group"]
     if group is None:
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            raise ValueError("patch(): process_group=None in a multi-process launch (WORLD_SIZE > 1): call "
+                             "torch.distributed.init_process_group before taking torch.distributed.group.WORLD "
+                             "(it is None until then), or leave process_group out to run each process alone")
         return
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
@@ -99,11 +112,15 @@ class VGGTCameraHeadAdapter(VGGTAdapter):
     extra = "camera_head"
 
     def skip_reason(self, module, options):
-        return None if options.get("process_group") is not None else "only used with process_group"
+        if options.get("process_group") is None:
+            return "only used with process_group"
+        mark_spanning(module.trunk)
+        return None
 
     def forward(self, head, state: PatchState, *args, **kwargs):
-        with sharding(state.options["process_group"], head.trunk):
-            return state.original(*args, **kwargs)
+        from .attention import VGGTAttentionAdapter
+        check_spanning(head.trunk, VGGTAttentionAdapter, state.options["process_group"], "camera head trunk")
+        return state.original(*args, **kwargs)
 
 
 class VGGTTrackHeadAdapter(VGGTAdapter):
