@@ -9,7 +9,8 @@ the predictions of its own frames — those one process would give for them from
   through :func:`elsa_vision.distributed.attention`: this rank's queries against every rank's keys
   (patch the whole model: an aggregator or camera head whose attention modules are not patched with
   the same group raises at its call, and such an attention call that would need the original
-  forward raises instead of attending locally);
+  forward raises instead of attending locally; a camera head left unpatched — the aggregator
+  patched alone — cannot be detected and attends to this rank's frames only);
 * the first frame's special camera and register tokens (VGGT gives frame 0 its own) are rank 0's:
   the other ranks' frames all take the "other frames" tokens.
 
