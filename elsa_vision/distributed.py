@@ -9,8 +9,17 @@ rank runs one ELSA call of its queries against the keys it sees. Causal attentio
 of its own: a rank's queries are the last rows of the keys it sees, and ELSA's bottom-right
 causal alignment (query i sees key j ≤ i + Nk − Nq) is then exactly the global causal rule.
 
-Memory: each rank holds every key/value shard it sees (O(N) per rank, not O(N / ranks)); the
-attention itself keeps ELSA's O(n) extra memory per rank.
+Two schedules, the same result:
+
+* without gradients (inference), float32 and half precision: a ring. The key/value shards travel around the ranks, one step
+  per shard; while shard s is attended, shard s+1 is already on its way (batched isend/irecv, which
+  NCCL runs beside the compute). Each step's ELSA call returns its rows' output and log-sum-exp,
+  and the steps merge with the monoid's combine, (o₁, l₁) ∘ (o₂, l₂) = (o₁·e^{l₁−l} + o₂·e^{l₂−l}, l)
+  with l = log(e^{l₁} + e^{l₂}), in float32. A rank holds its own shard, the one being attended and
+  the one arriving: O(N / ranks) keys. In half precision each step's output is rounded to the
+  inputs' dtype once before the float32 merge.
+* with gradients (or float64): one all-gather of every shard (O(N) keys per rank) and one ELSA call, whose
+  backward returns every rank's key/value gradients in one all-reduce.
 """
 from __future__ import annotations
 
@@ -85,6 +94,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
                          f"{[(m[1], m[2], m[3]) for m in metas]}")
     lengths = [m[0] for m in metas]
     longest = max(lengths)
+    kw = dict(scale=scale, precision=precision, backend=backend)
+    # (float64 keeps the all-gather: the log-sum-exp the ring merges by is float32)
+    if q.dtype != torch.float64 and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        return _ring(q, k, v, group, world, rank, lengths, causal, kw)
 
     # k and v travel in one collective: two would each add a collective to the backward, and the
     # autograd engine may run independent branches in another order on another rank (gloo would
@@ -95,4 +108,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     parts = _Gather.apply(kv, group, world, rank)
     seen = range(rank + 1) if causal else range(world)
     keys = torch.cat([parts[i][:, :, :, :lengths[i]] for i in seen], dim=3)
-    return _attention(q, keys[0], keys[1], scale=scale, causal=causal, precision=precision, backend=backend)
+    return _attention(q, keys[0], keys[1], causal=causal, **kw)
+
+
+def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict) -> torch.Tensor:
+    """This rank's rows, the key/value shards passed around the ring (see the module docstring)."""
+    import torch.distributed as dist
+    kv = torch.stack((k, v))
+    if kv.shape[3] < max(lengths):  # every shard travels in the same buffer shape
+        kv = torch.nn.functional.pad(kv, (0, 0, 0, max(lengths) - kv.shape[3]))
+    peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    nxt, prev = peer((rank + 1) % world), peer((rank - 1) % world)
+    acc = lse = None
+    cur = kv
+    for step in range(world):
+        src = (rank - step) % world  # whose shard ``cur`` is
+        reqs = None
+        if step < world - 1:
+            incoming = torch.empty_like(kv)
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, cur, nxt, group),
+                                           dist.P2POp(dist.irecv, incoming, prev, group)])
+        n = lengths[src]
+        if n and (not causal or src <= rank):
+            o, l = _attention(q, cur[0, :, :, :n], cur[1, :, :, :n], causal=causal and src == rank,
+                              return_lse=True, **kw)
+            l = torch.where(l == float("inf"), float("-inf"), l)  # a row that sees no key carries no mass
+            acc, lse = _combine(acc, lse, o.float(), l)
+        if reqs is not None:
+            for r in reqs:
+                r.wait()
+            cur = incoming
+    if acc is None:  # no key seen by any row (causal, all earlier shards empty)
+        return torch.zeros_like(q)
+    return acc.to(q.dtype)
+
+
+def _combine(acc, lse, o, l):
+    """The monoid's combine of two normalised partial results (acc, lse) ∘ (o, l); None is the identity."""
+    if acc is None:
+        return o, l
+    new = torch.logaddexp(lse, l)
+    seen = torch.isfinite(new)
+    w_acc = torch.where(seen, torch.exp(lse - new), 0.0)
+    w_o = torch.where(seen, torch.exp(l - new), 0.0)
+    return acc * w_acc[..., None] + o * w_o[..., None], new

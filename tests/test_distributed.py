@@ -19,12 +19,17 @@ def _full(n: int, dtype):
     return [torch.randn(B, H, n, D, generator=g).to(dtype) for _ in range(4)]  # q, k, v, dO
 
 
-def _worker(rank, world, init_file, lengths, causal, backend, dtype, out_dir):
+def _worker(rank, world, init_file, lengths, causal, backend, dtype, out_dir, grad=True):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         q, k, v, do = _full(sum(lengths), dtype)
         start = sum(lengths[:rank])
         rows = slice(start, start + lengths[rank])
+        if not grad:  # the ring schedule
+            with torch.no_grad():
+                out = distributed.attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], causal=causal, backend=backend)
+            torch.save({"out": out}, os.path.join(out_dir, f"{rank}.pt"))
+            return
         ql, kl, vl = (t[:, :, rows].clone().requires_grad_() for t in (q, k, v))
         out = distributed.attention(ql, kl, vl, causal=causal, backend=backend)
         out.backward(do[:, :, rows])
@@ -34,12 +39,12 @@ def _worker(rank, world, init_file, lengths, causal, backend, dtype, out_dir):
         dist.destroy_process_group()
 
 
-def _run(lengths, causal, backend, dtype):
+def _run(lengths, causal, backend, dtype, grad=True):
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(len(lengths), init, lengths, causal, backend, dtype, tmp), nprocs=len(lengths))
+        mp.spawn(_worker, args=(len(lengths), init, lengths, causal, backend, dtype, tmp, grad), nprocs=len(lengths))
         parts = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(len(lengths))]
-    return {key: torch.cat([p[key] for p in parts], dim=2) for key in ("out", "dq", "dk", "dv")}
+    return {key: torch.cat([p[key] for p in parts], dim=2) for key in parts[0]}
 
 
 @pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3]])
@@ -58,6 +63,33 @@ def test_sharded_equals_one_process(lengths, causal, backend, dtype, tol):
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     for name, want in (("out", out.detach()), ("dq", dq), ("dk", dk), ("dv", dv)):
         torch.testing.assert_close(got[name], want, rtol=0, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3], [6, 0, 5]])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float32, 2e-6), ("triton", torch.float32, 2e-6)])
+def test_ring_equals_one_process(lengths, causal, backend, dtype, tol):
+    """Without gradients the shards travel around the ring and the steps merge by the monoid: the
+    same rows as one process's attention (an empty shard included)."""
+    if backend == "triton" and not elsa_vision.dispatch.triton_serves("cpu"):
+        pytest.skip("the Triton kernels serve CPU tensors only under TRITON_INTERPRET=1")
+    got = _run(lengths, causal, backend, dtype, grad=False)
+    q, k, v, _ = _full(sum(lengths), dtype)
+    want = elsa_vision.attention(q, k, v, causal=causal, backend=backend)
+    torch.testing.assert_close(got["out"], want, rtol=0, atol=tol)
+
+
+def test_ring_bfloat16_follows_the_rule():
+    """bf16: each step's output is rounded once before the float32 merge; the result stays within
+    the oracle rule (2× plain bf16 attention's error against float64, + 1e-6)."""
+    from elsa_vision.verify import max_err, tolerance
+    lengths = [40, 30, 50]
+    got = _run(lengths, False, "reference", torch.bfloat16, grad=False)["out"]
+    q, k, v, _ = _full(sum(lengths), torch.bfloat16)
+    oracle = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    same = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    e, r = max_err(got, oracle), max_err(same, oracle)
+    assert e <= tolerance(r, torch.bfloat16), f"{e:.3g} vs {r:.3g}"
 
 
 def test_needs_a_process_group():
