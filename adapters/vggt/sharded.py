@@ -57,8 +57,9 @@ def check_spanning(blocks, adapter_cls, group, where: str) -> None:
     """Raise unless every block's attention is patched by ``adapter_cls`` with ``group``: an attention
     left to the original (excluded, patched separately) would attend to this rank's frames only."""
     for i, b in enumerate(blocks):
-        state = getattr(b, "attn", None).__dict__.get("_elsa") if hasattr(b, "attn") else None
-        if not (is_patched(b.attn) and isinstance(state.adapter, adapter_cls)
+        attn = getattr(b, "attn", None)
+        state = attn.__dict__.get("_elsa") if attn is not None else None
+        if not (attn is not None and is_patched(attn) and isinstance(state.adapter, adapter_cls)
                 and state.options.get("process_group") is group):
             raise RuntimeError(f"{where}[{i}].attn is not patched with this process_group, so its attention would "
                                "see this rank's frames only; patch the whole model with process_group (without "
