@@ -7,7 +7,8 @@
     python benchmarks/attention.py --decode     # few queries against long keys (KV-cache shapes)
                                                 # → attention_decode.{csv,png}
     python benchmarks/attention.py --tune fwd   # tile-shape sweep for the kernel config tables
-                                                # (bwd: the dQ tile; bwdkv: the dK/dV kernel's own)
+                                                # (bwd: the dQ tile; bwdkv: the dK/dV kernel's own;
+                                                # fewq: split-forward tiles and partitions for Nq ≤ 64)
 
 TF/s counts 4·Nq·Nk·d·H·B FLOPs for a forward (2 matmuls) and 3.5× that for forward+backward.
 Error: max |out − float64 oracle| over a sample of query rows (all keys); for forward+backward,
@@ -276,6 +277,52 @@ def tune(kinds=("fwd", "bwd"), N=16384, only=None):
     return out
 
 
+# --tune fewq: query tiles, key tiles and partition counts for a few queries against many keys
+FEWQ_TILES = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (32, 128, 4, 3), (64, 64, 4, 3),
+              (64, 128, 4, 3), (128, 64, 8, 3)]
+FEWQ_PARTS = (None, 264, 528, 1056)
+
+
+def tune_fewq(only=None) -> list[dict]:
+    """Time FEWQ_TILES × FEWQ_PARTS (None: the planner's count) of the split forward at Nq ∈ {16, 64}
+    and Nk ∈ {128K, 1M} (H = 16, d = 64) beside FlashAttention, each with its error against float32
+    SDPA; print the best per case."""
+    out = []
+    for (nq, nk), (dtn, prec) in itertools.product(((16, 131072), (64, 131072), (16, 1041000)),
+                                                   (("bf16", "native"), ("fp32", "tf32x3"), ("fp32", "fp16x3"))):
+        if only and only not in (dtn, prec):
+            continue
+        q, k, v = make(1, 16, nq, nk, 64, DT[dtn], False)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        fns = {"default": lambda: K.forward(q, k, v, None, 0.125, False, prec)}
+        if dtn != "fp32":
+            fns["sdpa-flash"] = sdpa_fn("flash", q, k, v, False)
+        for tile, parts in itertools.product(FEWQ_TILES, FEWQ_PARTS):
+            if dtn == "fp32" and tile[1] > 128:
+                continue
+            cfg = K.Config(*tile)
+            fns["{}x{}w{}s{}".format(*tile) + f"-p{parts or 'auto'}"] = (
+                lambda cfg=cfg, parts=parts: K.forward(q, k, v, None, 0.125, False, prec, parts, config=cfg))
+        errs = {}
+        for name, fn in fns.items():
+            try:
+                o = fn()
+                errs[name] = (o[0] if isinstance(o, tuple) else o).float().sub(ref).abs().max().item()
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
+                errs[name] = repr(e)[:80]
+        res = measure(fns, warmup=1, rounds=5, memory=False)
+        floor = 2 * nk * 16 * 64 * q.element_size() / 1e9  # K and V read once, GB
+        ranked = sorted((r.ms, n) for n, r in res.items() if r.ms)
+        for n, r in res.items():
+            out.append({"kind": "fewq", "dtype": dtn, "precision": prec, "Nq": nq, "Nk": nk, "config": n, "ms": r.ms,
+                        "gb_per_s": floor / r.ms * 1e3 if r.ms else None, "max_err_vs_fp32": errs.get(n),
+                        "error": r.error})
+        print(f"fewq Nq={nq} Nk={nk} {dtn} {prec}: " + ", ".join(f"{n} {ms:.3f}" for ms, n in ranked[:6]), flush=True)
+        del q, k, v, fns, ref
+        torch.cuda.empty_cache()
+    return out
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -350,8 +397,9 @@ def plot_hopper(rows, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--tune", choices=["fwd", "bwd", "bwdkv", "both"],
-                    help="tile-shape sweep: forward, backward (dQ tile), the dK/dV kernel's tile, or fwd+bwd")
+    ap.add_argument("--tune", choices=["fwd", "bwd", "bwdkv", "both", "fewq"],
+                    help="tile-shape sweep: forward, backward (dQ tile), the dK/dV kernel's tile, fwd+bwd, or "
+                         "the split forward's tiles and partitions for a few queries against many keys")
     ap.add_argument("--only", help="with --tune: one dtype or precision (e.g. ieee, bf16)")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--no-bwd", action="store_true")
@@ -368,6 +416,9 @@ def main(argv=None):
         return
     if a.decode:
         save(decode_sweep(), outdir, "attention_decode", plot_decode)
+        return
+    if a.tune == "fewq":
+        write_csv(tune_fewq(only=a.only), outdir / "tune_fewq.csv")
         return
     if a.tune:
         rows = tune(("fwd", "bwd") if a.tune == "both" else (a.tune,), only=a.only)
