@@ -231,6 +231,30 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
     return report
 
 
+def register_extra(table: dict, groups: Iterable[tuple[str, Sequence[type]]],
+                   validate: Optional[Callable[[str, type], None]] = None) -> Callable[[], None]:
+    """Add classes to an adapter family's ``table`` of extra served classes (key → list), after
+    ``validate(key, cls)``; every entry must be an nn.Module class. Returns the function that
+    removes what this call added (the body of the families' ``register_classes``)."""
+    added: list[tuple[str, type]] = []
+    for key, classes in groups:
+        for cls in classes:
+            if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+                raise TypeError(f"register_classes: {key} entries must be nn.Module classes, got {cls!r}")
+            if validate is not None:
+                validate(key, cls)
+            if cls not in table[key]:
+                table[key].append(cls)
+                added.append((key, cls))
+
+    def remove() -> None:
+        for key, cls in added:
+            if cls in table[key]:
+                table[key].remove(cls)
+
+    return remove
+
+
 def check_flag(options: dict, name: str, default: bool) -> bool:
     """The bool option ``name`` (``default`` when absent); TypeError for anything but True / False."""
     value = options.get(name, default)

@@ -58,7 +58,7 @@ import torch
 
 from ..api import attention
 from ..dispatch import autocast_dtype
-from .registry import Adapter, PatchState, check_count, is_patched, register
+from .registry import Adapter, PatchState, check_count, is_patched, register, register_extra
 from .vggt.attention import VGGTAttentionAdapter, elsa_attention, project_out, project_qkv, unsupported
 from .vggt.common import Kind, attention_kind
 
@@ -83,23 +83,11 @@ def register_classes(*, attention: Sequence[type] = (), aggregator: Sequence[typ
         global_idx, pos=None, past_key_values_block=None, use_cache=False, past_frame_idx=0)`` and its
         ``global_blocks`` / ``aa_block_size``.
     """
-    added: list[tuple[str, type]] = []
-    for key, classes in (("attention", attention), ("aggregator", aggregator)):
-        for cls in classes:
-            if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
-                raise TypeError(f"register_classes: {key} entries must be nn.Module classes, got {cls!r}")
-            if key == "attention":
-                attention_kind(cls)  # validates the forward signature now
-            if cls not in EXTRA[key]:
-                EXTRA[key].append(cls)
-                added.append((key, cls))
+    def validate(key, cls):
+        if key == "attention":
+            attention_kind(cls)  # validates the forward signature now
 
-    def remove() -> None:
-        for key, cls in added:
-            if cls in EXTRA[key]:
-                EXTRA[key].remove(cls)
-
-    return remove
+    return register_extra(EXTRA, (("attention", attention), ("aggregator", aggregator)), validate)
 
 
 @dataclass(frozen=True)

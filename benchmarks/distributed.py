@@ -46,9 +46,11 @@ def shards(n: int, ranks: int) -> list[int]:
     return [n // ranks + (r < n % ranks) for r in range(ranks)]
 
 
-def timed(fn, device):
-    """(seconds, peak bytes or None, error or None) of one call, after a barrier."""
-    dist.barrier()
+def timed(fn, device, barrier=True):
+    """(seconds, peak bytes or None, error or None) of one call without gradients, after a barrier
+    (``barrier=False``: rank 0 alone, the one-GPU baseline)."""
+    if barrier:
+        dist.barrier()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -56,7 +58,8 @@ def timed(fn, device):
     t0 = time.perf_counter()
     err = None
     try:
-        fn()
+        with torch.no_grad():
+            fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except torch.OutOfMemoryError:
@@ -82,8 +85,8 @@ def attention_part(frames, tokens, dtype, device, baseline):
     if baseline:
         if rank == 0:
             q, k, v = make(n), make(n), make(n)
-            timed_local(lambda: elsa_vision.attention(q, k, v), device)  # compile outside the timing
-            one = timed_local(lambda: elsa_vision.attention(q, k, v), device)
+            timed(lambda: elsa_vision.attention(q, k, v), device, barrier=False)  # compile outside the timing
+            one = timed(lambda: elsa_vision.attention(q, k, v), device, barrier=False)
             del q, k, v
         dist.barrier()
     q, k, v = make(hi - lo), make(hi - lo), make(hi - lo)
@@ -91,25 +94,6 @@ def attention_part(frames, tokens, dtype, device, baseline):
         distributed.attention(q, k, v)  # warm-up (compile, communicators)
         res = timed(lambda: distributed.attention(q, k, v), device)
     return res, one
-
-
-def timed_local(fn, device):
-    """timed() without the barrier: rank 0 alone."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    err = None
-    try:
-        with torch.no_grad():
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except torch.OutOfMemoryError:
-        err = "out of memory"
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return time.perf_counter() - t0, peak, err
 
 
 def aggregator_part(frames, dtype, device, baseline, hw):
@@ -139,7 +123,7 @@ def aggregator_part(frames, dtype, device, baseline, hw):
             elsa_vision.patch(agg, lean_memory=True)
             whole = images.to(device)
             run(agg, whole[:, :2])  # compile outside the timing
-            one = timed_local(lambda: run(agg, whole), device)
+            one = timed(lambda: run(agg, whole), device, barrier=False)
             del whole
             elsa_vision.unpatch(agg)
         dist.barrier()

@@ -7,9 +7,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import torch
 
-from ..registry import Adapter, check_count, check_flag
+from ..registry import Adapter, check_count, check_flag, register_extra
 
 
 ATTENTION_TARGETS = ("vggt.layers.attention:Attention", "vggt.layers.attention:MemEffAttention")
@@ -55,24 +54,13 @@ def register_classes(*, attention: Sequence[type] = (), aggregator: Sequence[typ
     track_head: classes that read the first frame's features, as vggt's ``TrackHead`` (refused with
         ``process_group``).
     """
-    added: list[tuple[str, type]] = []
-    for key, classes in (("attention", attention), ("aggregator", aggregator), ("block", block),
-                         ("dpt_head", dpt_head), ("camera_head", camera_head), ("track_head", track_head)):
-        for cls in classes:
-            if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
-                raise TypeError(f"register_classes: {key} entries must be nn.Module classes, got {cls!r}")
-            if key == "attention":
-                attention_kind(cls)  # validates the forward signature now, not at the first call
-            if cls not in EXTRA[key]:
-                EXTRA[key].append(cls)
-                added.append((key, cls))
+    def validate(key, cls):
+        if key == "attention":
+            attention_kind(cls)  # validates the forward signature now, not at the first call
 
-    def remove() -> None:
-        for key, cls in added:
-            if cls in EXTRA[key]:
-                EXTRA[key].remove(cls)
-
-    return remove
+    return register_extra(EXTRA, (("attention", attention), ("aggregator", aggregator), ("block", block),
+                                  ("dpt_head", dpt_head), ("camera_head", camera_head), ("track_head", track_head)),
+                          validate)
 
 
 @dataclass(frozen=True)
