@@ -16,7 +16,9 @@ Per frame count and dtype, two parts:
   rank running its share of the frames, against the whole sequence on rank 0 alone (needs vggt).
 
 Each row: ranks, frames, part, dtype, the slowest rank's seconds, every rank's peak memory, the
-one-GPU seconds and peak, speed-up (one GPU / sharded) and scaling efficiency (speed-up / ranks).
+one-GPU seconds and peak, speed-up (one GPU / sharded) and scaling efficiency (speed-up / ranks);
+attention rows also the sharded output's max |Δ| and relative L2 against the one-GPU output (the
+shards are slices of the same tensors). Rows are written after each one.
 A part that runs out of memory on one GPU leaves the baseline empty; ``--no-baseline`` skips it. A
 rank that runs out of memory inside a sharded call leaves the others waiting in the collective
 until the process group's timeout (``--timeout-s``), which then ends the run.
@@ -70,30 +72,46 @@ def timed(fn, device, barrier=True):
 
 
 def attention_part(frames, tokens, dtype, device, baseline):
-    """One-GPU and sharded global attention over frames × tokens, forward (inference)."""
+    """One-GPU and sharded global attention over frames × tokens, forward (inference). Returns
+    (timing, one-GPU timing, agreement): the shards are slices of the same tensors as the one-GPU
+    call, and rank 0 compares the gathered sharded output with the one-GPU output (max |Δ| and
+    relative L2, both in float32; None without the baseline)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     n = frames * tokens
-    counts = shards(frames, world)
-    lo = sum(counts[:rank]) * tokens
-    hi = lo + counts[rank] * tokens
-    g = torch.Generator(device=device).manual_seed(0)
+    counts = [c * tokens for c in shards(frames, world)]
+    lo = sum(counts[:rank])
+    hi = lo + counts[rank]
 
-    def make(rows):
-        return torch.randn(1, 16, rows, 64, device=device, dtype=dtype, generator=g)
+    def make(i, rows=slice(None)):
+        # every rank draws the same whole tensor and keeps its rows: shards of one problem
+        g = torch.Generator(device=device).manual_seed(i)
+        return torch.randn(1, 16, n, 64, device=device, dtype=dtype, generator=g)[:, :, rows].clone()
 
-    one = None
+    one = ref = None
     if baseline:
         if rank == 0:
-            q, k, v = make(n), make(n), make(n)
-            timed(lambda: elsa_vision.attention(q, k, v), device, barrier=False)  # compile outside the timing
+            q, k, v = make(0), make(1), make(2)
+            ref = elsa_vision.attention(q, k, v)  # compiles outside the timing; kept for the agreement check
             one = timed(lambda: elsa_vision.attention(q, k, v), device, barrier=False)
             del q, k, v
         dist.barrier()
-    q, k, v = make(hi - lo), make(hi - lo), make(hi - lo)
+    q, k, v = (make(i, slice(lo, hi)) for i in range(3))
     with torch.no_grad():
         distributed.attention(q, k, v)  # warm-up (compile, communicators)
         res = timed(lambda: distributed.attention(q, k, v), device)
-    return res, one
+        out = distributed.attention(q, k, v) if baseline else None
+    agree = None
+    if baseline:
+        # point-to-point rather than a gather: the shards may be uneven
+        if rank == 0:
+            parts = [out] + [torch.empty(1, 16, c, 64, device=device, dtype=dtype) for c in counts[1:]]
+            for r in range(1, world):
+                dist.recv(parts[r], src=r)
+            diff = (torch.cat(parts, dim=2).float() - ref.float())
+            agree = (diff.abs().max().item(), (diff.norm() / ref.float().norm()).item())
+        else:
+            dist.send(out.contiguous(), dst=0)
+    return res, one, agree
 
 
 def aggregator_part(frames, dtype, device, baseline, hw):
@@ -132,7 +150,7 @@ def aggregator_part(frames, dtype, device, baseline, hw):
     run(agg, local[:, :1])  # warm-up: every rank compiles its kernels (the collectives run too)
     res = timed(lambda: run(agg, local), device)
     elsa_vision.unpatch(agg)
-    return res, one
+    return res, one, None
 
 
 def plot(rows, path):
@@ -178,15 +196,20 @@ def main(argv=None):
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
+    meta = metadata() if rank == 0 else {}
+    outdir = Path(a.out) if a.out else results_dir()
+    if rank == 0:
+        outdir.mkdir(parents=True, exist_ok=True)
     try:
         for part in a.parts.split(","):
             for frames in (int(f) for f in a.frames.split(",")):
                 for dtn in a.dtypes.split(","):
                     if part == "attention":
-                        (sec, peak, err), one = attention_part(frames, a.tokens, DT[dtn], device, not a.no_baseline)
+                        (sec, peak, err), one, agree = attention_part(frames, a.tokens, DT[dtn], device,
+                                                                      not a.no_baseline)
                     else:
-                        (sec, peak, err), one = aggregator_part(frames, DT[dtn], device, not a.no_baseline,
-                                                                (a.height, a.width))
+                        (sec, peak, err), one, agree = aggregator_part(frames, DT[dtn], device, not a.no_baseline,
+                                                                       (a.height, a.width))
                     everyone = [None] * world
                     dist.all_gather_object(everyone, (sec, peak, err))
                     if rank:
@@ -202,14 +225,12 @@ def main(argv=None):
                         if not one[2] and not row["error"]:
                             row["speedup"] = one[0] / row["seconds"]
                             row["efficiency"] = row["speedup"] / world
-                    rows.append(row)
+                    if agree is not None:
+                        row.update(max_abs_vs_one_gpu=agree[0], rel_l2_vs_one_gpu=agree[1])
+                    rows.append(dict(row, **meta))
                     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-        if rank == 0:
-            meta = metadata()
-            rows = [dict(r, **meta) for r in rows]
-            outdir = Path(a.out) if a.out else results_dir()
-            outdir.mkdir(parents=True, exist_ok=True)
-            save(rows, outdir, f"distributed_{world}", plot)
+                    # written after every row: a long run cut short keeps what it measured
+                    save(rows, outdir, f"distributed_{world}", plot)
     finally:
         dist.destroy_process_group()
 

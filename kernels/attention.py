@@ -790,8 +790,10 @@ def launch_plan(q, k, bias, precision: str, partitions: Optional[int] = None,
 @host_cache(maxsize=1024)
 def _launch_plan(bh: int, nq: int, nk: int, d: int, dtype: torch.dtype, has_bias: bool, precision: str,
                  device: torch.device, partitions: Optional[int], config: Optional[Config]) -> tuple[Config, int, int]:
-    cfg = config or fwd_config(dtype, pow2(d), precision, nk, has_bias)
-    n_part, part_len = plan_partitions(bh, nq, nk, cfg.block_m, cfg.block_n, device, partitions)
+    cfg = config or fwd_config(dtype, pow2(d), precision, nk, has_bias, nq)
+    # the float32 MMA modes run one program per SM and have no persistent kernel: balance their waves
+    waves = dtype == torch.float32 and precision != "ieee"
+    n_part, part_len = plan_partitions(bh, nq, nk, cfg.block_m, cfg.block_n, device, partitions, waves)
     if config is None and cfg.chunk and n_part > 1 and part_len > PLAIN_KEYS:
         # a split program folds its partition in one running sum (no chunks): compensate it instead
         cfg = Config(32, 32, 4, 2)

@@ -34,9 +34,14 @@ class Config:
     pipeline: bool = False  # forward: the next key tile's q·kᵀ issued before this one's softmax
 
 
-def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_bias: bool = False) -> Config:
+def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_bias: bool = False,
+               nq: int = 0) -> Config:
     """Forward tile shape by dtype / padded head dim / float32 mode: the fastest of the candidates in
     benchmarks/attention.py --tune.
+
+    A few half-precision queries against many keys (a KV-cache step: ``nq`` ≤ 64, ``nk`` ≥ 4096)
+    take a query tile no taller than the queries (``FEWQ``): the call is bound by reading K and V,
+    and a 128-row tile would spend 8× the products and exponentials on padding rows at Nq = 16.
 
     Strict float32 with d ≤ 64 runs uncompensated 64×64 tiles; beyond PLAIN_KEYS keys, where the
     error of one running sum passes 2e-6 relative L2, the keys are folded 2048 at a time (``chunk``,
@@ -47,11 +52,27 @@ def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_
     at every length so that the CPU tests cover it; outputs bitwise equal either way): on where it
     measured faster (fp16x3 d = 64, tf32x3 d = 64 / 128), off where the live extra score tile
     costs more than it hides (short rows, fp16x3 d = 32 / 128, a bias, half precision)."""
-    cfg = Config(32, 32, 1, 1) if INTERPRET else _fwd_tiles(dtype, d_pad, precision, nk, has_bias)
+    if INTERPRET:
+        cfg = Config(32, 32, 1, 1)
+    elif dtype != torch.float32 and 0 < nq <= 64 and nk >= 4096 and d_pad <= 128:
+        cfg = fewq_config(nq, d_pad)
+    else:
+        cfg = _fwd_tiles(dtype, d_pad, precision, nk, has_bias)
     if (dtype == torch.float32 and not has_bias and (INTERPRET or nk >= 2048)
             and (precision == "fp16x3" and d_pad == 64 or precision == "tf32x3" and d_pad in (64, 128))):
         cfg = dataclasses.replace(cfg, pipeline=True)
     return cfg
+
+
+# Half-precision few-query tiles, (block_m, block_n at d ≤ 64, warps, stages) by the smallest
+# block_m ≥ Nq (benchmarks/attention.py --tune fewq). At d = 128 block_n halves: three stages of
+# 128×128 K and V tiles would not fit in shared memory.
+FEWQ = ((16, 128, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3))
+
+
+def fewq_config(nq: int, d_pad: int) -> Config:
+    bm, bn, warps, stages = next(t for t in FEWQ if t[0] >= nq) if nq <= FEWQ[-1][0] else FEWQ[-1]
+    return Config(bm, bn if d_pad <= 64 else bn // 2, warps, stages)
 
 
 def _fwd_tiles(dtype: torch.dtype, d_pad: int, precision: str, nk: int, has_bias: bool) -> Config:
@@ -135,14 +156,18 @@ def kv_config(dtype: torch.dtype, d_pad: int, precision: str, dq_cfg: Config) ->
 
 
 def plan_partitions(batch_heads: int, nq: int, nk: int, block_m: int, block_n: int, device: torch.device,
-                    requested: Optional[int] = None) -> tuple[int, int]:
+                    requested: Optional[int] = None, balance_waves: bool = False) -> tuple[int, int]:
     """(n_part, part_len): how phase 1 splits the keys. part_len is a multiple of block_n.
 
     One partition when (query blocks × batch·heads) gives every SM a program; otherwise keys are
     split so the phase-1 grid reaches about two programs per SM, each partition with the same number
     of key tiles (±1 over all partitions). The summaries cost P float32 copies of the output, so a
     grid that already fills the SMs once is not split (at N = 1041, B·H = 16 a split doubled the
-    peak memory for no gain).
+    peak memory for no gain) — except, with ``balance_waves``, a long key set (≥ WAVE_MIN_TILES
+    tiles a partition) whose grid leaves the last wave mostly empty: there the smallest split up to
+    8 that fills WAVE_FILL of the waves is taken (1041 queries × 16 heads in 128-row tiles are 144
+    programs on 132 SMs: a second wave of 12). Callers set it where one program runs per SM at a
+    time and there is no persistent kernel to balance the items itself (the float32 MMA modes).
 
     Sizes may be symbolic (torch.compile with dynamic shapes): the arithmetic takes torch.sym_min /
     sym_max, so a traced graph is guarded only on whether the grid fills the GPU, not on the sizes.
@@ -154,10 +179,33 @@ def plan_partitions(batch_heads: int, nq: int, nk: int, block_m: int, block_n: i
         base = cdiv(nq, block_m) * batch_heads
         sms = sm_count(device.index or 0) if device.type == "cuda" else 1
         if base >= sms:
-            return 1, n_tiles * block_n
+            if not balance_waves:
+                return 1, n_tiles * block_n
+            return _balanced_waves(base, n_tiles, block_n, sms)
         # a partition shorter than four tiles pays more in summary traffic than it gains in parallelism
         want = _max(1, _min(_min(n_tiles, cdiv(2 * sms, base)), n_tiles // 4))
     tiles_per = cdiv(n_tiles, want)
+    return cdiv(n_tiles, tiles_per), tiles_per * block_n
+
+
+WAVE_MIN_TILES = 32
+WAVE_FILL = 0.9
+
+
+def _balanced_waves(base, n_tiles: int, block_n: int, sms: int) -> tuple[int, int]:
+    """(n_part, part_len) for a grid of ``base`` programs that already covers the SMs: see
+    plan_partitions(balance_waves=True). Plain ints only (a traced call's sizes would guard on every
+    candidate); symbolic sizes keep one partition."""
+    if not (isinstance(base, int) and isinstance(n_tiles, int)):
+        return 1, n_tiles * block_n
+    fill = lambda p: base * p / (cdiv(base * p, sms) * sms)  # noqa: E731 - busy share of the waves
+    best = 1
+    for p in range(2, 9):
+        if fill(best) >= WAVE_FILL or n_tiles // p < WAVE_MIN_TILES:
+            break
+        if fill(p) > fill(best):
+            best = p
+    tiles_per = cdiv(n_tiles, best)
     return cdiv(n_tiles, tiles_per), tiles_per * block_n
 
 

@@ -5,7 +5,7 @@ import torch
 
 import elsa_vision
 from elsa_vision import NotSupportedError, verify
-from oracle_check import assert_fake_matches_real, check_case
+from oracle_check import assert_close_to_oracle, assert_fake_matches_real, check_case, torch_same_dtype
 
 from conftest import DEVICE
 
@@ -145,6 +145,42 @@ def test_partitions_causal_bias():
     q, k, v = qkv(2, 2, 30, 150, 32)
     bias = rand(2, 30, 150, seed=5)
     check_case(q, k, v, bias=bias, causal=True, backend="triton", partitions=4)
+
+
+@pytest.mark.parametrize("nq", [1, 16, 40])
+def test_few_query_tiles(nq):
+    """The few-query tiles (a query tile no taller than the queries: a KV-cache step) on the split
+    path, bf16, against the oracle rule."""
+    from elsa_vision.kernels import attention as K
+    from elsa_vision.kernels import tiles
+    q, k, v = qkv(1, 2, nq, 300, 64, dtype=torch.bfloat16)
+    cfg = tiles.fewq_config(nq, 64)
+    assert cfg.block_m == (16 if nq <= 16 else 64)
+    out, _ = K.forward(q, k, v, None, 0.125, False, "native", 3, config=cfg)
+    ref = verify.oracle(q.double(), k.double(), v.double(), scale=0.125)
+    assert_close_to_oracle(out, ref, torch_same_dtype(q, k, v, scale=0.125))
+
+
+def test_few_query_tile_table():
+    from elsa_vision.kernels import tiles
+    assert [tiles.fewq_config(n, 64).block_m for n in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert tiles.fewq_config(16, 128).block_n == tiles.fewq_config(16, 64).block_n // 2  # shared memory
+
+
+def test_partition_plan_balances_waves(monkeypatch):
+    """balance_waves splits a long-key grid whose last wave is mostly empty, and nothing else."""
+    from elsa_vision.kernels import tiles
+    monkeypatch.setattr(tiles, "sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)  # only its type and index are read
+    # 1041 queries × 16 heads in 128-row tiles: 144 programs on 132 SMs, a second wave of 12
+    assert tiles.plan_partitions(16, 1041, 416400, 128, 64, dev)[0] == 1
+    n_part, part_len = tiles.plan_partitions(16, 1041, 416400, 128, 64, dev, balance_waves=True)
+    programs = 144 * n_part
+    assert 1 < n_part <= 8 and programs / (-(-programs // 132) * 132) >= tiles.WAVE_FILL
+    assert n_part * part_len >= 416400 > (n_part - 1) * part_len
+    # short key sets and grids that already fill their waves stay whole
+    assert tiles.plan_partitions(16, 1041, 1041, 128, 64, dev, balance_waves=True)[0] == 1
+    assert tiles.plan_partitions(16, 16384, 16384, 128, 64, dev, balance_waves=True)[0] == 1
 
 
 def test_fully_masked_rows_return_zero():
