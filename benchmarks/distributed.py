@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import metadata, results_dir, save, style_axes  # noqa: E402
+from benchmarks.harness import metadata, profile_rows, results_dir, save, style_axes, write_csv  # noqa: E402
 
 import elsa_vision  # noqa: E402
 from elsa_vision import distributed  # noqa: E402
@@ -114,7 +114,10 @@ def attention_part(frames, tokens, dtype, device, baseline):
     return res, one, agree
 
 
-def aggregator_part(frames, dtype, device, baseline, hw):
+def aggregator_part(frames, dtype, device, baseline, hw, profiled=None):
+    """One-GPU and sharded aggregator over ``frames`` frames. ``profiled``: a list that receives, on
+    rank 0, the CUDA-time breakdown (harness.profile_rows) of one extra one-GPU call and one extra
+    sharded call (the other ranks run theirs unprofiled)."""
     try:
         from vggt.models.aggregator import Aggregator
     except ImportError as e:
@@ -142,6 +145,10 @@ def aggregator_part(frames, dtype, device, baseline, hw):
             whole = images.to(device)
             run(agg, whole[:, :2])  # compile outside the timing
             one = timed(lambda: run(agg, whole), device, barrier=False)
+            if profiled is not None:
+                rows, line = profile_rows(lambda: run(agg, whole), {"frames": frames, "run": "one GPU"})
+                profiled += rows
+                print(f"one GPU, {frames} frames: {line}", flush=True)
             del whole
             elsa_vision.unpatch(agg)
         dist.barrier()
@@ -149,6 +156,14 @@ def aggregator_part(frames, dtype, device, baseline, hw):
     local = images[:, lo:lo + counts[rank]].to(device)
     run(agg, local[:, :1])  # warm-up: every rank compiles its kernels (the collectives run too)
     res = timed(lambda: run(agg, local), device)
+    if profiled is not None:
+        dist.barrier()
+        if rank == 0:
+            rows, line = profile_rows(lambda: run(agg, local), {"frames": frames, "run": f"rank 0 of {world}"})
+            profiled += rows
+            print(f"rank 0 of {world}, {frames} frames: {line}", flush=True)
+        else:
+            run(agg, local)
     elsa_vision.unpatch(agg)
     return res, one, None
 
@@ -181,6 +196,9 @@ def main(argv=None):
     ap.add_argument("--height", type=int, default=392)
     ap.add_argument("--width", type=int, default=518)
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-GPU runs")
+    ap.add_argument("--profile", action="store_true",
+                    help="aggregator: also write rank 0's CUDA-time breakdown of a one-GPU and a sharded call "
+                         "(distributed_<ranks>_profile.csv)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--timeout-s", type=float, default=900,
@@ -196,6 +214,7 @@ def main(argv=None):
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
+    profiled = [] if a.profile else None
     meta = metadata() if rank == 0 else {}
     outdir = Path(a.out) if a.out else results_dir()
     if rank == 0:
@@ -209,7 +228,7 @@ def main(argv=None):
                                                                       not a.no_baseline)
                     else:
                         (sec, peak, err), one, agree = aggregator_part(frames, DT[dtn], device, not a.no_baseline,
-                                                                       (a.height, a.width))
+                                                                       (a.height, a.width), profiled)
                     everyone = [None] * world
                     dist.all_gather_object(everyone, (sec, peak, err))
                     if rank:
@@ -231,6 +250,8 @@ def main(argv=None):
                     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
                     # written after every row: a long run cut short keeps what it measured
                     save(rows, outdir, f"distributed_{world}", plot)
+                    if profiled:
+                        write_csv([dict(r, **meta) for r in profiled], outdir / f"distributed_{world}_profile.csv")
     finally:
         dist.destroy_process_group()
 

@@ -133,7 +133,7 @@ def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw
             o, l = _attention(q, cur[0, :, :, :n], cur[1, :, :, :n], causal=causal and src == rank,
                               return_lse=True, **kw)
             l = torch.where(l == float("inf"), float("-inf"), l)  # a row that sees no key carries no mass
-            acc, lse = _combine(acc, lse, o.float(), l)
+            acc, lse = _combine(acc, lse, o, l)
         if reqs is not None:
             for r in reqs:
                 r.wait()
@@ -144,11 +144,13 @@ def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw
 
 
 def _combine(acc, lse, o, l):
-    """The monoid's combine of two normalised partial results (acc, lse) ∘ (o, l); None is the identity."""
+    """The monoid's combine of two normalised partial results (acc, lse) ∘ (o, l); None is the identity.
+    ``acc`` is float32 and updated in place (``o`` may be half precision): a sharded call's rows are
+    the whole output, and out-of-place products would hold four float32 copies of it at once."""
     if acc is None:
-        return o, l
+        return o.float(), l
     new = torch.logaddexp(lse, l)
     seen = torch.isfinite(new)
     w_acc = torch.where(seen, torch.exp(lse - new), 0.0)
     w_o = torch.where(seen, torch.exp(l - new), 0.0)
-    return acc * w_acc[..., None] + o * w_o[..., None], new
+    return acc.mul_(w_acc[..., None]).addcmul_(o, w_o[..., None]), new
