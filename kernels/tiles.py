@@ -40,8 +40,8 @@ def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_
     benchmarks/attention.py --tune.
 
     A few half-precision queries against many keys (a KV-cache step: ``nq`` ≤ 64, ``nk`` ≥ 4096)
-    take a query tile no taller than the queries (``FEWQ``): the call is bound by reading K and V,
-    and a 128-row tile would spend 8× the products and exponentials on padding rows at Nq = 16.
+    take ``FEWQ``: the call is bound by reading K and V, and the 128-row, 8-warp tile would spend 8×
+    the products and exponentials on padding rows at Nq = 16.
 
     Strict float32 with d ≤ 64 runs uncompensated 64×64 tiles; beyond PLAIN_KEYS keys, where the
     error of one running sum passes 2e-6 relative L2, the keys are folded 2048 at a time (``chunk``,
@@ -64,15 +64,17 @@ def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_
     return cfg
 
 
-# Half-precision few-query tiles, (block_m, block_n at d ≤ 64, warps, stages) by the smallest
-# block_m ≥ Nq (benchmarks/attention.py --tune fewq). At d = 128 block_n halves: three stages of
-# 128×128 K and V tiles would not fit in shared memory.
-FEWQ = ((16, 128, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3))
+# Half-precision few-query tile: one warpgroup's 64 rows (the smallest wgmma tile). The sweep
+# (benchmarks/attention.py --tune fewq, H100, H = 16, d = 64) put it first at Nq = 16 and 64 against
+# 131K keys and at Nq = 16 against 1M, ahead of 16-row tiles (mma.sync, 1-4% slower), 128-key
+# tiles and the 128-row default; the planner's partition count beat fixed ones of 264-1056.
+FEWQ = Config(64, 64, 4, 3)
 
 
 def fewq_config(nq: int, d_pad: int) -> Config:
-    bm, bn, warps, stages = next(t for t in FEWQ if t[0] >= nq) if nq <= FEWQ[-1][0] else FEWQ[-1]
-    return Config(bm, bn if d_pad <= 64 else bn // 2, warps, stages)
+    """The forward tile of a half-precision call with ``nq`` ≤ 64 queries against long keys (d ≤ 128:
+    three stages of 64-key K and V tiles take 96 KiB of shared memory at d = 128)."""
+    return FEWQ
 
 
 def _fwd_tiles(dtype: torch.dtype, d_pad: int, precision: str, nk: int, has_bias: bool) -> Config:
