@@ -165,36 +165,63 @@ def few_queries(d=64, nq=16, nk=131072, H=16):
     return rows
 
 
-def decode_sweep() -> list[dict]:
+def decode_sweep(nqs=(16, 1041, 4 * 1041), dtypes=("bf16", "fp32")) -> list[dict]:
     """Streaming shapes: Nq ∈ {16, one 1041-token frame, four frames} against Nk up to a million
-    keys (a KV cache of ~1000 frames), bf16 and fp32, forward."""
+    keys (a KV cache of ~1000 frames), bf16 and fp32, forward. Half-precision rows are measured twice:
+    eager calls (case "decode": the host's work in each call's time) and CUDA-graph replays (case
+    "decode-graphed": the kernels alone, as a captured decode step runs them)."""
     rows = []
-    for nq, nk in itertools.product((16, 1041, 4 * 1041), (131072, 416400, 1041000)):
-        for dtn in ("bf16", "fp32"):
+    for nq, nk in itertools.product(nqs, (131072, 416400, 1041000)):
+        for dtn in dtypes:
             skip = ("sdpa-math", "elsa-ieee", "elsa-tf32") if dtn == "fp32" else ("sdpa-math",)
             new = run_case(1, 16, nq, nk, 64, dtn, False, budget_ms=800, tag="decode", skip=skip)
+            if dtn != "fp32":
+                new += graphed_case(nq, nk, dtn)
             rows += new
-            print(fmt_table(new, ["dtype", "Nq", "Nk", "variant", "ms", "tflops", "max_err_vs_fp64"]), flush=True)
+            print(fmt_table(new, ["case", "dtype", "Nq", "Nk", "variant", "ms", "tflops", "max_err_vs_fp64"]), flush=True)
+    return rows
+
+
+def graphed_case(nq, nk, dtn, d=64, H=16) -> list[dict]:
+    """CUDA-graph replays of ELSA, flash and cuDNN at one decode shape (case "decode-graphed")."""
+    q, k, v = make(1, H, nq, nk, d, DT[dtn], False)
+    fns = {"elsa": lambda: elsa_vision.attention(q, k, v)}
+    fns.update({f"sdpa-{b}": sdpa_fn(b, q, k, v, False) for b in ("flash", "cudnn")})
+    res = measure_graphed(fns, rounds=20)
+    flops = 4.0 * H * nq * nk * d
+    rows = [{"case": "decode-graphed", "pass": "fwd", "dtype": dtn, "B": 1, "H": H, "Nq": nq, "Nk": nk, "d": d,
+             "causal": False, "variant": n, "ms": r.ms, "tflops": flops / r.ms / 1e9 if r.ms else None,
+             "error": r.error} for n, r in res.items()]
+    base = {r["variant"]: r["ms"] for r in rows if r["variant"].startswith("sdpa-") and r["ms"]}
+    for r in rows:
+        if r["variant"] == "elsa" and r["ms"]:
+            r.update({f"speedup_vs_{b[5:]}": ms / r["ms"] for b, ms in base.items()})
+    del q, k, v, fns
+    torch.cuda.empty_cache()
     return rows
 
 
 def plot_decode(rows, path):
-    """Per dtype: the fastest SDPA backend's time over ELSA's (its fastest mode) against Nk, a line per Nq."""
+    """Per dtype: the fastest SDPA backend's time over ELSA's (its fastest mode) against Nk, a line per Nq
+    (dashed: CUDA-graph replays)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, dtn in zip(axes, ("bf16", "fp32")):
-        for nq in sorted({r["Nq"] for r in rows}):
+        for (nq, kind), color in zip(itertools.product(sorted({r["Nq"] for r in rows}), ("decode", "decode-graphed")),
+                                     itertools.cycle(("C0", "C0", "C1", "C1", "C2", "C2"))):
             pts = []
             for nk in sorted({r["Nk"] for r in rows}):
-                case = [r for r in rows if r["dtype"] == dtn and r["Nq"] == nq and r["Nk"] == nk and r["ms"]]
+                case = [r for r in rows if r["dtype"] == dtn and r["Nq"] == nq and r["Nk"] == nk and r["ms"]
+                        and r.get("case", "decode") == kind]
                 elsa = [r["ms"] for r in case if r["variant"].startswith("elsa")]
                 base = [r["ms"] for r in case if r["variant"].startswith("sdpa")]
                 if elsa and base:
                     pts.append((nk, min(base) / min(elsa)))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"Nq = {nq}")
+                ax.plot(*zip(*pts), marker="o", color=color, ls="--" if kind != "decode" else "-",
+                        label=f"Nq = {nq}" + (" (graphed)" if kind != "decode" else ""))
         ax.axhline(1.0, color="gray", lw=0.8)
         style_axes(ax, "keys (Nk)", "fastest SDPA time / ELSA time", f"decode shapes, {dtn}, H=16, d=64", ylog=False)
     fig.tight_layout()
@@ -400,11 +427,12 @@ def main(argv=None):
     ap.add_argument("--tune", choices=["fwd", "bwd", "bwdkv", "both", "fewq"],
                     help="tile-shape sweep: forward, backward (dQ tile), the dK/dV kernel's tile, fwd+bwd, or "
                          "the split forward's tiles and partitions for a few queries against many keys")
-    ap.add_argument("--only", help="with --tune: one dtype or precision (e.g. ieee, bf16)")
+    ap.add_argument("--only", help="with --tune: one dtype or precision (e.g. ieee, bf16); with --decode: one dtype")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--hopper", action="store_true", help="the Gluon (sm_90) forward against the portable one")
     ap.add_argument("--decode", action="store_true", help="few queries against long keys (KV-cache shapes)")
+    ap.add_argument("--nq", help="with --decode: query counts (comma-separated; default 16,1041,4164)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
@@ -415,7 +443,11 @@ def main(argv=None):
         save(hopper_sweep(), outdir, "attention_hopper", plot_hopper)
         return
     if a.decode:
-        save(decode_sweep(), outdir, "attention_decode", plot_decode)
+        kw = {"nqs": tuple(int(n) for n in a.nq.split(","))} if a.nq else {}
+        if a.only:
+            kw["dtypes"] = (a.only,)
+        save(decode_sweep(**kw), outdir, "attention_decode" + ("_" + "_".join(kw.get("dtypes", ())) if a.only else "")
+             + (f"_nq{a.nq.replace(',', '-')}" if a.nq else ""), plot_decode)
         return
     if a.tune == "fewq":
         write_csv(tune_fewq(only=a.only), outdir / "tune_fewq.csv")
