@@ -51,7 +51,7 @@ import triton.language as tl
 
 from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3, TF32X3, cast, dk_units, dot, dot3,
                      dot_nt, ds_k, ds_units, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
-from .launch import INTERPRET, cdiv, host_cache, launch, pow2, tracing
+from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
 from .tiles import PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions
 
@@ -831,7 +831,6 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     if not scale > 0:
         raise ValueError(f"the Triton forward needs scale > 0, got {scale}; use the reference backend")
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
     d_pad = pow2(D)
     cfg, n_part, part_len = launch_plan(q, k, bias, precision, partitions, config)
     out = _out_like(q)
@@ -840,45 +839,60 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     if not split and summaries is None and config is None and _hopper_serves(q, k, v, bias, precision, causal):
         hopper.forward(q, k, v, out, stats, scale, causal)
         return out, stats
-    # the chunked scan keeps its running W in Out: float32 outputs of an unsplit launch only
-    chunk = 0 if split or q.dtype != torch.float32 or cfg.chunk <= 0 else max(1, cfg.chunk // cfg.block_n) * cfg.block_n
-    if split:
-        ms = torch.empty((B * H, n_part, Nq), device=q.device, dtype=torch.float32)
-        ss = torch.empty_like(ms)
-        ws = torch.empty((B * H, n_part, Nq, d_pad), device=q.device, dtype=torch.float32)
+    if split:  # one allocation for the three summaries (ws first: the large one, aligned)
+        buf = torch.empty(B * H * n_part * Nq * (d_pad + 2), device=q.device, dtype=torch.float32)
+        n_ms = B * H * n_part * Nq
+        ws = buf[:n_ms * d_pad].view(B * H, n_part, Nq, d_pad)
+        ms = buf[n_ms * d_pad:n_ms * (d_pad + 1)].view(B * H, n_part, Nq)
+        ss = buf[n_ms * (d_pad + 1):].view(B * H, n_part, Nq)
     else:
         ms = ss = ws = stats  # unused placeholders
     bias_arg = bias if bias is not None else q
     scales = _f16_scales(q, k, v) if precision == "fp16x3" else stats
-    grid = (cdiv(Nq, cfg.block_m), B * H, n_part)
-    launch(_fwd_kernel, grid,
-        q, k, v, bias_arg, out, stats, ms, ss, ws, scales,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_strides4(bias),
-        H, Nq, Nk, part_len, n_part, scale, scale * LOG2E,
-        D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split,
-        PREC=PRECISION_CODES[precision], KAHAN=cfg.kahan and not chunk, CHUNK=chunk, PIPELINE=cfg.pipeline,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    key = ("attention-fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(),
+           None if bias is None else (bias.shape, bias.stride(), bias.dtype), q.dtype, q.device, scale, causal,
+           precision, cfg, n_part, part_len)
+    fwd = prepared(key, _fwd_launch, q, k, v, bias, out, scale, causal, precision, cfg, n_part, part_len)
+    fwd(q, k, v, bias_arg, out, stats, ms, ss, ws, scales)
     if split:
         phase2(ms, ss, ws, out, stats, bias is not None)
     if summaries is not None:
         summaries.update(n_part=n_part, part_len=part_len, block_m=cfg.block_m, block_n=cfg.block_n,
-                         phase1_grid=grid, m=ms if split else None, S=ss if split else None,
+                         phase1_grid=fwd.grid, m=ms if split else None, S=ss if split else None,
                          W=ws if split else None)
     return out, stats
+
+
+def _fwd_launch(q, k, v, bias, out, scale: float, causal: bool, precision: str, cfg: Config, n_part: int,
+                part_len: int) -> Launch:
+    """The phase-1 launch of ``forward`` for this call signature; called with (q, k, v, bias or q, out,
+    stats, ms, ss, ws, scales)."""
+    B, H, Nq, D = q.shape
+    split = n_part > 1
+    # the chunked scan keeps its running W in Out: float32 outputs of an unsplit launch only
+    chunk = 0 if split or q.dtype != torch.float32 or cfg.chunk <= 0 else max(1, cfg.chunk // cfg.block_n) * cfg.block_n
+    return Launch(_fwd_kernel, (cdiv(Nq, cfg.block_m), B * H, n_part),
+        (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *_strides4(bias),
+         H, Nq, k.shape[2], part_len, n_part, scale, scale * LOG2E),
+        dict(D=D, D_PAD=pow2(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+             HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split,
+             PREC=PRECISION_CODES[precision], KAHAN=cfg.kahan and not chunk, CHUNK=chunk, PIPELINE=cfg.pipeline,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
 def phase2(ms, ss, ws, out, stats, natural: bool):
     """Merge phase-1 summaries m/S [BH, P, Nq], W [BH, P, Nq, D_PAD] into out [B,H,Nq,D] and the row
     statistics [B,H,2,Nq] (``natural``: m in natural units, the bias path)."""
+    key = ("attention-merge", out.shape, out.stride(), ws.shape, natural)
+    prepared(key, _merge_launch, out, ws, natural)(ms, ss, ws, out, stats)
+
+
+def _merge_launch(out, ws, natural: bool) -> Launch:
     B, H, Nq, D = out.shape
     d_pad = ws.shape[-1]
     bm2 = 16 if INTERPRET else (64 if d_pad <= 128 else 32)
-    launch(_merge_kernel, (cdiv(Nq, bm2), B * H),
-        ms, ss, ws, out, stats, *out.stride(), H, Nq, ms.shape[1],
-        D=D, D_PAD=d_pad, BLOCK_M=bm2, NATURAL=natural, num_warps=4,
-    )
+    return Launch(_merge_kernel, (cdiv(Nq, bm2), B * H), (*out.stride(), H, Nq, ws.shape[1]),
+                  dict(D=D, D_PAD=d_pad, BLOCK_M=bm2, NATURAL=natural, num_warps=4))
 
 
 def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precision: str, bias_grad: bool,

@@ -261,6 +261,27 @@ class Launch:
                    None, None, None, *ptrs, *rest)
 
 
+# Launches planned per call signature (dtype, device, shape, strides, flags; the caller's key): see
+# Launch. A repeat call only allocates its outputs and binds their addresses. Cleared when it grows
+# past _PREPARED_MAX (varying shapes) and by clear_caches() (a tuning switch changed).
+_PREPARED: dict = {}
+_PREPARED_MAX = 1024
+register_cache(_PREPARED.clear)
+
+
+def prepared(key: tuple, make: Callable, *args):
+    """``make(*args)`` (a Launch or a tuple of them) kept under ``key``; planned afresh and not kept
+    while launches are traced (the sizes may be symbolic)."""
+    if tracing():
+        return make(*args)
+    hit = _PREPARED.get(key)
+    if hit is None:
+        if len(_PREPARED) >= _PREPARED_MAX:
+            _PREPARED.clear()
+        hit = _PREPARED[key] = make(*args)
+    return hit
+
+
 def sm_count(index: int) -> int:
     """Multiprocessors of CUDA device ``index`` (memoised: host time on every planned call)."""
     n = _SMS.get(index)

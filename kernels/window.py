@@ -84,7 +84,7 @@ import triton.language as tl
 from . import tiles
 from .common import (C_LOG2E, FP16X3, PRECISION_CODES, cast, dk_units, dot, dot3, dot_nt, ds_k, ds_units, exp_of,
                      load_stats, pow2_of, pv, row_mean, split_f16, store_stats)
-from .launch import Launch, cdiv, clear_caches, pow2, register_cache, tracing
+from .launch import Launch, cdiv, clear_caches, pow2, prepared
 from .ops import AUTOGRAD, COMPILED, KernelOp, check_first_order, route
 from .reference import Geometry, from_windows, qkv_views, to_windows
 from .tiles import make_plan, plan_runs
@@ -731,7 +731,7 @@ def _padded_tables(bias, mask, n: int, nr: int, like: torch.Tensor):
     b = buf if bias is None else bias
     m = buf if mask is None else mask
     key = ("pad", buf.device, lb, lm, n, nr, b.dtype, m.dtype, b.stride(), m.stride())
-    _prepared(key, _pad_launch, lb, lm, n, nr, b.stride(), m.stride())(b, m, buf)
+    prepared(key, _pad_launch, lb, lm, n, nr, b.stride(), m.stride())(b, m, buf)
     bt = like if bias is None else buf
     return bt, (0 if lead0 else nr * nr), (like if mask is None else buf[lb:])
 
@@ -759,25 +759,6 @@ def _tables(bias, mask, n: int, like: torch.Tensor, work: Optional[int] = None):
     bt, sb_h = _table(bias) if bias is not None else (like, 0)
     mt = _mask_table(mask) if mask is not None else like
     return bt, sb_h, mt, nr
-
-
-# Launches planned per call signature (dtype, device, shape, strides, flags): see launch.Launch. A
-# repeat call only allocates its outputs and binds their addresses. Cleared when it grows past
-# _PREPARED_MAX (varying shapes) and by elsa_vision.clear_caches() (a tuning switch changed).
-_PREPARED: dict = {}
-_PREPARED_MAX = 1024
-register_cache(_PREPARED.clear)
-
-
-def _prepared(key: tuple, make, *args):
-    if tracing():  # (symbolic sizes: plan afresh, keep nothing)
-        return make(*args)
-    hit = _PREPARED.get(key)
-    if hit is None:
-        if len(_PREPARED) >= _PREPARED_MAX:
-            _PREPARED.clear()
-        hit = _PREPARED[key] = make(*args)
-    return hit
 
 
 def clear_plans() -> None:
@@ -821,7 +802,7 @@ def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
     has_bias, has_mask = bias is not None, mask is not None
     key = ("fwd", q.dtype, q.device, q.shape, q.stride(), k.stride(), v.stride(), has_bias, has_mask, sb_h, nr, nW,
            scale, precision, block, windows_per_program, geo)
-    _prepared(key, _fwd_launch, q, k, v, out, has_bias, has_mask, sb_h, nr, nW, scale, precision, block,
+    prepared(key, _fwd_launch, q, k, v, out, has_bias, has_mask, sb_h, nr, nW, scale, precision, block,
               windows_per_program, geo)(q, k, v, bt, mt, out, stats)
     return out, stats
 
@@ -898,7 +879,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     key = ("bwd", q.dtype, q.device, q.shape, q.stride(), k.stride(), v.stride(), do.stride(), dq.stride(),
            reads_out and out.stride(), has_bias, has_mask, sb_h, nr, nW, scale, precision, block, bias_grad,
            windows_per_program, geo)
-    go = _prepared(key, _bwd_launches, q, k, v, do, dq, o_arg, has_bias, has_mask, sb_h, nr, nW, scale, precision,
+    go = prepared(key, _bwd_launches, q, k, v, do, dq, o_arg, has_bias, has_mask, sb_h, nr, nW, scale, precision,
                    block, bias_grad, windows_per_program, geo)
     dparts = torch.empty((go.parts, H, nr, nr), device=q.device, dtype=torch.float32) if go.parts else None
     if go.fused is not None:
