@@ -883,7 +883,8 @@ def _fwd_launch(q, k, v, bias, out, scale: float, causal: bool, precision: str, 
 def phase2(ms, ss, ws, out, stats, natural: bool):
     """Merge phase-1 summaries m/S [BH, P, Nq], W [BH, P, Nq, D_PAD] into out [B,H,Nq,D] and the row
     statistics [B,H,2,Nq] (``natural``: m in natural units, the bias path)."""
-    key = ("attention-merge", out.shape, out.stride(), ws.shape, natural)
+    # (out's dtype: the compiled kernel stores in it, and a Launch tells kernels apart only by alignment)
+    key = ("attention-merge", out.shape, out.stride(), out.dtype, out.device, ws.shape, natural)
     prepared(key, _merge_launch, out, ws, natural)(ms, ss, ws, out, stats)
 
 
