@@ -124,6 +124,19 @@ def test_few_queries_split(nq, nk, dtype, precision):
     assert verify.max_err(out, one) < 2e-6
 
 
+def test_planned_launches_tell_dtypes_apart():
+    """One shape in float32, bf16, fp16, then float32 again, each split and merged by phase 2: every
+    dtype keeps its own planned launches (a float32 call's merge kernel, reused for a bf16 output of
+    the same shape, once stored float32 values into it)."""
+    q, k, v = qkv(1, 16, 16, 131072, 64, torch.float32, seed=4)
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float32):
+        qq, kk, vv = q.to(dt), k.to(dt), v.to(dt)
+        out = elsa_vision.attention(qq, kk, vv, precision="tf32x3" if dt == torch.float32 else "auto")
+        ref = verify.oracle(qq, kk, vv)
+        assert_close_to_oracle(out, ref, torch_same_dtype(qq, kk, vv), name=str(dt),
+                               rel_l2=2e-6 if dt == torch.float32 else None)
+
+
 def test_causal_split_and_cross_lengths():
     q, k, v = qkv(1, 8, 300, 5000, 64, torch.bfloat16, seed=5)
     check_case(q, k, v, causal=True, backend="triton", partitions=4)
