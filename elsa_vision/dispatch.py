@@ -132,6 +132,21 @@ def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, w
     return out, (K.natural_lse(lse, bias is not None) if want_lse else None)
 
 
+# Backward entry points ("attention_backward") take (q, k, v, out, lse, do, scale, causal, precision)
+# and return (dq, dk, dv): the gradient terms of these keys for rows whose output and natural-log
+# lse [B,H,Nq] may span more keys (a key shard; elsa_vision.distributed's ring backward). No bias.
+
+def _run_triton_attention_backward(q, k, v, out, lse, do, scale, causal, precision):
+    from .kernels import attention as K
+    dq, dk, dv, _ = K.backward(do, q, k, v, None, out, K.stats_from_lse(lse), scale, causal, precision, False)
+    return dq, dk, dv
+
+
+def _run_reference_attention_backward(q, k, v, out, lse, do, scale, causal, precision):
+    from .kernels import reference
+    return reference.attention_backward(q, k, v, out, lse, do, scale, causal)
+
+
 def _run_eca_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False):
     from .kernels import eca
     out, lse = eca.attention(q, k, v, scale)
@@ -186,7 +201,8 @@ TRITON = Backend(
     needs_positive_scale=True,
     available=_triton_available,
     devices_note="; CPU tensors only under TRITON_INTERPRET=1",
-    run={"attention": _run_triton_attention, **{op: _run_triton_window for op in WINDOW_OPS}},
+    run={"attention": _run_triton_attention, "attention_backward": _run_triton_attention_backward,
+         **{op: _run_triton_window for op in WINDOW_OPS}},
 )
 
 REFERENCE = Backend(
@@ -198,7 +214,8 @@ REFERENCE = Backend(
     max_window_tokens=1 << 16,
     supports_causal=True,
     supports_bias=True,
-    run={"attention": _run_reference_attention, **{op: _run_reference_window for op in WINDOW_OPS}},
+    run={"attention": _run_reference_attention, "attention_backward": _run_reference_attention_backward,
+         **{op: _run_reference_window for op in WINDOW_OPS}},
 )
 
 ECA = Backend(

@@ -2,24 +2,27 @@
 the keys of all ranks (causal: of the ranks up to its own), exactly as one process would.
 
 Each rank holds a contiguous shard of the sequence — rank 0 the first tokens, rank r the r-th
-slice; shards may differ in length. The key/value shards are all-gathered in one collective, and
-in the backward every rank's key/value gradients are summed (one all-reduce) and each rank keeps
-its own shard's; each
-rank runs one ELSA call of its queries against the keys it sees. Causal attention needs no mask
-of its own: a rank's queries are the last rows of the keys it sees, and ELSA's bottom-right
-causal alignment (query i sees key j ≤ i + Nk − Nq) is then exactly the global causal rule.
+slice; shards may differ in length. Causal attention needs no mask of its own: a rank's queries
+are the last rows of the keys it sees, and ELSA's bottom-right causal alignment (query i sees key
+j ≤ i + Nk − Nq) is then exactly the global causal rule.
 
-Two schedules, the same result:
+The key/value shards travel around a ring, one step per shard; while shard s is attended, shard
+s+1 is already on its way (batched isend/irecv, which NCCL runs beside the compute). Each step's
+ELSA call returns its rows' output and log-sum-exp, and the steps merge with the monoid's combine,
+(o₁, l₁) ∘ (o₂, l₂) = (o₁·e^{l₁−l} + o₂·e^{l₂−l}, l) with l = log(e^{l₁} + e^{l₂}), in float32. A
+rank holds its own shard, the one being attended and the one arriving: O(N / ranks) keys. In half
+precision each step's output is rounded to the inputs' dtype once before the float32 merge.
 
-* without gradients (inference), float32 and half precision: a ring. The key/value shards travel around the ranks, one step
-  per shard; while shard s is attended, shard s+1 is already on its way (batched isend/irecv, which
-  NCCL runs beside the compute). Each step's ELSA call returns its rows' output and log-sum-exp,
-  and the steps merge with the monoid's combine, (o₁, l₁) ∘ (o₂, l₂) = (o₁·e^{l₁−l} + o₂·e^{l₂−l}, l)
-  with l = log(e^{l₁} + e^{l₂}), in float32. A rank holds its own shard, the one being attended and
-  the one arriving: O(N / ranks) keys. In half precision each step's output is rounded to the
-  inputs' dtype once before the float32 merge.
-* with gradients (or float64): one all-gather of every shard (O(N) keys per rank) and one ELSA call, whose
-  backward returns every rank's key/value gradients in one all-reduce.
+The backward goes around the same ring: each shard travels with float32 accumulators of its key
+and value gradients; every rank adds its rows' terms for the shard it holds (the backend's backward
+from the merged output and log-sum-exp, so P = exp(s − lse) over the whole row), and after the
+last step the accumulators are one hop from their owners, which receive them. dQ stays on its rank
+(float32 across the steps). In half precision each step's terms are rounded to the inputs' dtype
+once before the float32 sums.
+
+float64 (whose merge would pass through a float32 log-sum-exp) and backends without a backward
+entry point all-gather the shards in one collective instead (O(N) keys per rank), whose backward
+returns every rank's key/value gradients in one all-reduce.
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ from typing import Optional
 import torch
 
 from .api import attention as _attention
+from .api import resolve_precision
+from .checks import autocast, check_scale
+from .dispatch import Problem, select
 
 
 def _dist():
@@ -72,7 +78,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
 
     Returns:
         [B, H, n_q, D]. Differentiable in q, k and v; every rank of the group must run the
-        backward (its all-gathers' gradients are collectives), as with DistributedDataParallel.
+        backward (the ring's exchanges are collectives), as with DistributedDataParallel.
     """
     dist = _dist()
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -95,9 +101,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     lengths = [m[0] for m in metas]
     longest = max(lengths)
     kw = dict(scale=scale, precision=precision, backend=backend)
-    # (float64 keeps the all-gather: the log-sum-exp the ring merges by is float32)
-    if q.dtype != torch.float64 and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
-        return _ring(q, k, v, group, world, rank, lengths, causal, kw)
+    q, k, v, _ = autocast(q, k, v, None)  # (as the single-process call casts; the ring's steps then agree)
+    ring = q.dtype != torch.float64
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if ring and not grads:
+        return _ring(q, k, v, group, world, rank, lengths, causal, kw)[0]
+    bwd = _backward_entry(q, scale, causal, precision, backend) if ring else None
+    if bwd is not None:
+        return _Ring.apply(q, k, v, group, world, rank, lengths, causal, kw, bwd)
 
     # k and v travel in one collective: two would each add a collective to the backward, and the
     # autograd engine may run independent branches in another order on another rank (gloo would
@@ -111,14 +122,99 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     return _attention(q, keys[0], keys[1], causal=causal, **kw)
 
 
-def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict) -> torch.Tensor:
-    """This rank's rows, the key/value shards passed around the ring (see the module docstring)."""
+def _backward_entry(q, scale, causal: bool, precision: str, backend: str):
+    """(q, k, v, out, lse, do) → (dq, dk, dv) of the backend the forward's steps run on, or None when
+    it has no backward entry point (the all-gather path then)."""
+    D = q.shape[-1]
+    sc = check_scale(scale, D, "distributed.attention")
+    prec = resolve_precision(precision, q.dtype)
+    p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=causal, has_bias=False,
+                precision=prec, positive_scale=sc > 0, same_lengths=True,
+                keys=0)
+    run = select(p, backend).run.get("attention_backward")
+    if run is None:
+        return None
+    return lambda q, k, v, out, lse, do, causal: run(q, k, v, out, lse, do, sc, causal, prec)
+
+
+class _Ring(torch.autograd.Function):
+    """The ring forward (see _ring) with the ring backward: the shards travel again, each with the
+    float32 sums of its key/value gradients, which end at their owners."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict, bwd):
+        out, lse = _ring(q, k, v, group, world, rank, lengths, causal, kw)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, world, rank, lengths, causal, bwd)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        import torch.distributed as dist
+        q, k, v, out, lse = ctx.saved_tensors
+        group, world, rank, lengths, causal, bwd = ctx.args
+        do = do.contiguous()
+        longest = max(lengths)
+        kv = _padded(torch.stack((k, v)), longest)
+        acc = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=kv.device)  # dK, dV of kv's shard
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        nxt, prev = _peers(group, world, rank)
+        pending = None  # the accumulators' exchange of the previous step, waited before adding to them
+        for step in range(world):
+            src = (rank - step) % world
+            reqs = None
+            if step < world - 1:  # the next shard's keys and values travel during this step's kernels
+                incoming = torch.empty_like(kv)
+                reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, nxt, group),
+                                               dist.P2POp(dist.irecv, incoming, prev, group)])
+            n = lengths[src]
+            terms = None
+            if n and (not causal or src <= rank):
+                terms = bwd(q, kv[0, :, :, :n], kv[1, :, :, :n], out, lse, do, causal and src == rank)
+                dq += terms[0]
+            if pending is not None:
+                for r in pending[0]:
+                    r.wait()
+                acc = pending[1]
+            if terms is not None:
+                acc[0, :, :, :n] += terms[1]
+                acc[1, :, :, :n] += terms[2]
+            if world == 1:
+                break
+            # the accumulators follow their shard one hop; after the last step they reach the owner
+            arriving = torch.empty_like(acc)
+            pending = (dist.batch_isend_irecv([dist.P2POp(dist.isend, acc, nxt, group),
+                                               dist.P2POp(dist.irecv, arriving, prev, group)]), arriving)
+            if reqs is not None:
+                for r in reqs:
+                    r.wait()
+                kv = incoming
+        if pending is not None:
+            for r in pending[0]:
+                r.wait()
+            acc = pending[1]
+        own = acc[:, :, :, :lengths[rank]]
+        return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, None, None)
+
+
+def _padded(kv, longest: int):
+    """[2, B, H, n, D] padded with zero rows to ``longest``: every shard travels in one buffer shape."""
+    return kv if kv.shape[3] == longest else torch.nn.functional.pad(kv, (0, 0, 0, longest - kv.shape[3]))
+
+
+def _peers(group, world: int, rank: int):
+    """Global ranks of the next and the previous rank of ``group``'s ring."""
     import torch.distributed as dist
-    kv = torch.stack((k, v))
-    if kv.shape[3] < max(lengths):  # every shard travels in the same buffer shape
-        kv = torch.nn.functional.pad(kv, (0, 0, 0, max(lengths) - kv.shape[3]))
     peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-    nxt, prev = peer((rank + 1) % world), peer((rank - 1) % world)
+    return peer((rank + 1) % world), peer((rank - 1) % world)
+
+
+def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict):
+    """This rank's rows and their natural-log lse (float32; −inf for a row that sees no key), the
+    key/value shards passed around the ring (see the module docstring)."""
+    import torch.distributed as dist
+    kv = _padded(torch.stack((k, v)), max(lengths))
+    nxt, prev = _peers(group, world, rank)
     acc = lse = None
     cur = kv
     for step in range(world):
@@ -139,8 +235,8 @@ def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw
                 r.wait()
             cur = incoming
     if acc is None:  # no key seen by any row (causal, all earlier shards empty)
-        return torch.zeros_like(q)
-    return acc.to(q.dtype)
+        return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    return acc.to(q.dtype), lse
 
 
 def _combine(acc, lse, o, l):

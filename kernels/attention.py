@@ -773,6 +773,14 @@ def natural_lse(stats: torch.Tensor, has_bias: bool) -> torch.Tensor:
     return (m if has_bias else m * LN2) + torch.log(s)
 
 
+def stats_from_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The kernels' row statistics [B, H, 2, Nq] (m in log2 units, S = 1) of a natural-log
+    log-sum-exp [B, H, Nq] without a bias: backward() then forms P = exp(s − lse). A non-finite lse
+    (a row that sees no key) becomes (+inf, 1), the kernels' own convention for such rows."""
+    m = torch.where(torch.isfinite(lse), lse.float() * LOG2E, float("inf"))
+    return torch.stack((m, torch.ones_like(m)), dim=2)
+
+
 def _out_like(q: torch.Tensor) -> torch.Tensor:
     """[B,H,Nq,D] view of a token-major [B,Nq,H,D] buffer (as SDPA returns): merging the heads back
     into [B,Nq,H·D], what every attention module does next, is then free of copies."""

@@ -98,6 +98,33 @@ def attention(
     return out, lse.float()
 
 
+def attention_backward(q, k, v, out, lse, do, scale: float, causal: bool = False, chunk: int = 1024):
+    """(dq, dk, dv) of attention over these keys from the rows' output and log-sum-exp, which may
+    cover more keys than these (a key shard of a longer sequence: the gradients are then this
+    shard's terms, P = exp(s − lse) over the whole row). q/out/do [B,H,Nq,D], k/v [B,H,Nk,D], lse
+    [B,H,Nq] natural-log (a non-finite lse: the row sees no key). Chunked over the keys; computed in
+    float32 (float64 inputs: float64), returned in the inputs' dtypes."""
+    cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    qc, kc, vc, oc, dc = (t.to(cdt) for t in (q, k, v, out, do))
+    seen = torch.isfinite(lse)
+    lc = torch.where(seen, lse, 0).to(cdt)[..., None]
+    delta = (dc * oc).sum(-1, keepdim=True)
+    nk = k.shape[-2]
+    dq = torch.zeros_like(qc)
+    dk, dv = torch.empty_like(kc), torch.empty_like(vc)
+    for k0 in range(0, nk, chunk):
+        k1 = min(k0 + chunk, nk)
+        s = torch.matmul(qc, kc[..., k0:k1, :].transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(~causal_mask(q.shape[-2], nk, k0, k1, q.device), float("-inf"))
+        pr = torch.where(seen[..., None], torch.exp(s - lc), 0)
+        dv[..., k0:k1, :] = torch.matmul(pr.transpose(-1, -2), dc)
+        ds = pr * (torch.matmul(dc, vc[..., k0:k1, :].transpose(-1, -2)) - delta)
+        dq += torch.matmul(ds, kc[..., k0:k1, :]) * scale
+        dk[..., k0:k1, :] = torch.matmul(ds.transpose(-1, -2), qc) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 def _window_chunk(q, k, v, bias, mask, scale: float, r0: int):
     """Windows r0 .. r0+len(q) of a window_attention call: (out [c,H,N,D], lse [c,H,N])."""
     cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype

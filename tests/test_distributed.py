@@ -49,11 +49,12 @@ def _run(lengths, causal, backend, dtype, grad=True):
 
 @pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3]])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("triton", torch.float32, 2e-6)])
+@pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("reference", torch.float32, 2e-6),
+                                               ("triton", torch.float32, 2e-6)])
 def test_sharded_equals_one_process(lengths, causal, backend, dtype, tol):
     """Uneven shards over 2 and 3 ranks: every rank's output rows and its q/k/v gradients equal one
-    process's attention over the whole sequence (reference backend in float64; the Triton kernels,
-    under the interpreter on CPU, in float32)."""
+    process's attention over the whole sequence (float32: the ring forward and backward, reference
+    backend and the Triton kernels under the interpreter; float64: the all-gather)."""
     if backend == "triton" and not elsa_vision.dispatch.triton_serves("cpu"):
         pytest.skip("the Triton kernels serve CPU tensors only under TRITON_INTERPRET=1")
     got = _run(lengths, causal, backend, dtype)
@@ -90,6 +91,22 @@ def test_ring_bfloat16_follows_the_rule():
     same = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     e, r = max_err(got, oracle), max_err(same, oracle)
     assert e <= tolerance(r, torch.bfloat16), f"{e:.3g} vs {r:.3g}"
+
+
+def test_ring_backward_bfloat16_follows_the_rule():
+    """bf16 gradients through the ring (each step's terms rounded once before the float32 sums):
+    within the oracle rule for gradients, against plain bf16 autograd's error."""
+    from elsa_vision.verify import max_err, tolerance
+    lengths = [40, 30, 50]
+    got = _run(lengths, True, "reference", torch.bfloat16)
+    q, k, v, do = _full(sum(lengths), torch.bfloat16)
+    ins64 = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(*ins64, is_causal=True), ins64, do.double())
+    insb = [t.clone().requires_grad_() for t in (q, k, v)]
+    same = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(*insb, is_causal=True), insb, do)
+    for name, g, r, s_ in zip(("dq", "dk", "dv"), (got["dq"], got["dk"], got["dv"]), ref, same):
+        e, ref_e = max_err(g, r), max_err(s_, r)
+        assert e <= tolerance(ref_e, torch.bfloat16, grad=True), f"{name}: {e:.3g} vs {ref_e:.3g}"
 
 
 def test_needs_a_process_group():
