@@ -176,6 +176,14 @@ def _vggt_run(lengths, train, options, dtype):
     ([2, 3], {"backend": "reference"}, torch.float64, 1e-10),
     ([1, 3, 1], {"backend": "reference", "lean_memory": [1, 3]}, torch.float64, 1e-10),
     ([3, 2], {"backend": "triton"}, torch.float32, 2e-5),
+    # token merging: the whole sequence's merged set (every source merges / the top-ratio choice /
+    # projected similarities with plans reused across blocks)
+    ([2, 3], {"backend": "reference", "token_merging": elsa_vision.TokenMerging(ratio=0.9)}, torch.float64, 1e-10),
+    ([1, 3, 1], {"backend": "reference", "lean_memory": [1, 3],
+                 "token_merging": elsa_vision.TokenMerging(ratio=0.3, protect=0.0, seed=3)}, torch.float64, 1e-10),
+    ([3, 2], {"backend": "reference", "token_merging": elsa_vision.TokenMerging(ratio=0.5, similarity_dim=4, reuse=2)},
+     torch.float64, 1e-10),
+    ([2, 3], {"backend": "triton", "token_merging": elsa_vision.TokenMerging(ratio=0.6)}, torch.float32, 2e-5),
 ])
 def test_vggt_sharded_equals_one_process(lengths, options, dtype, tol):
     """The VGGT stand-in with its 5 frames split over 2 or 3 ranks (uneven): every rank's predictions
@@ -190,6 +198,12 @@ def test_vggt_sharded_equals_one_process(lengths, options, dtype, tol):
         elsa_vision.patch(model, **options)
         with torch.no_grad():
             want = model.eval()(images)
+        if "token_merging" in options:  # (merging is on: the merged predictions differ from exact ones)
+            elsa_vision.unpatch(model)
+            elsa_vision.patch(model, backend=options["backend"])
+            with torch.no_grad():
+                exact = model.eval()(images)
+            assert not torch.allclose(exact["depth"], want["depth"], rtol=0, atol=1e3 * tol)
     finally:
         remove()
     for k in OUTPUTS:

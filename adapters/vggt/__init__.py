@@ -49,8 +49,8 @@ Patch options (keywords of ``elsa_vision.patch``):
 * ``token_merging``: a :class:`TokenMerging` (upstream VGGT only, inference only).
 * ``process_group``: a torch.distributed ProcessGroup; every rank calls the model on its own
   contiguous shard of the frames and gets their predictions, global attention and the camera
-  head's trunk spanning the ranks (sharded.py). Composes with ``lean_memory``, not with
-  ``token_merging``; the track head raises.
+  head's trunk spanning the ranks (sharded.py). Composes with ``lean_memory`` and
+  ``token_merging`` (the whole sequence's merged set on every rank); the track head raises.
 
 Modules: common.py (the classes served, the lean option), attention.py (the attention adapter),
 merging.py (token merging), lean.py (lean memory: the aggregator and DPT-head adapters), sharded.py

@@ -185,7 +185,7 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
     q, k, v = project_qkv(module, x, pos, chunk, prenorm)
     if side is not None:
         main.wait_stream(side)
-        for t in (plan.slot, plan.counts, plan.destinations):
+        for t in plan.tensors():
             t.record_stream(main)  # made on the side stream, used (and freed) on the main one
     group = sharded_group(module, opts)
     if autocast_dtype(x.device.type) is None and not (q.dtype == k.dtype == v.dtype):
@@ -198,6 +198,8 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
             q, k, v, unmerge_fn = fork_merge(module, x, q, k, v)
     elif plan is not None:
         q, k, v = (merge_mean(t.transpose(1, 2), plan).transpose(1, 2) for t in (q, k, v))
+        if plan.rows is not None:  # sharded: every rank holds the whole merged set; its tokens read these rows
+            q, group = q[:, :, plan.rows], None
     # SDPA's default scale is 1/sqrt(head_dim); the unfused path multiplies by module.scale
     scale = None if kind.fork or module.fused_attn else float(module.scale)
     kw = dict(scale=scale, precision=opts.get("precision", "auto"), backend=opts.get("backend", "auto"))

@@ -136,9 +136,6 @@ def check_options(options: dict) -> None:
     check_count(options, "head_chunk", "frames", none_ok=True)
     from .sharded import check_group
     check_group(options)
-    if options.get("process_group") is not None and tm is not None:
-        raise ValueError("token_merging with process_group is not supported: merging chooses its destination tokens "
-                         "within one process; patch without one of them")
 
 
 LEAN_CHUNK = 1 << 16  # lean_chunk's default: tokens per chunk of the global blocks' projections and MLP

@@ -15,8 +15,8 @@ from ..registry import PatchState, hooked
 from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, unsupported
 from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, LEAN_CHUNK, VGGTAdapter, attention_kind, block_classes,
                      is_fork_aggregator, lean_option)
-from .merging import AggregatorCall, merging, pattern_on
-from .sharded import check_spanning, first_frame_tokens_elsewhere, mark_spanning, rank_of
+from .merging import AggregatorCall, Shard, merging, pattern_on
+from .sharded import check_spanning, first_frame_tokens_elsewhere, frame_offsets, mark_spanning, rank_of
 
 
 HEAD_LAYERS = (4, 11, 17, 23)  # what VGGT's DPT heads (depth, point, track) read; the camera head reads the last
@@ -264,8 +264,12 @@ class VGGTAggregatorAdapter(VGGTAdapter):
             layers = {id(b.attn): i for i, b in enumerate(agg.global_blocks) if hasattr(b, "attn")}
             # the pattern goes to the device before any block is queued: a host-to-device copy
             # later would wait for the GPU to drain its queue
-            pattern = tuple(t.to(images.device) for t in pattern_on(images.shape[1], grid, agg.patch_start_idx, cfg))
-            scope = merging(AggregatorCall(cfg, images.shape[1], grid, agg.patch_start_idx, layers, pattern))
+            frames, shard = images.shape[1], None
+            if group is not None:  # the destination pattern is the whole sequence's (see sharded_merge_plan)
+                first, frames = frame_offsets(images.shape[1], group, images.device)
+                shard = Shard(group, first, images.shape[1])
+            pattern = tuple(t.to(images.device) for t in pattern_on(frames, grid, agg.patch_start_idx, cfg))
+            scope = merging(AggregatorCall(cfg, frames, grid, agg.patch_start_idx, layers, pattern, shard=shard))
         keep = _kept_layers(agg.depth, lean) if lean is not None else None
         host = {} if keep is not None and opts.get("lean_offload") else None
         if keep is not None:

@@ -126,12 +126,24 @@ def pattern_on(frames: int, grid: tuple[int, int], special: int, cfg: TokenMergi
 @dataclass
 class MergePlan:
     """Where every token goes: ``slot`` [B, N] (int64) is the merged-set row each token is averaged
-    into and reads its output from; ``counts`` [B, M] (float32) the tokens averaged into each row."""
+    into and reads its output from; ``counts`` [B, M] (float32) the tokens averaged into each row.
+
+    Sharded across ranks (see :func:`sharded_merge_plan`): N is this rank's tokens, M the whole
+    merged set's rows, ``group`` the process group whose ranks' sums make the means, ``rows`` [R]
+    the merged rows this rank's tokens read (ascending) and ``read`` [B, N] each token's position
+    in ``rows``; single-process plans have None there."""
     slot: torch.Tensor
     counts: torch.Tensor
     num_tokens: int   # N
     num_merged: int   # M = N − (merged sources)
     destinations: torch.Tensor  # [Nd] token indices
+    group: Optional[object] = None
+    rows: Optional[torch.Tensor] = None
+    read: Optional[torch.Tensor] = None
+
+    def tensors(self) -> tuple:
+        """The plan's tensors (for record_stream when it was made on another stream)."""
+        return tuple(t for t in (self.slot, self.counts, self.destinations, self.rows, self.read) if t is not None)
 
 
 def _nearest(metric: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype,
@@ -246,15 +258,97 @@ def merge_mean(t: torch.Tensor, plan: MergePlan) -> torch.Tensor:
             acc[b].index_put_((plan.slot[b],), src, accumulate=True)
         else:
             acc[b].index_add_(0, plan.slot[b], src)
+    if plan.group is not None:  # every rank's tokens' sums: the whole merged set on every rank
+        import torch.distributed as dist
+        dist.all_reduce(acc, group=plan.group)
     acc /= plan.counts.to(acc_dt).view(B, plan.num_merged, *([1] * (t.dim() - 2)))
     return acc.to(t.dtype)
 
 
 def unmerge(y: torch.Tensor, plan: MergePlan) -> torch.Tensor:
-    """[B, M, C] → [B, N, C]: every token reads the row it was merged into."""
+    """[B, M, C] → [B, N, C]: every token reads the row it was merged into (sharded plans: y holds
+    the rows ``plan.rows`` only, [B, R, C])."""
     B, M, C = y.shape
-    rows = (plan.slot + torch.arange(B, device=y.device)[:, None] * M).reshape(-1)
+    slot = plan.slot if plan.read is None else plan.read
+    rows = (slot + torch.arange(B, device=y.device)[:, None] * M).reshape(-1)
     return y.reshape(B * M, C).index_select(0, rows).view(B, plan.num_tokens, C)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's share of a sharded aggregator call: frames first_frame … first_frame + frames − 1
+    of the whole sequence."""
+    group: object
+    first_frame: int
+    frames: int
+
+
+def _gather_rows(t: torch.Tensor, counts: list, group) -> torch.Tensor:
+    """[B, n_r, …] of every rank (n_r = counts[r], in rank order) → [B, Σ n_r, …]: one all-gather of
+    padded shards."""
+    import torch.distributed as dist
+    longest = max(counts)
+    pad = t.new_zeros((t.shape[0], longest, *t.shape[2:]))
+    pad[:, :t.shape[1]] = t
+    parts = [torch.empty_like(pad) for _ in counts]
+    dist.all_gather(parts, pad.contiguous(), group=group)
+    return torch.cat([p[:, :n] for p, n in zip(parts, counts)], dim=1)
+
+
+def sharded_merge_plan(metric: torch.Tensor, call: "AggregatorCall") -> MergePlan:
+    """The merge plan of one global block whose frames are sharded across ranks: the same merged set
+    as one process's :func:`merge_plan` over all the frames (the destination pattern of the whole
+    sequence; each source's most similar destination among every rank's; the global top-``ratio``
+    choice), with this rank's tokens as N. Collective: every rank of the group calls it.
+
+    The destinations' similarity rows are all-gathered (and, when not every source merges, the
+    sources' similarities), each rank assigns its own sources, the counts are all-reduced, and
+    :func:`merge_mean` all-reduces the sums: every rank holds the whole merged set, of which it
+    computes the rows its tokens read (``rows``)."""
+    import torch.distributed as dist
+    sh, cfg = call.shard, call.cfg
+    B, n, _ = metric.shape
+    P = call.special + call.grid[0] * call.grid[1]
+    if n != sh.frames * P:
+        raise ValueError(f"token merging: this rank's sequence has {n} tokens but its {sh.frames} frames of "
+                         f"{call.special} special + {call.grid[0]}x{call.grid[1]} patch tokens make {sh.frames * P}")
+    lo, hi = sh.first_frame * P, (sh.first_frame + sh.frames) * P
+    dst, src = call.pattern
+    dev = metric.device
+    N, nd, ns = call.frames * P, dst.numel(), src.numel()
+    r = min(int(cfg.ratio * N), ns)
+    M = N - r
+    d0, d1 = (int(i) for i in torch.searchsorted(dst, torch.tensor([lo, hi], device=dst.device)))
+    s0, s1 = (int(i) for i in torch.searchsorted(src, torch.tensor([lo, hi], device=src.device)))
+    world = dist.get_world_size(sh.group)
+    counts = [torch.zeros(2, dtype=torch.int64, device=dev) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([d1 - d0, s1 - s0], device=dev), group=sh.group)
+    nd_r, ns_r = [int(c[0]) for c in counts], [int(c[1]) for c in counts]
+    rows_sim = similarity_rows(metric, cfg)
+    slot = torch.empty(B, n, dtype=torch.int64, device=dev)
+    slot[:, dst[d0:d1] - lo] = torch.arange(d0, d1, device=dev)
+    if ns:
+        # every destination's row, then this rank's sources: the single-process search on them
+        d_all = _gather_rows(rows_sim[:, dst[d0:d1] - lo], nd_r, sh.group)
+        both = torch.cat([d_all, rows_sim[:, src[s0:s1] - lo]], dim=1)
+        sim, best = _nearest(both, torch.arange(nd, device=dev), torch.arange(nd, nd + s1 - s0, device=dev),
+                             cfg.similarity_dtype)
+        local = src[s0:s1] - lo
+        if r == ns:
+            slot[:, local] = best
+        else:
+            sim_all = _gather_rows(sim, ns_r, sh.group)  # [B, ns] in the whole sequence's source order
+            order = torch.argsort(sim_all, dim=1, descending=True, stable=True)
+            merges = torch.zeros(B, ns, dtype=torch.bool, device=dev).scatter_(1, order[:, :r], True)
+            # the unmerged sources keep rows nd, nd + 1, … in source order, as in merge_plan
+            kept_row = nd + torch.cumsum(~merges, dim=1) - 1
+            mine = merges[:, s0:s1]
+            slot[:, local] = torch.where(mine, best, kept_row[:, s0:s1])
+    counts_m = torch.zeros(B, M, dtype=torch.float32, device=dev).scatter_add_(
+        1, slot, torch.ones(1, 1, dtype=torch.float32, device=dev).expand(B, n))
+    dist.all_reduce(counts_m, group=sh.group)
+    rows = torch.unique(slot)  # sorted: the merged rows this rank's tokens read
+    return MergePlan(slot, counts_m, n, M, dst, group=sh.group, rows=rows, read=torch.searchsorted(rows, slot))
 
 
 @dataclass
@@ -267,6 +361,12 @@ class AggregatorCall:
     layers: dict  # id(global attention module) → global layer index
     pattern: tuple  # (destinations, sources) on the device, shared by the call's global blocks
     plans: dict = field(default_factory=dict)  # global layer → its plan (cfg.reuse > 1)
+    shard: Optional[Shard] = None  # frames sharded across ranks: ``frames`` is then the whole sequence's
+
+    def _make(self, x: torch.Tensor) -> MergePlan:
+        if self.shard is not None:
+            return sharded_merge_plan(x, self)
+        return merge_plan(x, self.frames, self.grid, self.special, self.cfg, self.pattern)
 
     def plan(self, x: torch.Tensor, layer: int) -> MergePlan:
         """The plan of global layer ``layer`` (x: its metric [B, N, C]): made at the layers
@@ -274,11 +374,11 @@ class AggregatorCall:
         order and its base layer's plan is missing)."""
         cfg = self.cfg
         if cfg.reuse == 1:
-            return merge_plan(x, self.frames, self.grid, self.special, cfg, self.pattern)
+            return self._make(x)
         base = cfg.start_layer + (layer - cfg.start_layer) // cfg.reuse * cfg.reuse
         plan = self.plans.get(base)
         if plan is None or plan.slot.shape[0] != x.shape[0] or plan.num_tokens != x.shape[1]:
-            plan = self.plans[base] = merge_plan(x, self.frames, self.grid, self.special, cfg, self.pattern)
+            plan = self.plans[base] = self._make(x)
         return plan
 
 

@@ -16,9 +16,12 @@ the predictions of its own frames — those one process would give for them from
 
 Gradients follow (training runs the same way; the per-rank parameter gradients then add up to the
 single-process ones, as DistributedDataParallel's all-reduce does). ``lean_memory`` composes (an
-inference option, as without a group); ``token_merging`` with a group is refused (its destination
-set would have to be chosen across ranks). The track head reads the first frame's features on
-every rank and raises when called with a group.
+inference option, as without a group); ``token_merging`` composes too, with the same merged set
+as one process's: the destinations are the whole sequence's, each rank assigns its own sources
+against every rank's destinations, and the sums that make the merged tokens are all-reduced (see
+merging.sharded_merge_plan), so every rank holds the whole merged set — about a third of the
+tokens at FastVGGT's settings. The track head reads the first frame's features on every rank and
+raises when called with a group.
 """
 from __future__ import annotations
 
@@ -69,6 +72,17 @@ def check_spanning(blocks, adapter_cls, group, where: str) -> None:
 def rank_of(group) -> int:
     import torch.distributed as dist
     return dist.get_rank(group)
+
+
+def frame_offsets(frames: int, group, device) -> tuple[int, int]:
+    """(this rank's first frame in the whole sequence, the whole sequence's frames), from every rank's
+    frame count (one all-gather)."""
+    import torch.distributed as dist
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, torch.tensor([frames], device=device), group=group)
+    counts = [int(c) for c in counts]
+    rank = dist.get_rank(group)
+    return sum(counts[:rank]), sum(counts)
 
 
 def first_frame_tokens_elsewhere(agg) -> dict:
