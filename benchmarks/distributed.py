@@ -12,7 +12,8 @@ Per frame count and dtype, two parts:
   rank holding a contiguous shard of the queries and keys: ``elsa_vision.distributed.attention``
   against ``elsa_vision.attention`` over the whole sequence on rank 0 alone (the one-GPU baseline,
   the other ranks waiting).
-* ``aggregator``: VGGT's aggregator (random weights, 392×518 frames, ``lean_memory=True``), every
+* ``aggregator``: VGGT's aggregator (random weights, 392×518 frames, ``lean_memory=True``; with
+  ``--merge`` also ``token_merging=TokenMerging()``), every
   rank running its share of the frames, against the whole sequence on rank 0 alone (needs vggt).
 
 Each row: ranks, frames, part, dtype, the slowest rank's seconds, every rank's peak memory, the
@@ -114,15 +115,17 @@ def attention_part(frames, tokens, dtype, device, baseline):
     return res, one, agree
 
 
-def aggregator_part(frames, dtype, device, baseline, hw, profiled=None):
-    """One-GPU and sharded aggregator over ``frames`` frames. ``profiled``: a list that receives, on
-    rank 0, the CUDA-time breakdown (harness.profile_rows) of one extra one-GPU call and one extra
-    sharded call (the other ranks run theirs unprofiled)."""
+def aggregator_part(frames, dtype, device, baseline, hw, profiled=None, merge=False):
+    """One-GPU and sharded aggregator over ``frames`` frames (``merge``: with FastVGGT's token merging,
+    TokenMerging(), on both). ``profiled``: a list that receives, on rank 0, the CUDA-time breakdown
+    (harness.profile_rows) of one extra one-GPU call and one extra sharded call (the other ranks run
+    theirs unprofiled)."""
     try:
         from vggt.models.aggregator import Aggregator
     except ImportError as e:
         raise SystemExit(f"--parts aggregator needs vggt (pip install git+https://github.com/facebookresearch/vggt): {e}")
     rank, world = dist.get_rank(), dist.get_world_size()
+    opts = dict(lean_memory=True, **({"token_merging": elsa_vision.TokenMerging()} if merge else {}))
     torch.manual_seed(0)
     agg = Aggregator().to(device).eval()
     # made on the host: each rank's device holds its own frames only (rank 0 all of them for the baseline)
@@ -141,7 +144,7 @@ def aggregator_part(frames, dtype, device, baseline, hw, profiled=None):
     one = None
     if baseline:
         if rank == 0:
-            elsa_vision.patch(agg, lean_memory=True)
+            elsa_vision.patch(agg, **opts)
             whole = images.to(device)
             run(agg, whole[:, :2])  # compile outside the timing
             one = timed(lambda: run(agg, whole), device, barrier=False)
@@ -152,7 +155,7 @@ def aggregator_part(frames, dtype, device, baseline, hw, profiled=None):
             del whole
             elsa_vision.unpatch(agg)
         dist.barrier()
-    elsa_vision.patch(agg, lean_memory=True, process_group=dist.group.WORLD)
+    elsa_vision.patch(agg, process_group=dist.group.WORLD, **opts)
     local = images[:, lo:lo + counts[rank]].to(device)
     run(agg, local[:, :1])  # warm-up: every rank compiles its kernels (the collectives run too)
     res = timed(lambda: run(agg, local), device)
@@ -196,6 +199,7 @@ def main(argv=None):
     ap.add_argument("--height", type=int, default=392)
     ap.add_argument("--width", type=int, default=518)
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-GPU runs")
+    ap.add_argument("--merge", action="store_true", help="aggregator: with token merging (TokenMerging()) on both runs")
     ap.add_argument("--profile", action="store_true",
                     help="aggregator: also write rank 0's CUDA-time breakdown of a one-GPU and a sharded call "
                          "(distributed_<ranks>_profile.csv)")
@@ -228,12 +232,13 @@ def main(argv=None):
                                                                       not a.no_baseline)
                     else:
                         (sec, peak, err), one, agree = aggregator_part(frames, DT[dtn], device, not a.no_baseline,
-                                                                       (a.height, a.width), profiled)
+                                                                       (a.height, a.width), profiled, a.merge)
                     everyone = [None] * world
                     dist.all_gather_object(everyone, (sec, peak, err))
                     if rank:
                         continue
-                    row = {"ranks": world, "frames": frames, "part": part, "dtype": dtn,
+                    label = part + ("+merge" if a.merge and part == "aggregator" else "")
+                    row = {"ranks": world, "frames": frames, "part": label, "dtype": dtn,
                            "seconds": max(e[0] for e in everyone),
                            "peak_gib_per_rank": ";".join(f"{e[1] / 2**30:.2f}" if e[1] is not None else ""
                                                          for e in everyone),
