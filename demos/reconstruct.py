@@ -475,9 +475,8 @@ def parse_args(argv=None):
         p.error("--merge and --lean are ELSA patch options; they cannot be combined with --baseline")
     if args.offload and not args.lean:
         p.error("--offload moves the layers --lean keeps to host memory: add --lean")
-    if args.distributed and (args.baseline or args.merge is not None):
-        p.error("--distributed shards the frames through ELSA's patch: it cannot be combined with --baseline or "
-                "--merge (token merging chooses its destinations within one process)")
+    if args.distributed and args.baseline:
+        p.error("--distributed shards the frames through ELSA's patch: it cannot be combined with --baseline")
     if args.distributed and "WORLD_SIZE" not in os.environ:
         p.error("--distributed runs under torchrun (it reads RANK / WORLD_SIZE / LOCAL_RANK), e.g. "
                 "torchrun --nproc-per-node 2 demos/reconstruct.py ... --distributed")

@@ -129,19 +129,23 @@ def test_distributed_needs_torchrun(tmp_path, monkeypatch, capsys):
     assert "torchrun" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit):
-        R.parse_args([str(tmp_path), "--distributed", "--merge"])
-    assert "--merge" in capsys.readouterr().err
+        R.parse_args([str(tmp_path), "--distributed", "--baseline"])
+    assert "--baseline" in capsys.readouterr().err
+    assert R.parse_args([str(tmp_path), "--distributed", "--merge"]).merge == 0.9
     assert R.shard_sizes(5, 2) == [3, 2] and R.shard_sizes(7, 3) == [3, 2, 2]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_VGGT, reason="vggt is not installed")
-def test_reconstruct_distributed_on_cpu_equals_one_process(tmp_path):
+@pytest.mark.parametrize("merge", [False, True])
+def test_reconstruct_distributed_on_cpu_equals_one_process(tmp_path, merge):
     """Two CPU processes (gloo) under torchrun, the frames split 2 + 1: rank 0 writes the same depth
-    and cameras as one process (float32 rounding of the sharded global attention aside)."""
+    and cameras as one process (float32 rounding of the sharded global attention aside), with token
+    merging too."""
     src = write_images(tmp_path / "imgs", n=3)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    common = [str(src), "--random-weights", "--device", "cpu", "--width", "70", "--frames", "3", "--quiet"]
+    common = [str(src), "--random-weights", "--device", "cpu", "--width", "70", "--frames", "3", "--quiet",
+              *(["--merge", "0.5"] if merge else [])]
     one = subprocess.run([sys.executable, str(ROOT / "demos" / "reconstruct.py"), *common, "--out",
                           str(tmp_path / "one")], capture_output=True, text=True, env=env, timeout=900)
     assert one.returncode == 0, one.stderr[-3000:]
