@@ -203,7 +203,8 @@ def test_vggt_sharded_equals_one_process(lengths, options, dtype, tol):
             elsa_vision.patch(model, backend=options["backend"])
             with torch.no_grad():
                 exact = model.eval()(images)
-            assert not torch.allclose(exact["depth"], want["depth"], rtol=0, atol=1e3 * tol)
+            diff = (exact["depth"] - want["depth"]).abs().max().item()
+            assert diff > 10 * tol, diff
     finally:
         remove()
     for k in OUTPUTS:
