@@ -129,8 +129,7 @@ def _backward_entry(q, scale, causal: bool, precision: str, backend: str):
     sc = check_scale(scale, D, "distributed.attention")
     prec = resolve_precision(precision, q.dtype)
     p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=causal, has_bias=False,
-                precision=prec, positive_scale=sc > 0, same_lengths=True,
-                keys=0)
+                precision=prec, positive_scale=sc > 0, same_lengths=True, keys=0)
     run = select(p, backend).run.get("attention_backward")
     if run is None:
         return None
