@@ -47,7 +47,7 @@ def _run(lengths, causal, backend, dtype, grad=True):
     return {key: torch.cat([p[key] for p in parts], dim=2) for key in parts[0]}
 
 
-@pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3]])
+@pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3], [6, 0, 5]])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("reference", torch.float32, 2e-6),
                                                ("triton", torch.float32, 2e-6)])
