@@ -55,7 +55,7 @@ def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_
     if INTERPRET:
         cfg = Config(32, 32, 1, 1)
     elif dtype != torch.float32 and 0 < nq <= 64 and nk >= 4096 and d_pad <= 128:
-        cfg = fewq_config(nq, d_pad)
+        cfg = FEWQ
     else:
         cfg = _fwd_tiles(dtype, d_pad, precision, nk, has_bias)
     if (dtype == torch.float32 and not has_bias and (INTERPRET or nk >= 2048)
@@ -68,13 +68,7 @@ def fwd_config(dtype: torch.dtype, d_pad: int, precision: str, nk: int = 0, has_
 # (benchmarks/attention.py --tune fewq, H100, H = 16, d = 64) put it first at Nq = 16 and 64 against
 # 131K keys and at Nq = 16 against 1M, ahead of 16-row tiles (mma.sync, 1-4% slower), 128-key
 # tiles and the 128-row default; the planner's partition count beat fixed ones of 264-1056.
-FEWQ = Config(64, 64, 4, 3)
-
-
-def fewq_config(nq: int, d_pad: int) -> Config:
-    """The forward tile of a half-precision call with ``nq`` ≤ 64 queries against long keys (d ≤ 128:
-    three stages of 64-key K and V tiles take 96 KiB of shared memory at d = 128)."""
-    return FEWQ
+FEWQ = Config(64, 64, 4, 3)  # (d ≤ 128: three stages of 64-key K and V tiles take 96 KiB of shared memory)
 
 
 def _fwd_tiles(dtype: torch.dtype, d_pad: int, precision: str, nk: int, has_bias: bool) -> Config:

@@ -153,8 +153,7 @@ def test_few_query_tiles(nq):
     from elsa_vision.kernels import attention as K
     from elsa_vision.kernels import tiles
     q, k, v = qkv(1, 2, nq, 300, 64, dtype=torch.bfloat16)
-    cfg = tiles.fewq_config(nq, 64)
-    out, _ = K.forward(q, k, v, None, 0.125, False, "native", 3, config=cfg)
+    out, _ = K.forward(q, k, v, None, 0.125, False, "native", 3, config=tiles.FEWQ)
     ref = verify.oracle(q.double(), k.double(), v.double(), scale=0.125)
     assert_close_to_oracle(out, ref, torch_same_dtype(q, k, v, scale=0.125))
 
