@@ -44,6 +44,16 @@ def _dist():
     return dist
 
 
+def gather_ints(values, group, device) -> list[list[int]]:
+    """Every rank's ``values`` (a list of ints, as many on every rank), in rank order: one all-gather
+    (of a tensor on ``device`` when it is a GPU, NCCL's requirement; on the CPU otherwise)."""
+    import torch.distributed as dist
+    t = torch.tensor(list(values), dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    return [p.tolist() for p in parts]
+
+
 class _Gather(torch.autograd.Function):
     """All-gather of equal-shaped shards [*] → [world, *]; the backward sums every rank's gradient
     of the gathered tensor (one all-reduce) and returns this rank's slice: one collective each way."""
@@ -90,11 +100,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     # every shard's length, and a check that the ranks agree on the rest of the shape
-    meta = torch.tensor([k.shape[2], k.shape[0], k.shape[1], k.shape[3]], dtype=torch.int64,
-                        device=k.device if k.is_cuda else "cpu")
-    metas = [torch.empty_like(meta) for _ in range(world)]
-    dist.all_gather(metas, meta, group=group)
-    metas = [m.tolist() for m in metas]
+    metas = gather_ints([k.shape[2], k.shape[0], k.shape[1], k.shape[3]], group, k.device)
     if any(m[1:] != metas[0][1:] for m in metas):
         raise ValueError(f"distributed.attention: the ranks' k/v shards differ in [B, H, ·, D]: "
                          f"{[(m[1], m[2], m[3]) for m in metas]}")

@@ -306,6 +306,8 @@ def sharded_merge_plan(metric: torch.Tensor, call: "AggregatorCall") -> MergePla
     :func:`merge_mean` all-reduces the sums: every rank holds the whole merged set, of which it
     computes the rows its tokens read (``rows``)."""
     import torch.distributed as dist
+
+    from ...distributed import gather_ints
     sh, cfg = call.shard, call.cfg
     B, n, _ = metric.shape
     P = call.special + call.grid[0] * call.grid[1]
@@ -320,10 +322,7 @@ def sharded_merge_plan(metric: torch.Tensor, call: "AggregatorCall") -> MergePla
     M = N - r
     d0, d1 = (int(i) for i in torch.searchsorted(dst, torch.tensor([lo, hi], device=dst.device)))
     s0, s1 = (int(i) for i in torch.searchsorted(src, torch.tensor([lo, hi], device=src.device)))
-    world = dist.get_world_size(sh.group)
-    counts = [torch.zeros(2, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor([d1 - d0, s1 - s0], device=dev), group=sh.group)
-    nd_r, ns_r = [int(c[0]) for c in counts], [int(c[1]) for c in counts]
+    nd_r, ns_r = zip(*gather_ints([d1 - d0, s1 - s0], sh.group, dev))
     rows_sim = similarity_rows(metric, cfg)
     slot = torch.empty(B, n, dtype=torch.int64, device=dev)
     slot[:, dst[d0:d1] - lo] = torch.arange(d0, d1, device=dev)

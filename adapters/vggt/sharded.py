@@ -77,12 +77,9 @@ def rank_of(group) -> int:
 def frame_offsets(frames: int, group, device) -> tuple[int, int]:
     """(this rank's first frame in the whole sequence, the whole sequence's frames), from every rank's
     frame count (one all-gather)."""
-    import torch.distributed as dist
-    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(counts, torch.tensor([frames], device=device), group=group)
-    counts = [int(c) for c in counts]
-    rank = dist.get_rank(group)
-    return sum(counts[:rank]), sum(counts)
+    from ...distributed import gather_ints
+    counts = [c for c, in gather_ints([frames], group, device)]
+    return sum(counts[:rank_of(group)]), sum(counts)
 
 
 def first_frame_tokens_elsewhere(agg) -> dict:
