@@ -258,6 +258,11 @@ CANDIDATES = {
     ("bwd", "fp32", "fp16x3", 64): [(128, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2),
                                      (64, 32, 4, 2), (128, 128, 8, 2)],
     ("bwd", "fp32", "fp16x3", 128): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
+    # the dK/dV kernel that also sums dQ (dq_atomic), beside the two-kernel backward ("dq-kernel")
+    ("bwdatomic", "bf16", "native", 64): [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2),
+                                          (32, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2)],
+    ("bwdatomic", "bf16", "native", 128): [(64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
+                                           (32, 64, 4, 2)],
     # the dK/dV kernel alone (the dQ kernel keeps bwd_config's tile): (query rows, keys, warps, stages)
     ("bwdkv", "bf16", "native", 64): [(32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 128, 4, 2),
                                       (16, 128, 4, 4), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
@@ -288,9 +293,13 @@ def tune(kinds=("fwd", "bwd"), N=16384, only=None):
             else:
                 o, stats = K.forward(q, k, v, None, d ** -0.5, False, prec, 1)
                 do = torch.randn_like(o)
-                which = {"bwd": "config", "bwdkv": "kv"}[kind]
-                fns[name] = lambda cfg=cfg, o=o, stats=stats, do=do, which=which: K.backward(
-                    do, q, k, v, None, o, stats, d ** -0.5, False, prec, False, **{which: cfg})
+                which = {"bwd": "config", "bwdkv": "kv", "bwdatomic": "kv"}[kind]
+                extra = {"dq_atomic": kind == "bwdatomic"}
+                fns[name] = lambda cfg=cfg, o=o, stats=stats, do=do, which=which, extra=extra: K.backward(
+                    do, q, k, v, None, o, stats, d ** -0.5, False, prec, False, **{which: cfg}, **extra)
+                if kind == "bwdatomic" and "dq-kernel" not in fns:  # the measured two-kernel backward beside
+                    fns["dq-kernel"] = lambda o=o, stats=stats, do=do: K.backward(
+                        do, q, k, v, None, o, stats, d ** -0.5, False, prec, False, dq_atomic=False)
         res = measure(fns, warmup=1, rounds=5, memory=False)
         flops = 4.0 * 16 * N * N * d * (1.0 if kind == "fwd" else 2.5)
         ranked = sorted((r.ms, n) for n, r in res.items() if r.ms)
@@ -405,6 +414,79 @@ def hopper_sweep() -> list[dict]:
     return rows
 
 
+# (B, H, N, d, causal) of --train: ViT-B/16 at 224 px (197 tokens, 64 images × 12 heads), 577 and
+# VGGT's 1041-token frames with ≥ 768 batch·heads, and the long rows of the floors
+TRAIN_SHAPES = [(64, 12, 197, 64, False), (64, 12, 577, 64, False), (48, 16, 1041, 64, False),
+                (1, 16, 4096, 64, False), (1, 16, 16384, 64, False), (1, 16, 4096, 128, False),
+                (1, 16, 16384, 128, False), (1, 16, 16384, 64, True)]
+
+
+def training_sweep(dtypes=("bf16", "fp16")) -> list[dict]:
+    """Half-precision forward + backward (one ``autograd.grad``) at TRAIN_SHAPES: ELSA as it runs by
+    default (dQ summed atomically in the dK/dV kernel), ELSA under
+    ``torch.use_deterministic_algorithms`` (the dQ kernel, a fixed order), cuDNN and flash; eager
+    calls and CUDA-graph replays, interleaved; gradient error of one head against float64."""
+    def elsa(q, k, v, do, causal, det):
+        def f():
+            prev = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+            torch.use_deterministic_algorithms(det, warn_only=True)
+            try:
+                return torch.autograd.grad(elsa_vision.attention(q, k, v, causal=causal), (q, k, v), do)
+            finally:
+                torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+        return f
+
+    def sdpa(name, q, k, v, do, causal):
+        fwd = sdpa_fn(name, q, k, v, causal)
+        return lambda: torch.autograd.grad(fwd(), (q, k, v), do)
+
+    rows = []
+    for dtn, (B, H, n, d, causal) in itertools.product(dtypes, TRAIN_SHAPES):
+        q, k, v = make(B, H, n, n, d, DT[dtn], True)
+        do = torch.randn_like(q)
+        fns = {"elsa": elsa(q, k, v, do, causal, False), "elsa-deterministic": elsa(q, k, v, do, causal, True),
+               "sdpa-cudnn": sdpa("cudnn", q, k, v, do, causal), "sdpa-flash": sdpa("flash", q, k, v, do, causal)}
+        errs = {label: grad_error(fn(), q, k, v, do, causal) for label, fn in fns.items()}
+        eager = measure(fns, rounds=10, memory=False)
+        replay = measure_graphed(fns, rounds=10)
+        flops = 4.0 * B * H * n * n * d * 3.5 * (0.5 if causal else 1.0)
+        for kind, res in (("eager", eager), ("graphed", replay)):
+            best = min((r.ms for label, r in res.items() if label.startswith("sdpa") and r.ms), default=None)
+            for label, r in res.items():
+                rows.append({"case": f"train-{kind}", "pass": "fwd+bwd", "dtype": dtn, "B": B, "H": H, "Nq": n,
+                             "Nk": n, "d": d, "causal": causal, "variant": label, "ms": r.ms,
+                             "tflops": flops / (r.ms * 1e-3) / 1e12 if r.ms else None,
+                             "speedup_vs_best_sdpa": best / r.ms if r.ms and best else None,
+                             "grad_rel_err_vs_fp64": errs[label], "error": r.error})
+        print(fmt_table(rows[-8:], ["case", "dtype", "B", "H", "Nq", "d", "causal", "variant", "ms", "tflops",
+                                    "speedup_vs_best_sdpa", "grad_rel_err_vs_fp64"]), flush=True)
+        del q, k, v, do, fns
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot_training(rows, path):
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, kind in zip(axes, ("eager", "graphed")):
+        sel = [r for r in rows if r["case"] == f"train-{kind}" and r["variant"].startswith("elsa")]
+        labels = sorted({(r["B"], r["H"], r["Nq"], r["d"], r["causal"]) for r in sel}, key=lambda t: (t[3], t[2], t[4]))
+        for j, (dtn, var) in enumerate(itertools.product(sorted({r["dtype"] for r in sel}), ("elsa", "elsa-deterministic"))):
+            ys = [next((r["speedup_vs_best_sdpa"] for r in sel if (r["B"], r["H"], r["Nq"], r["d"], r["causal"]) == t
+                        and r["dtype"] == dtn and r["variant"] == var), None) or 0 for t in labels]
+            ax.bar([i + 0.2 * j - 0.3 for i in range(len(labels))], ys, width=0.2, label=f"{dtn} {var}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels([f"{b}×{h}×{n}\nd{d}{' causal' if c else ''}" for b, h, n, d, c in labels], fontsize=7)
+        ax.set_ylabel("best SDPA ms / ELSA ms")
+        ax.set_title(f"forward + backward, {kind}")
+        ax.legend(fontsize=7)
+    m = metadata()
+    fig.suptitle(f"ELSA vs the fastest SDPA backend — {m['device']}, torch {m['torch']}, triton {m['triton']}, {m['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def plot_hopper(rows, path):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.6))
@@ -424,7 +506,7 @@ def plot_hopper(rows, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--tune", choices=["fwd", "bwd", "bwdkv", "both", "fewq"],
+    ap.add_argument("--tune", choices=["fwd", "bwd", "bwdkv", "bwdatomic", "both", "fewq"],
                     help="tile-shape sweep: forward, backward (dQ tile), the dK/dV kernel's tile, fwd+bwd, or "
                          "the split forward's tiles and partitions for a few queries against many keys")
     ap.add_argument("--only", help="with --tune: one dtype or precision (e.g. ieee, bf16); with --decode: one dtype")
@@ -432,6 +514,8 @@ def main(argv=None):
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--hopper", action="store_true", help="the Gluon (sm_90) forward against the portable one")
     ap.add_argument("--decode", action="store_true", help="few queries against long keys (KV-cache shapes)")
+    ap.add_argument("--train", action="store_true",
+                    help="half-precision forward + backward at ViT, VGGT and long-row shapes (TRAIN_SHAPES)")
     ap.add_argument("--nq", help="with --decode: query counts (comma-separated; default 16,1041,4164)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -441,6 +525,10 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     if a.hopper:
         save(hopper_sweep(), outdir, "attention_hopper", plot_hopper)
+        return
+    if a.train:
+        dts = (a.only,) if a.only else ("bf16", "fp16")
+        save(training_sweep(dts), outdir, "attention_train" + (f"_{a.only}" if a.only else ""), plot_training)
         return
     if a.decode:
         kw = {"nqs": tuple(int(n) for n in a.nq.split(","))} if a.nq else {}

@@ -14,15 +14,18 @@ from elsa_vision import distributed
 B, H, D = 2, 3, 16
 
 
-def _full(n: int, dtype):
+def _full(n: int, dtype, d: int = D, heads: int = H):
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(B, H, n, D, generator=g).to(dtype) for _ in range(4)]  # q, k, v, dO
+    return [torch.randn(B, heads, n, d, generator=g).to(dtype) for _ in range(4)]  # q, k, v, dO
 
 
-def _worker(rank, world, init_file, lengths, causal, backend, dtype, out_dir, grad=True):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _worker(rank, world, init_file, lengths, causal, backend, dtype, out_dir, grad=True, gpu=False):
+    """One rank: gloo on CPU tensors, or (gpu) NCCL with rank r on cuda:r, the head size of a real model."""
+    if gpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        q, k, v, do = _full(sum(lengths), dtype)
+        q, k, v, do = (t.to(f"cuda:{rank}" if gpu else "cpu") for t in _full(sum(lengths), dtype, *GPU_SHAPE[gpu]))
         start = sum(lengths[:rank])
         rows = slice(start, start + lengths[rank])
         if not grad:  # the ring schedule
@@ -33,16 +36,20 @@ def _worker(rank, world, init_file, lengths, causal, backend, dtype, out_dir, gr
         ql, kl, vl = (t[:, :, rows].clone().requires_grad_() for t in (q, k, v))
         out = distributed.attention(ql, kl, vl, causal=causal, backend=backend)
         out.backward(do[:, :, rows])
-        torch.save({"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad},
+        torch.save({"out": out.detach().cpu(), "dq": ql.grad.cpu(), "dk": kl.grad.cpu(), "dv": vl.grad.cpu()},
                    os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def _run(lengths, causal, backend, dtype, grad=True):
+GPU_SHAPE = {False: (D, H), True: (64, 16)}  # (head size, heads): the CPU tests' small heads; VGGT's on GPUs
+
+
+def _run(lengths, causal, backend, dtype, grad=True, gpu=False):
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(len(lengths), init, lengths, causal, backend, dtype, tmp, grad), nprocs=len(lengths))
+        mp.spawn(_worker, args=(len(lengths), init, lengths, causal, backend, dtype, tmp, grad, gpu),
+                 nprocs=len(lengths))
         parts = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(len(lengths))]
     return {key: torch.cat([p[key] for p in parts], dim=2) for key in parts[0]}
 
@@ -107,6 +114,33 @@ def test_ring_backward_bfloat16_follows_the_rule():
     for name, g, r, s_ in zip(("dq", "dk", "dv"), (got["dq"], got["dk"], got["dv"]), ref, same):
         e, ref_e = max_err(g, r), max_err(s_, r)
         assert e <= tolerance(ref_e, torch.bfloat16, grad=True), f"{name}: {e:.3g} vs {ref_e:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_on_gpus_follows_the_rule(dtype, causal):
+    """Two GPUs over NCCL, uneven shards of 1041-token frames (3 and 2 frames): the ring forward and
+    its backward (dK/dV sums travelling back to their owners) within the oracle rule against
+    float64 (the Triton kernels; Gluon's forward where it serves)."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from oracle_check import torch_same_dtype
+    from elsa_vision.verify import max_err, tolerance
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    lengths = [3 * 1041, 2 * 1041]
+    got = _run(lengths, causal, "triton", dtype, gpu=True)
+    q, k, v, do = (t.cuda() for t in _full(sum(lengths), dtype, *GPU_SHAPE[True]))
+    ins64 = [t.double().requires_grad_() for t in (q, k, v)]
+    out64 = torch.nn.functional.scaled_dot_product_attention(*ins64, is_causal=causal)
+    ref = [out64.detach(), *torch.autograd.grad(out64, ins64, do.double())]
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    plain = torch_same_dtype(*ins, causal=causal)
+    same = [plain.detach(), *torch.autograd.grad(plain, ins, do)]
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        e, same_e = max_err(got[name].cuda(), ref[i]), max_err(same[i], ref[i])
+        assert e <= tolerance(same_e, dtype, grad=i > 0), f"{name}: {e:.3g} against plain torch's {same_e:.3g}"
 
 
 def test_needs_a_process_group():
