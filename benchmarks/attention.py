@@ -258,11 +258,6 @@ CANDIDATES = {
     ("bwd", "fp32", "fp16x3", 64): [(128, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2),
                                      (64, 32, 4, 2), (128, 128, 8, 2)],
     ("bwd", "fp32", "fp16x3", 128): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
-    # the dK/dV kernel that also sums dQ (dq_atomic), beside the two-kernel backward ("dq-kernel")
-    ("bwdatomic", "bf16", "native", 64): [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2),
-                                          (32, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2)],
-    ("bwdatomic", "bf16", "native", 128): [(64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
-                                           (32, 64, 4, 2)],
     # the dK/dV kernel alone (the dQ kernel keeps bwd_config's tile): (query rows, keys, warps, stages)
     ("bwdkv", "bf16", "native", 64): [(32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 128, 4, 2),
                                       (16, 128, 4, 4), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
@@ -293,13 +288,9 @@ def tune(kinds=("fwd", "bwd"), N=16384, only=None):
             else:
                 o, stats = K.forward(q, k, v, None, d ** -0.5, False, prec, 1)
                 do = torch.randn_like(o)
-                which = {"bwd": "config", "bwdkv": "kv", "bwdatomic": "kv"}[kind]
-                extra = {"dq_atomic": kind == "bwdatomic"}
-                fns[name] = lambda cfg=cfg, o=o, stats=stats, do=do, which=which, extra=extra: K.backward(
-                    do, q, k, v, None, o, stats, d ** -0.5, False, prec, False, **{which: cfg}, **extra)
-                if kind == "bwdatomic" and "dq-kernel" not in fns:  # the measured two-kernel backward beside
-                    fns["dq-kernel"] = lambda o=o, stats=stats, do=do: K.backward(
-                        do, q, k, v, None, o, stats, d ** -0.5, False, prec, False, dq_atomic=False)
+                which = {"bwd": "config", "bwdkv": "kv"}[kind]
+                fns[name] = lambda cfg=cfg, o=o, stats=stats, do=do, which=which: K.backward(
+                    do, q, k, v, None, o, stats, d ** -0.5, False, prec, False, **{which: cfg})
         res = measure(fns, warmup=1, rounds=5, memory=False)
         flops = 4.0 * 16 * N * N * d * (1.0 if kind == "fwd" else 2.5)
         ranked = sorted((r.ms, n) for n, r in res.items() if r.ms)
@@ -422,19 +413,11 @@ TRAIN_SHAPES = [(64, 12, 197, 64, False), (64, 12, 577, 64, False), (48, 16, 104
 
 
 def training_sweep(dtypes=("bf16", "fp16")) -> list[dict]:
-    """Half-precision forward + backward (one ``autograd.grad``) at TRAIN_SHAPES: ELSA as it runs by
-    default (dQ summed atomically in the dK/dV kernel), ELSA under
-    ``torch.use_deterministic_algorithms`` (the dQ kernel, a fixed order), cuDNN and flash; eager
-    calls and CUDA-graph replays, interleaved; gradient error of one head against float64."""
-    def elsa(q, k, v, do, causal, det):
-        def f():
-            prev = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-            torch.use_deterministic_algorithms(det, warn_only=True)
-            try:
-                return torch.autograd.grad(elsa_vision.attention(q, k, v, causal=causal), (q, k, v), do)
-            finally:
-                torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
-        return f
+    """Half-precision forward + backward (one ``autograd.grad``) at TRAIN_SHAPES: ELSA, cuDNN and
+    flash; eager calls (each call's host work in its time) and CUDA-graph replays, interleaved;
+    gradient error of one head against float64."""
+    def elsa(q, k, v, do, causal):
+        return lambda: torch.autograd.grad(elsa_vision.attention(q, k, v, causal=causal), (q, k, v), do)
 
     def sdpa(name, q, k, v, do, causal):
         fwd = sdpa_fn(name, q, k, v, causal)
@@ -444,8 +427,7 @@ def training_sweep(dtypes=("bf16", "fp16")) -> list[dict]:
     for dtn, (B, H, n, d, causal) in itertools.product(dtypes, TRAIN_SHAPES):
         q, k, v = make(B, H, n, n, d, DT[dtn], True)
         do = torch.randn_like(q)
-        fns = {"elsa": elsa(q, k, v, do, causal, False), "elsa-deterministic": elsa(q, k, v, do, causal, True),
-               "sdpa-cudnn": sdpa("cudnn", q, k, v, do, causal), "sdpa-flash": sdpa("flash", q, k, v, do, causal)}
+        fns = {"elsa": elsa(q, k, v, do, causal), "sdpa-cudnn": sdpa("cudnn", q, k, v, do, causal), "sdpa-flash": sdpa("flash", q, k, v, do, causal)}
         errs = {label: grad_error(fn(), q, k, v, do, causal) for label, fn in fns.items()}
         eager = measure(fns, rounds=10, memory=False)
         replay = measure_graphed(fns, rounds=10)
@@ -458,7 +440,7 @@ def training_sweep(dtypes=("bf16", "fp16")) -> list[dict]:
                              "tflops": flops / (r.ms * 1e-3) / 1e12 if r.ms else None,
                              "speedup_vs_best_sdpa": best / r.ms if r.ms and best else None,
                              "grad_rel_err_vs_fp64": errs[label], "error": r.error})
-        print(fmt_table(rows[-8:], ["case", "dtype", "B", "H", "Nq", "d", "causal", "variant", "ms", "tflops",
+        print(fmt_table(rows[-6:], ["case", "dtype", "B", "H", "Nq", "d", "causal", "variant", "ms", "tflops",
                                     "speedup_vs_best_sdpa", "grad_rel_err_vs_fp64"]), flush=True)
         del q, k, v, do, fns
         torch.cuda.empty_cache()
@@ -471,10 +453,10 @@ def plot_training(rows, path):
     for ax, kind in zip(axes, ("eager", "graphed")):
         sel = [r for r in rows if r["case"] == f"train-{kind}" and r["variant"].startswith("elsa")]
         labels = sorted({(r["B"], r["H"], r["Nq"], r["d"], r["causal"]) for r in sel}, key=lambda t: (t[3], t[2], t[4]))
-        for j, (dtn, var) in enumerate(itertools.product(sorted({r["dtype"] for r in sel}), ("elsa", "elsa-deterministic"))):
+        for j, dtn in enumerate(sorted({r["dtype"] for r in sel})):
             ys = [next((r["speedup_vs_best_sdpa"] for r in sel if (r["B"], r["H"], r["Nq"], r["d"], r["causal"]) == t
-                        and r["dtype"] == dtn and r["variant"] == var), None) or 0 for t in labels]
-            ax.bar([i + 0.2 * j - 0.3 for i in range(len(labels))], ys, width=0.2, label=f"{dtn} {var}")
+                        and r["dtype"] == dtn), None) or 0 for t in labels]
+            ax.bar([i + 0.35 * j - 0.175 for i in range(len(labels))], ys, width=0.35, label=f"ELSA {dtn}")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels([f"{b}×{h}×{n}\nd{d}{' causal' if c else ''}" for b, h, n, d, c in labels], fontsize=7)
@@ -506,7 +488,7 @@ def plot_hopper(rows, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--tune", choices=["fwd", "bwd", "bwdkv", "bwdatomic", "both", "fewq"],
+    ap.add_argument("--tune", choices=["fwd", "bwd", "bwdkv", "both", "fewq"],
                     help="tile-shape sweep: forward, backward (dQ tile), the dK/dV kernel's tile, fwd+bwd, or "
                          "the split forward's tiles and partitions for a few queries against many keys")
     ap.add_argument("--only", help="with --tune: one dtype or precision (e.g. ieee, bf16); with --decode: one dtype")

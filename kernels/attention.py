@@ -53,8 +53,7 @@ from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3,
                      dot_nt, ds_k, ds_units, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
 from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
-from .tiles import (PLAIN_KEYS, Config, bwd_config, dq_atomic_default, early_dp_default, fwd_config, kv_config,
-                    plan_partitions)
+from .tiles import PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions
 
 try:  # the Gluon forward for Hopper (sm_90); absent where Triton ships no Gluon or the switch is off
     from . import hopper
@@ -425,10 +424,9 @@ def _probs(qk, bias, scale, qk_scale2, m, r, HAS_BIAS: tl.constexpr, EXACT: tl.c
 
 
 @triton.jit
-def _bwd_preprocess(Out, dOut, Delta, dQacc, so_b, so_h, so_m, so_d, sd_b, sd_h, sd_m, sd_d, H, Nq,
-                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr):
-    """delta[bh, i] = Σ_d dO[i, d] · O[i, d] (float32); with ZERO_DQ also zeroes the rows of the
-    float32 dQ accumulator [B·H, Nq, D] that the dK/dV kernel adds into (DQ_ATOMIC)."""
+def _bwd_preprocess(Out, dOut, Delta, so_b, so_h, so_m, so_d, sd_b, sd_h, sd_m, sd_d, H, Nq,
+                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta[bh, i] = Σ_d dO[i, d] · O[i, d] (float32)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -440,9 +438,6 @@ def _bwd_preprocess(Out, dOut, Delta, dQacc, so_b, so_h, so_m, so_d, sd_b, sd_h,
     do = tl.load(dOut + b * sd_b + h * sd_h + offs_m[:, None] * sd_m + offs_d[None, :] * sd_d, mask=msk, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, delta, mask=offs_m < Nq)
-    if ZERO_DQ:
-        tl.store(dQacc + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :],
-                 tl.zeros([BLOCK_M, D_PAD], tl.float32), mask=msk)
 
 
 @triton.jit
@@ -457,13 +452,13 @@ def _head_scales(Scales, bh, PREC: tl.constexpr):
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Bias, dOut, Stats, Delta, dK, dV, dQacc, Scales,
+    Q, K, V, Bias, dOut, Stats, Delta, dK, dV, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
-    EARLY_DP: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    EARLY_DP: tl.constexpr,
 ):
     """One key tile per program; loops over the query tiles that can see it. Everything is formed
     transposed — Sᵀ = k·qᵀ [BLOCK_N, BLOCK_M] — so that all four products have the key tile as their
@@ -474,13 +469,7 @@ def _bwd_dkdv_kernel(
     fp16x3 (PREC 4): k, v, q, dO are split at their heads' scales; Pᵀ goes in as Pᵀ·2^14. dSᵀ's
     column i (query i) is scaled by t_i = 2^min(−floor(log2 r_i), 10) ≈ S_i (see ds_units) and q's
     row i by 1/t_i after the split (exact in float16 down to its subnormals), so the scalings cancel
-    in dK; the cap keeps q's rows at least 2^-10 of their scaled range. EARLY_DP: see early_dp_default.
-
-    DQ_ATOMIC (half precision, "native"): the program also adds its key tile's share of dQ,
-    scale·dS·k, into the float32 accumulator dQacc [B·H, Nq, D] (zeroed by _bwd_preprocess), so
-    the backward runs five products per tile pair instead of the dQ kernel's three more. The
-    additions' order varies from run to run: the result is not bitwise reproducible (``backward``
-    takes the dQ kernel when deterministic algorithms are requested)."""
+    in dK; the cap keeps q's rows at least 2^-10 of their scaled range. EARLY_DP: see early_dp_default."""
     qk_scale2, scale = tl.cast(qk_scale2, tl.float32), tl.cast(scale, tl.float32)  # inductor passes float64
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -552,12 +541,7 @@ def _bwd_dkdv_kernel(
             a_hi, a_lo = split_f16(dsT * u[None, :])
             dk += dot3(a_hi, a_lo, tl.trans(qT) * w[:, None], tl.trans(qT_lo) * w[:, None])
         else:
-            ds16 = cast(dsT, qT.dtype)
-            dk += dot(ds16, tl.trans(qT), PREC)
-            if DQ_ATOMIC:
-                dq = dot(tl.trans(ds16), k, PREC) * scale
-                tl.atomic_add(dQacc + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :], dq,
-                              mask=row_ok[:, None] & (offs_d[None, :] < D), sem="relaxed")
+            dk += dot(cast(dsT, qT.dtype), tl.trans(qT), PREC)
     if PREC == FP16X3:  # one power of two at a time: their product may leave float32's range
         dk = dk * (65536.0 * D_PAD) * (1.0 / cq) * (1.0 / cdo) * (1.0 / cv)
         dv = dv * (1.0 / 16384.0) * (1.0 / cdo)
@@ -921,12 +905,10 @@ def _merge_launch(out, ws, natural: bool) -> Launch:
 
 
 def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precision: str, bias_grad: bool,
-             config: Optional[Config] = None, kv: Optional[Config] = None, early_dp: Optional[bool] = None,
-             dq_atomic: Optional[bool] = None):
+             config: Optional[Config] = None, kv: Optional[Config] = None, early_dp: Optional[bool] = None):
     """Returns (dq, dk, dv, dbias); dbias is None unless ``bias_grad``. Shapes as the inputs'.
-    ``stats`` [B,H,2,Nq]: the forward's row statistics. ``config`` / ``kv`` / ``early_dp`` /
-    ``dq_atomic`` replace the measured choices of bwd_config / kv_config / early_dp_default /
-    dq_atomic_default (for tuning and tests)."""
+    ``stats`` [B,H,2,Nq]: the forward's row statistics. ``config`` / ``kv`` / ``early_dp`` replace
+    the measured choices of bwd_config / kv_config / early_dp_default (for tuning)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = pow2(D)
@@ -934,19 +916,13 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     prec = PRECISION_CODES[precision]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
     scales = _f16_scales(q, k, v, do) if precision == "fp16x3" else delta
-    atomic = dq_atomic_default(q.dtype, precision, torch.are_deterministic_algorithms_enabled()) \
-        if dq_atomic is None else dq_atomic
-    # DQ_ATOMIC: dQ summed in float32 by the dK/dV kernel, no dQ kernel (see _bwd_dkdv_kernel)
-    dq_acc = torch.empty((B, H, Nq, D), device=q.device, dtype=torch.float32) if atomic else delta
-    dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype) if not atomic else None
+    dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, H, Nk, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, H, Nk, D), device=q.device, dtype=v.dtype)
     bias_arg = bias if bias is not None else q
     common = dict(D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, PREC=prec,
                   EXACT=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *_strides4(bias))
-    if atomic and q.dtype == torch.float32:
-        raise ValueError("dq_atomic: the float32 modes keep the dQ kernel (their dS carries per-row scalings)")
     if bias_grad and q.dtype == torch.float32:  # delta from P and dP (see _bwd_delta_kernel)
         launch(_bwd_delta_kernel, (cdiv(Nq, cfg.block_m), B * H),
             q, k, v, bias_arg, do, stats, delta, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
@@ -954,21 +930,17 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     else:
         bm0 = 16 if INTERPRET else 64
         launch(_bwd_preprocess, (cdiv(Nq, bm0), B * H),
-            out, do, delta, dq_acc, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0,
-            ZERO_DQ=atomic)
-    if not atomic:
-        launch(_bwd_dq_kernel, (cdiv(Nq, cfg.block_m), B * H),
-            q, k, v, bias_arg, do, stats, delta, dq, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
-            HAS_BIAS=bias is not None, **common)
-    kv = kv or kv_config(q.dtype, d_pad, precision, cfg, atomic)
+            out, do, delta, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0)
+    launch(_bwd_dq_kernel, (cdiv(Nq, cfg.block_m), B * H),
+        q, k, v, bias_arg, do, stats, delta, dq, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
+        HAS_BIAS=bias is not None, **common)
+    kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
     early_dp = early_dp_default(q.dtype, d_pad, precision) if early_dp is None else early_dp
     launch(_bwd_dkdv_kernel, (cdiv(Nk, kv.block_n), B * H),
-        q, k, v, bias_arg, do, stats, delta, dk, dv, dq_acc, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, EARLY_DP=early_dp, DQ_ATOMIC=atomic,
+        q, k, v, bias_arg, do, stats, delta, dk, dv, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
+        HAS_BIAS=bias is not None, EARLY_DP=early_dp,
         **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n, "num_warps": kv.num_warps,
            "num_stages": kv.num_stages})
-    if atomic:
-        dq = dq_acc.to(q.dtype)
     dbias = None
     if bias_grad:
         b1, h1 = bias.shape[0] == 1, bias.shape[1] == 1

@@ -133,22 +133,11 @@ def early_dp_default(dtype: torch.dtype, d_pad: int, precision: str) -> bool:
     return precision == "fp16x3"
 
 
-def dq_atomic_default(dtype: torch.dtype, precision: str, deterministic: bool) -> bool:
-    """Whether the backward sums dQ in the dK/dV kernel (float32 atomic additions: five products
-    per tile pair instead of seven, in one kernel) rather than in a dQ kernel of its own: half
-    precision, unless deterministic algorithms are requested (``torch.use_deterministic_algorithms``),
-    since the additions' order, and so dQ's last bits, vary from run to run."""
-    return dtype != torch.float32 and precision == "native" and not deterministic
-
-
-def kv_config(dtype: torch.dtype, d_pad: int, precision: str, dq_cfg: Config, dq_atomic: bool = False) -> Config:
+def kv_config(dtype: torch.dtype, d_pad: int, precision: str, dq_cfg: Config) -> Config:
     """Tile shape of the dK/dV kernel: block_m query rows per step, block_n keys per program (the
-    MMAs' M side). Measured separately from the dQ kernel's (benchmarks/attention.py --tune bwdkv,
-    and --tune bwdatomic with ``dq_atomic``, where the kernel also forms dS·k [block_m, D]);
+    MMAs' M side). Measured separately from the dQ kernel's (benchmarks/attention.py --tune bwdkv);
     elsewhere the dQ tile with its larger side as keys."""
     if not INTERPRET:
-        if dq_atomic and d_pad <= 128:
-            return Config(*(_KV_ATOMIC_64 if d_pad <= 64 else _KV_ATOMIC_128))
         if dtype != torch.float32:
             if d_pad <= 64:
                 return Config(*_KV_HALF_64)
@@ -218,8 +207,6 @@ def _balanced_waves(base, n_tiles: int, block_n: int, sms: int) -> tuple[int, in
 
 _KV_HALF_64 = (32, 128, 4, 4)
 _KV_HALF_128 = (64, 64, 4, 2)
-_KV_ATOMIC_64 = (64, 128, 8, 2)
-_KV_ATOMIC_128 = (64, 64, 4, 2)
 _KV_TF32X3_64 = (64, 128, 8, 2)
 _KV_FP16X3_64 = (64, 128, 8, 3)
 _KV_FP16X3_128 = (32, 128, 8, 2)

@@ -31,14 +31,3 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return DEVICE
-
-
-@pytest.fixture
-def deterministic():
-    """torch.use_deterministic_algorithms on for the test (warn_only: torch's own ops may warn): the
-    half-precision backward then keeps its fixed summation order (no atomic dQ additions), for tests
-    that compare gradients bitwise."""
-    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(prev, warn_only=prev_warn)

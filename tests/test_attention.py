@@ -216,45 +216,6 @@ def test_backward_half(dtype):
     check_case(*qkv(1, 2, 70, 50, 64, dtype=dtype), backend="triton", bias=rand(2, 70, 50, seed=2).to(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("causal,nq,nk", [(False, 70, 50), (True, 45, 77), (True, 77, 45)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_backward_dq_atomic(dtype, causal, nq, nk, bias):
-    """Half precision sums dQ in the dK/dV kernel (float32 additions, one per key tile): its
-    gradients follow the oracle rule, and dQ agrees with the dQ kernel's to the last bf16/fp16 bits
-    (the two sum the same products in another order); dK and dV are the same."""
-    from elsa_vision.kernels import attention as K
-    q, k, v = qkv(1, 2, nq, nk, 64, dtype=dtype, seed=nq)
-    b = rand(1, 2, nq, nk, seed=3).to(dtype) if bias else None
-    check_case(q, k, v, bias=b, causal=causal, backend="triton")
-    out, stats = K.forward(q, k, v, b, 0.125, causal, "native")
-    do = rand(1, 2, nq, 64, dtype=dtype, seed=9)
-    a = K.backward(do, q, k, v, b, out, stats, 0.125, causal, "native", False, dq_atomic=True)
-    t = K.backward(do, q, k, v, b, out, stats, 0.125, causal, "native", False, dq_atomic=False)
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(a[0], t[0], rtol=2 * eps, atol=2 * eps * t[0].abs().max().item())
-    assert torch.equal(a[1], t[1]) and torch.equal(a[2], t[2])
-
-
-def test_deterministic_algorithms_keep_the_dq_kernel(monkeypatch):
-    """Under torch.use_deterministic_algorithms the half-precision backward launches the dQ kernel
-    (a fixed summation order) instead of adding dQ atomically; otherwise it does not."""
-    from elsa_vision.kernels import attention as K
-    launched = []
-    real = K.launch
-    monkeypatch.setattr(K, "launch", lambda kernel, *a, **kw: launched.append(kernel) or real(kernel, *a, **kw))
-    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 40, 40, 32, dtype=torch.bfloat16))
-    prev = torch.are_deterministic_algorithms_enabled()
-    for det in (True, False):
-        launched.clear()
-        torch.use_deterministic_algorithms(det)
-        try:
-            elsa_vision.attention(q, k, v, backend="triton").sum().backward()
-        finally:
-            torch.use_deterministic_algorithms(prev)
-        assert (K._bwd_dq_kernel in launched) == det, launched
-
-
 def test_backward_deterministic():
     q, k, v = qkv(2, 2, 45, 77, 32)
     bias = rand(2, 45, 77, seed=1)

@@ -149,7 +149,7 @@ def test_inductor_attention_follows_the_oracle_rule(dtype, precision, causal):
 
 
 @pytest.mark.gpu
-def test_compiled_graph_runs_no_python_of_ours(monkeypatch, deterministic):
+def test_compiled_graph_runs_no_python_of_ours(monkeypatch):
     """Once compiled, a training step of attention and windows launches the kernels from inductor's
     code: the host launchers of the kernel families are never called."""
     from elsa_vision.kernels import attention as K, window as W
