@@ -22,8 +22,9 @@ matmul precision "highest" for every linear layer; ELSA in ``--fp32-precision``,
 — what ``patch()`` runs under "highest" — or ``tf32x3``, both float32-class accurate).
 
 Variants: native (unpatched: SDPA), elsa (patched), elsa-lean (lean_memory=True), elsa-merge
-(TokenMerging(ratio=0.9)), elsa-lean-merge, elsa-lean-offload (+ lean_offload=True: the layers only the
-DPT heads read in host memory), elsa-lean-offload-merge. FastVGGT fork (bf16 only; it casts its model to bf16):
+(TokenMerging(ratio=0.9)), elsa-merge-fast (TokenMerging.fast()), elsa-lean-merge, elsa-lean-merge-proj
+(+ similarity_dim=64), elsa-lean-merge-reuse (+ reuse=2), elsa-lean-merge-fast, elsa-lean-offload (+
+lean_offload=True: the layers only the DPT heads read in host memory), elsa-lean-offload-merge. FastVGGT fork (bf16 only; it casts its model to bf16):
 fastvggt-native / fastvggt-elsa (its merging from block 0, SDPA or ELSA), fastvggt-nomerge-native /
 -elsa. The fork installs under the same package name ``vggt``, so it runs in a subprocess whose
 sys.path starts with the fork's source (``--fastvggt PATH``, $FASTVGGT_SRC or third_party/FastVGGT).
@@ -65,7 +66,12 @@ VARIANTS = {  # name → patch options (None = unpatched); order = run order (re
     "elsa": {},
     "elsa-lean": {"lean_memory": True},
     "elsa-merge": {"token_merging": True},
+    "elsa-merge-fast": {"token_merging": "fast"},
     "elsa-lean-merge": {"lean_memory": True, "token_merging": True},
+    # the cheaper assignments of TokenMerging, one at a time and as the fast preset
+    "elsa-lean-merge-proj": {"lean_memory": True, "token_merging": {"similarity_dim": 64}},
+    "elsa-lean-merge-reuse": {"lean_memory": True, "token_merging": {"reuse": 2}},
+    "elsa-lean-merge-fast": {"lean_memory": True, "token_merging": "fast"},
     "elsa-lean-offload": {"lean_memory": True, "lean_offload": True},
     "elsa-lean-offload-merge": {"lean_memory": True, "lean_offload": True, "token_merging": True},
 }
@@ -76,6 +82,8 @@ FORK_VARIANTS = {  # name → (fork merging on?, patched?)
     "fastvggt-elsa": (True, True),
 }
 REFERENCE = {"elsa": "native", "elsa-lean": "elsa", "elsa-merge": "elsa", "elsa-lean-merge": "elsa-lean",
+             "elsa-merge-fast": "elsa", "elsa-lean-merge-proj": "elsa-lean", "elsa-lean-merge-reuse": "elsa-lean",
+             "elsa-lean-merge-fast": "elsa-lean",
              "elsa-lean-offload": "elsa-lean", "elsa-lean-offload-merge": "elsa-lean-merge",
              "fastvggt-elsa": "fastvggt-native", "fastvggt-native": "fastvggt-nomerge-native",
              "fastvggt-nomerge-elsa": "fastvggt-nomerge-native"}
@@ -341,6 +349,17 @@ def build_upstream(weights):
 FP32_PRECISION = "fp16x3"
 
 
+def token_merging(opts: dict):
+    """The TokenMerging of a variant's options (ratio 0.9, seed 0; None without merging)."""
+    import elsa_vision
+    tm = opts.get("token_merging")
+    if tm == "fast":
+        return elsa_vision.TokenMerging.fast(ratio=0.9, seed=0)
+    if tm:
+        return elsa_vision.TokenMerging(ratio=0.9, seed=0, **(tm if isinstance(tm, dict) else {}))
+    return None
+
+
 def upstream_apply(model, variant, dtype):
     import elsa_vision
     opts = VARIANTS[variant]
@@ -348,8 +367,7 @@ def upstream_apply(model, variant, dtype):
         return lambda: None
     kw = {k: v for k, v in opts.items() if k != "token_merging"}
     kw["precision"] = FP32_PRECISION if dtype is None else "auto"
-    if opts.get("token_merging"):
-        kw["token_merging"] = elsa_vision.TokenMerging(ratio=0.9, seed=0)
+    kw["token_merging"] = token_merging(opts)
     elsa_vision.patch(model, **kw)
     return lambda: elsa_vision.unpatch(model)
 

@@ -447,8 +447,9 @@ def parse_args(argv=None):
                    help="autocast dtype on CUDA (auto: bf16 on Ampere+, else fp16); fp32 = no autocast")
     p.add_argument("--width", type=int, default=518, help="input width in pixels, a multiple of 14 (default 518)")
     p.add_argument("--baseline", action="store_true", help="native attention (SDPA), unpatched, for comparison")
-    p.add_argument("--merge", nargs="?", const=0.9, type=float, default=None, metavar="RATIO",
-                   help="token merging in global attention (FastVGGT's method), ratio default 0.9")
+    p.add_argument("--merge", nargs="?", const="0.9", default=None, metavar="RATIO|fast",
+                   help="token merging in global attention (FastVGGT's method), ratio default 0.9; 'fast': "
+                        "TokenMerging.fast() (cheaper merge assignment, ratio 0.9)")
     p.add_argument("--merge-seed", type=int, default=0)
     p.add_argument("--lean", action="store_true",
                    help="keep only the aggregator layers the heads read and bound transient memory")
@@ -480,8 +481,13 @@ def parse_args(argv=None):
     if args.distributed and "WORLD_SIZE" not in os.environ:
         p.error("--distributed runs under torchrun (it reads RANK / WORLD_SIZE / LOCAL_RANK), e.g. "
                 "torchrun --nproc-per-node 2 demos/reconstruct.py ... --distributed")
-    if args.merge is not None and not 0.0 <= args.merge <= 1.0:
-        p.error("--merge RATIO must be in [0, 1]")
+    if args.merge is not None and args.merge != "fast":
+        try:
+            args.merge = float(args.merge)
+        except ValueError:
+            p.error(f"--merge takes a ratio in [0, 1] or 'fast', got {args.merge!r}")
+        if not 0.0 <= args.merge <= 1.0:
+            p.error("--merge RATIO must be in [0, 1]")
     if not 0.0 <= args.conf_percentile < 100.0:
         p.error("--conf-percentile must be in [0, 100)")
     if args.max_points < 1:
@@ -539,9 +545,11 @@ def main(argv=None) -> dict:
     load_s = time.perf_counter() - t0
 
     import elsa_vision
-    report = None
+    report = tm = None
     if not args.baseline:
-        tm = elsa_vision.TokenMerging(ratio=args.merge, seed=args.merge_seed) if args.merge is not None else None
+        tm = None if args.merge is None else (
+            elsa_vision.TokenMerging.fast(seed=args.merge_seed) if args.merge == "fast"
+            else elsa_vision.TokenMerging(ratio=args.merge, seed=args.merge_seed))
         extra = {} if group is None else {"process_group": group}
         report = elsa_vision.patch(model, precision=args.precision, backend=args.backend,
                                    lean_memory=args.lean, lean_offload=args.offload, token_merging=tm, **extra)
@@ -568,7 +576,8 @@ def main(argv=None) -> dict:
     summary = {
         "input": str(args.input), "frames": S, "image_size_hw": [H, W], "tokens_per_frame": P,
         "global_tokens": S * P, "attention": "native" if args.baseline else "elsa",
-        "token_merging": None if args.merge is None else {"ratio": args.merge, "seed": args.merge_seed},
+        "token_merging": None if tm is None else {"ratio": tm.ratio, "seed": tm.seed, "similarity_dim": tm.similarity_dim,
+                                                  "reuse": tm.reuse},
         "lean_memory": args.lean, "lean_offload": args.offload, "dtype": "fp32" if dtype is None else str(dtype).replace("torch.", ""),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "weights": weights, "model_load_seconds": round(load_s, 3), "inference_seconds": round(seconds, 3),

@@ -97,19 +97,21 @@ def test_frames_benchmark_logic_on_the_standin(standin, tmp_path, monkeypatch):
             return lambda: None
         elsa_vision.patch(model, backend="reference", lean_memory=(1, 3) if opts.get("lean_memory") else False,
                           lean_offload=bool(opts.get("lean_offload")),
-                          token_merging=A.TokenMerging() if opts.get("token_merging") else None)
+                          token_merging=FB.token_merging(opts))
         return lambda: elsa_vision.unpatch(model)
 
-    variants = {v: FB.VARIANTS[v] for v in ("native", "elsa", "elsa-lean", "elsa-merge", "elsa-lean-offload")}
+    variants = {v: FB.VARIANTS[v] for v in ("native", "elsa", "elsa-lean", "elsa-merge", "elsa-lean-offload",
+                                            "elsa-merge-fast")}
     rows = FB.sweep(m, variants, apply, ["aggregator", "full"], ["fp32"], {"fp32": [2, 3]}, 1, False, (42, 70),
                     log=lambda s: None)
-    assert len(rows) == 2 * 2 * 5 and all(r["status"] == "ok" for r in rows)
+    assert len(rows) == 2 * 2 * 6 and all(r["status"] == "ok" for r in rows)
     full = {(r["frames"], r["variant"]): r for r in rows if r["part"] == "full"}
     assert full[3, "elsa-lean"]["accuracy_vs"] == "elsa" and full[3, "elsa-lean"]["depth_rel_err"] == 0
     assert full[3, "elsa-lean-offload"]["accuracy_vs"] == "elsa-lean"
     assert full[3, "elsa-lean-offload"]["depth_rel_err"] == 0
     assert full[3, "elsa"]["accuracy_vs"] == "native" and full[3, "elsa"]["depth_rel_err"] < 1e-5
     assert 0 < full[3, "elsa-merge"]["depth_rel_err"] < 0.5 and full[3, "elsa-merge"]["pose_max_abs_diff"] > 0
+    assert full[3, "elsa-merge-fast"]["accuracy_vs"] == "elsa" and 0 < full[3, "elsa-merge-fast"]["depth_rel_err"] < 0.5
     assert all("speedup_vs_native" in r for r in rows)
     for r in rows:
         r["peak_gib"] = 0.25 * r["frames"] + 1

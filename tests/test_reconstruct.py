@@ -132,6 +132,18 @@ def test_distributed_needs_torchrun(tmp_path, monkeypatch, capsys):
         R.parse_args([str(tmp_path), "--distributed", "--baseline"])
     assert "--baseline" in capsys.readouterr().err
     assert R.parse_args([str(tmp_path), "--distributed", "--merge"]).merge == 0.9
+
+
+def test_merge_argument(tmp_path, capsys):
+    """--merge takes nothing (ratio 0.9), a ratio, or 'fast' (TokenMerging.fast()); anything else is
+    refused with what it takes."""
+    assert R.parse_args([str(tmp_path), "--merge"]).merge == 0.9
+    assert R.parse_args([str(tmp_path), "--merge", "0.5"]).merge == 0.5
+    assert R.parse_args([str(tmp_path), "--merge", "fast"]).merge == "fast"
+    for bad in ("quick", "1.5"):
+        with pytest.raises(SystemExit):
+            R.parse_args([str(tmp_path), "--merge", bad])
+        assert "--merge" in capsys.readouterr().err
     assert R.shard_sizes(5, 2) == [3, 2] and R.shard_sizes(7, 3) == [3, 2, 2]
 
 

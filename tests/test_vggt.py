@@ -599,6 +599,32 @@ def test_reuse_makes_one_plan_per_reuse_blocks(standin, monkeypatch, reuse, plan
         assert any(not torch.equal(out[k], default[k]) for k in OUTPUTS)
 
 
+def test_fast_preset():
+    """TokenMerging.fast(): the projected similarity and reused plans of the preset's constants,
+    any other field settable, and its fields checked like any TokenMerging's."""
+    from elsa_vision.adapters.vggt import merging as M
+    fast = A.TokenMerging.fast()
+    assert (fast.similarity_dim, fast.reuse, fast.ratio) == (M.FAST_SIMILARITY_DIM, M.FAST_REUSE, 0.9)
+    assert A.TokenMerging.fast(ratio=0.5, seed=2, reuse=1) == A.TokenMerging(
+        ratio=0.5, seed=2, similarity_dim=M.FAST_SIMILARITY_DIM, reuse=1)
+    with pytest.raises(ValueError, match="reuse"):
+        A.TokenMerging.fast(reuse=0)
+
+
+def test_fast_preset_runs_the_standin(standin):
+    """The preset on the stand-in (reference backend): finite outputs that differ from the default
+    merging's (another assignment), the same shapes."""
+    m = make_standin()
+    x = frames()
+    with elsa_vision.patched(m, backend="reference", token_merging=A.TokenMerging(seed=0)):
+        default = run(m, x)
+    with elsa_vision.patched(m, backend="reference", token_merging=A.TokenMerging.fast(seed=0)):
+        fast = run(m, x)
+    for k in OUTPUTS:
+        assert fast[k].shape == default[k].shape and torch.isfinite(fast[k]).all()
+    assert any(not torch.equal(fast[k], default[k]) for k in OUTPUTS)
+
+
 def test_merging_at_other_resolutions(standin):
     m = make_standin()
     for hw, S in (((56, 42), 2), ((28, 98), 4)):

@@ -16,6 +16,10 @@ import torch.nn.functional as F
 
 from ...dispatch import triton_serves
 
+# TokenMerging.fast(): random directions of the similarity, merged blocks per plan
+FAST_SIMILARITY_DIM = 64
+FAST_REUSE = 2
+
 
 @dataclass(frozen=True)
 class TokenMerging:
@@ -86,6 +90,13 @@ class TokenMerging:
             raise ValueError(f"TokenMerging.reuse must be >= 1, got {self.reuse!r}")
         if self.similarity_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             raise ValueError(f"TokenMerging.similarity_dtype must be a floating dtype, got {self.similarity_dtype!r}")
+
+    @classmethod
+    def fast(cls, **overrides) -> "TokenMerging":
+        """The fast preset: the similarity in FAST_SIMILARITY_DIM random directions and each plan
+        reused for FAST_REUSE merged blocks (see the class docstring; docs/vggt.md has their measured
+        time and accuracy). ``overrides`` set any other field (ratio, seed, …)."""
+        return cls(**{"similarity_dim": FAST_SIMILARITY_DIM, "reuse": FAST_REUSE, **overrides})
 
 
 def destination_pattern(frames: int, grid: tuple[int, int], special: int, cfg: TokenMerging):
