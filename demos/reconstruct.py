@@ -2,6 +2,7 @@
 
     python demos/reconstruct.py path/to/images/ --frames 200 --out out/scene
     python demos/reconstruct.py walk.mp4 --frames 400 --lean --merge        # long video, one GPU
+    python demos/reconstruct.py walk.mp4 --frames 1000 --lean --merge fast  # TokenMerging.fast()
     python demos/reconstruct.py walk.mp4 --frames 2000 --lean --offload     # longest: layers in host memory
     python demos/reconstruct.py path/to/images/ --baseline                   # native attention, to compare
     torchrun --nproc-per-node 4 demos/reconstruct.py walk.mp4 --frames 4000 --lean --distributed
