@@ -31,6 +31,7 @@ step gpu-tests python -m pytest -q -m gpu -p no:cacheprovider tests
 step attention python benchmarks/attention.py --quick ${ELSA_RESULTS_DIR:+--out "$ELSA_RESULTS_DIR"}
 step windows python benchmarks/windows.py --quick ${ELSA_RESULTS_DIR:+--out "$ELSA_RESULTS_DIR"}
 step models python benchmarks/models.py --quick --profile
+step training python benchmarks/attention.py --train --only bf16 ${ELSA_RESULTS_DIR:+--out "$ELSA_RESULTS_DIR"}
 if python -c "import vggt" 2>/dev/null; then
   step frames python benchmarks/frames.py --quick --profile ${FASTVGGT_SRC:+--fastvggt "$FASTVGGT_SRC"}
 else
