@@ -427,7 +427,8 @@ def training_sweep(dtypes=("bf16", "fp16")) -> list[dict]:
     for dtn, (B, H, n, d, causal) in itertools.product(dtypes, TRAIN_SHAPES):
         q, k, v = make(B, H, n, n, d, DT[dtn], True)
         do = torch.randn_like(q)
-        fns = {"elsa": elsa(q, k, v, do, causal), "sdpa-cudnn": sdpa("cudnn", q, k, v, do, causal), "sdpa-flash": sdpa("flash", q, k, v, do, causal)}
+        fns = {"elsa": elsa(q, k, v, do, causal), "sdpa-cudnn": sdpa("cudnn", q, k, v, do, causal),
+               "sdpa-flash": sdpa("flash", q, k, v, do, causal)}
         errs = {label: grad_error(fn(), q, k, v, do, causal) for label, fn in fns.items()}
         eager = measure(fns, rounds=10, memory=False)
         replay = measure_graphed(fns, rounds=10)

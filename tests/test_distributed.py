@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 
 import elsa_vision
 from elsa_vision import distributed
+from oracle_check import torch_same_dtype
 
 B, H, D = 2, 3, 16
 
@@ -123,9 +124,6 @@ def test_ring_on_gpus_follows_the_rule(dtype, causal):
     """Two GPUs over NCCL, uneven shards of 1041-token frames (3 and 2 frames): the ring forward and
     its backward (dK/dV sums travelling back to their owners) within the oracle rule against
     float64 (the Triton kernels; Gluon's forward where it serves)."""
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from oracle_check import torch_same_dtype
     from elsa_vision.verify import max_err, tolerance
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
