@@ -1,5 +1,6 @@
-"""The benchmark harness's timing loop, the window benchmark's CPU smoke mode, and frames.py's
-sweep, accuracy columns, capacity estimate, plot and memory rehearsal on the VGGT stand-in."""
+"""The benchmark harness's timing loop, the window benchmark's CPU smoke mode, the attention
+training sweep's plot, and frames.py's sweep, accuracy columns, capacity estimate, plot and memory
+rehearsal on the VGGT stand-in."""
 from __future__ import annotations
 
 import sys
@@ -82,6 +83,23 @@ def test_windows_benchmark_blocks_smoke(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
+def test_training_plot_reads_the_sweep_rows(tmp_path):
+    """benchmarks/attention.py --train's plot from the rows of a real sweep (the committed H100 CSV):
+    every shape gets its bars, eager and replayed, per dtype."""
+    import csv
+    from benchmarks import attention as AB
+    path = ROOT / "benchmarks" / "results" / "nvidia-h100-80gb-hbm3" / "attention_train.csv"
+    rows = []
+    for r in csv.DictReader(path.open()):
+        r.update({k: int(r[k]) for k in ("B", "H", "Nq", "d")}, causal=r["causal"] == "True",
+                 speedup_vs_best_sdpa=float(r["speedup_vs_best_sdpa"]) if r["speedup_vs_best_sdpa"] else None)
+        rows.append(r)
+    assert {r["case"] for r in rows} == {"train-eager", "train-graphed"}
+    assert {(r["B"], r["H"], r["Nq"], r["d"], r["causal"]) for r in rows} == set(AB.TRAIN_SHAPES)
+    AB.plot_training(rows, tmp_path / "train.png")
+    assert (tmp_path / "train.png").stat().st_size > 0
+
+
 # benchmarks/frames.py: its sweep, accuracy columns, capacity estimate and plot, on the stand-in
 # --------------------------------------------------------------------------------------------
 
