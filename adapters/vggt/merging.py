@@ -318,22 +318,19 @@ def sharded_merge_plan(metric: torch.Tensor, call: "AggregatorCall") -> MergePla
     computes the rows its tokens read (``rows``)."""
     import torch.distributed as dist
 
-    from ...distributed import gather_ints
     sh, cfg = call.shard, call.cfg
     B, n, _ = metric.shape
     P = call.special + call.grid[0] * call.grid[1]
     if n != sh.frames * P:
         raise ValueError(f"token merging: this rank's sequence has {n} tokens but its {sh.frames} frames of "
                          f"{call.special} special + {call.grid[0]}x{call.grid[1]} patch tokens make {sh.frames * P}")
-    lo, hi = sh.first_frame * P, (sh.first_frame + sh.frames) * P
+    lo = sh.first_frame * P
     dst, src = call.pattern
     dev = metric.device
     N, nd, ns = call.frames * P, dst.numel(), src.numel()
     r = min(int(cfg.ratio * N), ns)
     M = N - r
-    d0, d1 = (int(i) for i in torch.searchsorted(dst, torch.tensor([lo, hi], device=dst.device)))
-    s0, s1 = (int(i) for i in torch.searchsorted(src, torch.tensor([lo, hi], device=src.device)))
-    nd_r, ns_r = zip(*gather_ints([d1 - d0, s1 - s0], sh.group, dev))
+    (d0, d1, s0, s1), nd_r, ns_r = call.shard_geometry()
     rows_sim = similarity_rows(metric, cfg)
     slot = torch.empty(B, n, dtype=torch.int64, device=dev)
     slot[:, dst[d0:d1] - lo] = torch.arange(d0, d1, device=dev)
@@ -372,6 +369,23 @@ class AggregatorCall:
     pattern: tuple  # (destinations, sources) on the device, shared by the call's global blocks
     plans: dict = field(default_factory=dict)  # global layer → its plan (cfg.reuse > 1)
     shard: Optional[Shard] = None  # frames sharded across ranks: ``frames`` is then the whole sequence's
+    _geometry: Optional[tuple] = None
+
+    def shard_geometry(self) -> tuple:
+        """((d0, d1, s0, s1), destinations per rank, sources per rank) of a sharded call: this rank's
+        destinations are pattern[0][d0:d1], its sources pattern[1][s0:s1]. The same for every
+        global block of the call, so found once (its host reads and all-gather would otherwise
+        stall every block). Collective on its first use: every rank calls it."""
+        if self._geometry is None:
+            from ...distributed import gather_ints
+            sh, (dst, src) = self.shard, self.pattern
+            P = self.special + self.grid[0] * self.grid[1]
+            bounds = torch.tensor([sh.first_frame * P, (sh.first_frame + sh.frames) * P], device=dst.device)
+            d0, d1 = (int(i) for i in torch.searchsorted(dst, bounds))
+            s0, s1 = (int(i) for i in torch.searchsorted(src, bounds))
+            nd_r, ns_r = zip(*gather_ints([d1 - d0, s1 - s0], sh.group, dst.device))
+            self._geometry = ((d0, d1, s0, s1), nd_r, ns_r)
+        return self._geometry
 
     def _make(self, x: torch.Tensor) -> MergePlan:
         if self.shard is not None:
