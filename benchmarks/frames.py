@@ -24,9 +24,9 @@ matmul precision "highest" for every linear layer; ELSA in ``--fp32-precision``,
 Variants: native (unpatched: SDPA), elsa (patched), elsa-lean (lean_memory=True), elsa-merge
 (TokenMerging(ratio=0.9)), elsa-merge-fast (TokenMerging.fast()), elsa-lean-merge, elsa-lean-merge-proj
 (+ similarity_dim=64), elsa-lean-merge-reuse (+ reuse=2), elsa-lean-merge-fast, elsa-lean-offload (+
-lean_offload=True: the layers only the DPT heads read in host memory), elsa-lean-offload-merge. FastVGGT fork (bf16 only; it casts its model to bf16):
-fastvggt-native / fastvggt-elsa (its merging from block 0, SDPA or ELSA), fastvggt-nomerge-native /
--elsa. The fork installs under the same package name ``vggt``, so it runs in a subprocess whose
+lean_offload=True: the layers only the DPT heads read in host memory), elsa-lean-offload-merge.
+FastVGGT fork (bf16 only; it casts its model to bf16): fastvggt-native / fastvggt-elsa (its merging
+from block 0, SDPA or ELSA), fastvggt-nomerge-native / -elsa. The fork installs under the same package name ``vggt``, so it runs in a subprocess whose
 sys.path starts with the fork's source (``--fastvggt PATH``, $FASTVGGT_SRC or third_party/FastVGGT).
 
 Timing: one case of VGGT at hundreds of frames takes tens of seconds, so each variant runs

@@ -82,7 +82,6 @@ def test_windows_benchmark_blocks_smoke(tmp_path):
     assert all(r["ms"] and not r["error"] for r in rows), [r for r in rows if r["error"]]
 
 
-# --------------------------------------------------------------------------------------------
 def test_training_plot_reads_the_sweep_rows(tmp_path):
     """benchmarks/attention.py --train's plot from the rows of a real sweep (the committed H100 CSV):
     every shape gets its bars, eager and replayed, per dtype."""
@@ -100,6 +99,7 @@ def test_training_plot_reads_the_sweep_rows(tmp_path):
     assert (tmp_path / "train.png").stat().st_size > 0
 
 
+# --------------------------------------------------------------------------------------------
 # benchmarks/frames.py: its sweep, accuracy columns, capacity estimate and plot, on the stand-in
 # --------------------------------------------------------------------------------------------
 

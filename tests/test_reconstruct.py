@@ -132,6 +132,7 @@ def test_distributed_needs_torchrun(tmp_path, monkeypatch, capsys):
         R.parse_args([str(tmp_path), "--distributed", "--baseline"])
     assert "--baseline" in capsys.readouterr().err
     assert R.parse_args([str(tmp_path), "--distributed", "--merge"]).merge == 0.9
+    assert R.shard_sizes(5, 2) == [3, 2] and R.shard_sizes(7, 3) == [3, 2, 2]
 
 
 def test_merge_argument(tmp_path, capsys):
@@ -144,7 +145,6 @@ def test_merge_argument(tmp_path, capsys):
         with pytest.raises(SystemExit):
             R.parse_args([str(tmp_path), "--merge", bad])
         assert "--merge" in capsys.readouterr().err
-    assert R.shard_sizes(5, 2) == [3, 2] and R.shard_sizes(7, 3) == [3, 2, 2]
 
 
 @pytest.mark.slow
