@@ -1,5 +1,6 @@
 """elsa_vision.distributed on CPU processes (gloo): sharded attention, forward and gradients, equal to
 one process's attention over the whole sequence."""
+import contextlib
 import os
 import tempfile
 
@@ -15,6 +16,20 @@ from oracle_check import torch_same_dtype
 B, H, D = 2, 3, 16
 
 
+@contextlib.contextmanager
+def _group(kind: str, init_file: str, rank: int, world: int):
+    """The process group of one rank's test body. On a normal exit every rank passes a barrier
+    before any tears the group down: gloo aborts a rank whose peer closes the connection while it
+    is still finishing (seen on a loaded 2-core machine: SIGABRT, "terminate called without an
+    active exception"). A body that raises skips the barrier (its peers may never reach it)."""
+    dist.init_process_group(kind, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def _full(n: int, dtype, d: int = D, heads: int = H):
     g = torch.Generator().manual_seed(0)
     return [torch.randn(B, heads, n, d, generator=g).to(dtype) for _ in range(4)]  # q, k, v, dO
@@ -24,8 +39,7 @@ def _worker(rank, world, init_file, lengths, causal, backend, dtype, out_dir, gr
     """One rank: gloo on CPU tensors, or (gpu) NCCL with rank r on cuda:r, the head size of a real model."""
     if gpu:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with _group("nccl" if gpu else "gloo", init_file, rank, world):
         q, k, v, do = (t.to(f"cuda:{rank}" if gpu else "cpu") for t in _full(sum(lengths), dtype, *GPU_SHAPE[gpu]))
         start = sum(lengths[:rank])
         rows = slice(start, start + lengths[rank])
@@ -39,8 +53,6 @@ def _worker(rank, world, init_file, lengths, causal, backend, dtype, out_dir, gr
         out.backward(do[:, :, rows])
         torch.save({"out": out.detach().cpu(), "dq": ql.grad.cpu(), "dk": kl.grad.cpu(), "dv": vl.grad.cpu()},
                    os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 GPU_SHAPE = {False: (D, H), True: (64, 16)}  # (head size, heads): the CPU tests' small heads; VGGT's on GPUs
@@ -174,8 +186,7 @@ def _loss(out, weights):
 
 
 def _vggt_worker(rank, world, init_file, lengths, train, options, dtype, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with _group("gloo", init_file, rank, world):
         model, images, weights, _ = _standin_vggt(dtype)
         start = sum(lengths[:rank])
         local = images[:, start:start + lengths[rank]]
@@ -193,8 +204,6 @@ def _vggt_worker(rank, world, init_file, lengths, train, options, dtype, out_dir
             with torch.no_grad():
                 out = model.eval()(local)
             torch.save({k: out[k] for k in OUTPUTS}, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _vggt_run(lengths, train, options, dtype):
@@ -274,9 +283,8 @@ def test_vggt_process_group_refusals():
 
 def _refusal_worker(rank, world, init_file, out_dir):
     """What a sharded model refuses rather than attending to this rank's frames alone."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     found = {}
-    try:
+    with _group("gloo", init_file, rank, world):
         group = dist.group.WORLD
         model, images, _, _ = _standin_vggt(torch.float32)
         local = images[:, rank * 2:rank * 2 + 2]
@@ -308,8 +316,6 @@ def _refusal_worker(rank, world, init_file, out_dir):
             found["streamvggt"] = str(e)
         remove()
         torch.save(found, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_vggt_sharded_refuses_local_attention():
