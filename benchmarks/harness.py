@@ -271,3 +271,55 @@ def profile_rows(fn: Callable[[], object], head: dict) -> tuple[list[dict], str]
     rows = [{**head, "kind": "category", **r} for r in by_cat] + [{**head, "kind": "kernel", **r} for r in by_kernel]
     return rows, ", ".join(f"{r['category']} {r['cuda_ms']:.1f} ms ({100 * r['share']:.0f}%)" for r in by_cat)
 
+
+
+def memory_at_peak(fn: Callable[[], object], top: int = 15, roots: tuple = ("elsa_vision", "vggt", "benchmarks")
+                   ) -> list[dict]:
+    """What is allocated at the moment of ``fn``'s peak device memory: one call under the CUDA caching
+    allocator's history, replayed to its peak; the live blocks grouped by the innermost Python frame
+    of a file under one of ``roots`` (file:line function), the ``top`` largest groups as rows of
+    ``site``, ``gib`` and ``blocks``. Blocks allocated before the call count too (weights, inputs)
+    when the history saw them: the history starts with the call, so those show as "before"."""
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
+    try:
+        sync()
+        fn()
+        sync()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    dev = torch.cuda.current_device()
+    trace = snap["device_traces"][dev]
+    # the blocks live when the history began: allocated (in the segments) and not seen allocated since
+    seen = {e["addr"] for e in trace if e["action"] == "alloc"}
+    before = sum(b["size"] for s in snap["segments"] if s["device"] == dev for b in s["blocks"]
+                 if b["state"] == "active_allocated" and b["address"] not in seen)
+
+    def site(frames) -> str:
+        for f in frames:
+            if any(r in f["filename"] for r in roots):
+                return f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}"
+        return "other"
+
+    def replay(upto: int):
+        """(live blocks after event ``upto``, the index of the event at the peak, the peak)."""
+        live, now, peak, at = {}, before, before, -1
+        for i, e in enumerate(trace[:upto + 1]):
+            if e["action"] == "alloc":
+                live[e["addr"]] = (e["size"], e)
+                now += e["size"]
+                if now > peak:
+                    peak, at = now, i
+            elif e["action"] == "free_completed" and e["addr"] in live:
+                now -= live.pop(e["addr"])[0]
+        return live, at, peak
+
+    _, at, peak = replay(len(trace) - 1)
+    at_peak = {a: (size, site(e.get("frames", ()))) for a, (size, e) in replay(at)[0].items()}
+    groups: dict[str, list] = {"before the call": [before, 0]}
+    for size, where in at_peak.values():
+        g = groups.setdefault(where, [0, 0])
+        g[0] += size
+        g[1] += 1
+    rows = [{"site": k, "gib": v[0] / 2**30, "blocks": v[1]} for k, v in sorted(groups.items(), key=lambda t: -t[1][0])]
+    return [{"site": "peak (total)", "gib": peak / 2**30, "blocks": len(at_peak)}] + rows[:top]

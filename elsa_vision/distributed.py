@@ -6,11 +6,17 @@ slice; shards may differ in length. Causal attention needs no mask of its own: a
 are the last rows of the keys it sees, and ELSA's bottom-right causal alignment (query i sees key
 j ≤ i + Nk − Nq) is then exactly the global causal rule.
 
-The key/value shards travel around a ring, one step per shard; while shard s is attended, shard
-s+1 is already on its way (batched isend/irecv, which NCCL runs beside the compute). Each step's
-ELSA call returns its rows' output and log-sum-exp, and the steps merge with the monoid's combine,
-(o₁, l₁) ∘ (o₂, l₂) = (o₁·e^{l₁−l} + o₂·e^{l₂−l}, l) with l = log(e^{l₁} + e^{l₂}), in float32. A
-rank holds its own shard, the one being attended and the one arriving: O(N / ranks) keys. In half
+The key/value shards travel around a ring, one step per shard, in the token-major layout
+[B, n, H, D] that attention modules produce (k and v sent as they are when they are transposed
+views of such buffers, as the adapters' are: no copy). With ``overlap`` shard s+1 is already on its
+way while shard s is attended (batched isend/irecv, which NCCL runs beside the compute); without
+it each step's transfer completes before its kernel starts, which leaves every SM to the kernel
+(NCCL's kernel holds SMs while it runs, and a persistent attention kernel, one program per SM,
+then waits for the slowest). Each step's ELSA call returns its rows' output and log-sum-exp, and
+the steps merge with the monoid's combine, (o₁, l₁) ∘ (o₂, l₂) = (o₁·e^{l₁−l} + o₂·e^{l₂−l}, l)
+with l = log(e^{l₁} + e^{l₂}), in float32; the last combine writes the output in the inputs' dtype
+directly, a few heads at a time (two ranks hold no float32 copy of their rows at all). A rank
+holds its own shard, the one being attended and the one arriving: O(N / ranks) keys. In half
 precision each step's output is rounded to the inputs' dtype once before the float32 merge.
 
 The backward goes around the same ring: each shard travels with float32 accumulators of its key
@@ -26,7 +32,7 @@ returns every rank's key/value gradients in one all-reduce.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -75,8 +81,13 @@ class _Gather(torch.autograd.Function):
         return grad[ctx.rank], None, None, None
 
 
+# What ``overlap=None`` means: the ring's transfers run beside its kernels (see the module docstring).
+OVERLAP = True
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, scale: Optional[float] = None,
-              causal: bool = False, precision: str = "auto", backend: str = "auto") -> torch.Tensor:
+              causal: bool = False, precision: str = "auto", backend: str = "auto",
+              lengths: Optional[Sequence[int]] = None, overlap: Optional[bool] = None) -> torch.Tensor:
     """This rank's rows of attention over the whole sharded sequence.
 
     Args:
@@ -85,6 +96,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             and device agree across ranks.
         group: the process group (None: the default one); shards are in its rank order.
         scale, causal, precision, backend: as :func:`elsa_vision.attention` (no bias).
+        lengths: every rank's number of keys, in rank order, when the caller knows them (the VGGT
+            adapter does, once per aggregator call): skips the all-gather of the shards' shapes
+            (a collective and a wait for its result on the host) of every call. The caller vouches
+            that the ranks agree on B, H, D and dtype; this rank's entry is checked.
+        overlap: run each ring step's transfer beside the previous step's kernel (None:
+            :data:`OVERLAP`).
 
     Returns:
         [B, H, n_q, D]. Differentiable in q, k and v; every rank of the group must run the
@@ -99,22 +116,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
                          f"same tokens (n_q == n_k), got {q.shape[2]} and {k.shape[2]}")
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    # every shard's length, and a check that the ranks agree on the rest of the shape
-    metas = gather_ints([k.shape[2], k.shape[0], k.shape[1], k.shape[3]], group, k.device)
-    if any(m[1:] != metas[0][1:] for m in metas):
-        raise ValueError(f"distributed.attention: the ranks' k/v shards differ in [B, H, ·, D]: "
-                         f"{[(m[1], m[2], m[3]) for m in metas]}")
-    lengths = [m[0] for m in metas]
+    if lengths is None:
+        # every shard's length, and a check that the ranks agree on the rest of the shape
+        metas = gather_ints([k.shape[2], k.shape[0], k.shape[1], k.shape[3]], group, k.device)
+        if any(m[1:] != metas[0][1:] for m in metas):
+            raise ValueError(f"distributed.attention: the ranks' k/v shards differ in [B, H, ·, D]: "
+                             f"{[(m[1], m[2], m[3]) for m in metas]}")
+        lengths = [m[0] for m in metas]
+    else:
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != world or lengths[rank] != k.shape[2] or min(lengths) < 0:
+            raise ValueError(f"distributed.attention: lengths must give every rank's key count ({world} ranks), this "
+                             f"rank's ({rank}) being k.shape[2] = {k.shape[2]}; got {lengths}")
+    overlap = OVERLAP if overlap is None else bool(overlap)
     longest = max(lengths)
     kw = dict(scale=scale, precision=precision, backend=backend)
     q, k, v, _ = autocast(q, k, v, None)  # (as the single-process call casts; the ring's steps then agree)
     ring = q.dtype != torch.float64
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if ring and not grads:
-        return _ring(q, k, v, group, world, rank, lengths, causal, kw)[0]
+        return _ring(q, k, v, group, world, rank, lengths, causal, kw, overlap)[0]
     bwd = _backward_entry(q, scale, causal, precision, backend) if ring else None
     if bwd is not None:
-        return _Ring.apply(q, k, v, group, world, rank, lengths, causal, kw, bwd)
+        return _Ring.apply(q, k, v, group, world, rank, lengths, causal, kw, bwd, overlap)
 
     # k and v travel in one collective: two would each add a collective to the backward, and the
     # autograd engine may run independent branches in another order on another rank (gloo would
@@ -147,8 +171,8 @@ class _Ring(torch.autograd.Function):
     float32 sums of its key/value gradients, which end at their owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict, bwd):
-        out, lse = _ring(q, k, v, group, world, rank, lengths, causal, kw)
+    def forward(ctx, q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict, bwd, overlap):
+        out, lse = _ring(q, k, v, group, world, rank, lengths, causal, kw, overlap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, world, rank, lengths, causal, bwd)
         return out
@@ -199,7 +223,7 @@ class _Ring(torch.autograd.Function):
                 r.wait()
             acc = pending[1]
         own = acc[:, :, :, :lengths[rank]]
-        return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, None, None)
+        return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)) + (None,) * 8
 
 
 def _padded(kv, longest: int):
@@ -214,44 +238,79 @@ def _peers(group, world: int, rank: int):
     return peer((rank + 1) % world), peer((rank - 1) % world)
 
 
-def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict):
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """[B, H, n, D] → the contiguous token-major [B, n, H, D] form it travels in (itself, no copy,
+    when ``t`` is a transposed view of such a buffer): sender and receiver agree on the layout
+    whatever their tensors' strides."""
+    w = t.transpose(1, 2)
+    return w if w.is_contiguous() else w.contiguous()
+
+
+def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict, overlap: bool = True):
     """This rank's rows and their natural-log lse (float32; −inf for a row that sees no key), the
     key/value shards passed around the ring (see the module docstring)."""
     import torch.distributed as dist
-    kv = _padded(torch.stack((k, v)), max(lengths))
     nxt, prev = _peers(group, world, rank)
+    B, H, _, D = k.shape
     acc = lse = None
-    cur = kv
+    cur = (_wire(k), _wire(v))  # [B, n, H, D] each
+    order = [(rank - step) % world for step in range(world)]  # whose shard each step attends
+    attended = [s for s in order if lengths[s] and (not causal or s <= rank)]
     for step in range(world):
-        src = (rank - step) % world  # whose shard ``cur`` is
-        reqs = None
+        src = order[step]  # whose shard ``cur`` is
+        reqs = incoming = None
         if step < world - 1:
-            incoming = torch.empty_like(kv)
-            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, cur, nxt, group),
-                                           dist.P2POp(dist.irecv, incoming, prev, group)])
-        n = lengths[src]
-        if n and (not causal or src <= rank):
-            o, l = _attention(q, cur[0, :, :, :n], cur[1, :, :, :n], causal=causal and src == rank,
+            n_in = lengths[(src - 1) % world]  # the previous rank sends the shard it holds now
+            incoming = tuple(cur[0].new_empty((B, n_in, H, D)) for _ in range(2))
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, cur[0], nxt, group),
+                                           dist.P2POp(dist.isend, cur[1], nxt, group),
+                                           dist.P2POp(dist.irecv, incoming[0], prev, group),
+                                           dist.P2POp(dist.irecv, incoming[1], prev, group)])
+            if not overlap:
+                _wait(reqs)
+                reqs = ()  # (done: a second wait on a gloo request does not return)
+        if src in attended:
+            o, l = _attention(q, cur[0].transpose(1, 2), cur[1].transpose(1, 2), causal=causal and src == rank,
                               return_lse=True, **kw)
             l = torch.where(l == float("inf"), float("-inf"), l)  # a row that sees no key carries no mass
-            acc, lse = _combine(acc, lse, o, l)
+            acc, lse = _combine(acc, lse, o, l, last=src == attended[-1])
+            del o
         if reqs is not None:
-            for r in reqs:
-                r.wait()
+            _wait(reqs)
             cur = incoming
     if acc is None:  # no key seen by any row (causal, all earlier shards empty)
         return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=q.device)
     return acc.to(q.dtype), lse
 
 
-def _combine(acc, lse, o, l):
+def _wait(reqs) -> None:
+    for r in reqs:
+        r.wait()
+
+
+# heads per step of the last combine, which writes the output dtype: its float32 temporaries are
+# this many heads of the rows, not all of them
+_COMBINE_HEADS = 4
+
+
+def _combine(acc, lse, o, l, last: bool = False):
     """The monoid's combine of two normalised partial results (acc, lse) ∘ (o, l); None is the identity.
-    ``acc`` is float32 and updated in place (``o`` may be half precision): a sharded call's rows are
-    the whole output, and out-of-place products would hold four float32 copies of it at once."""
+
+    The first term is kept as the kernel returned it. A middle combine accumulates in float32, in
+    place (out-of-place products would hold four float32 copies of a sharded call's rows at once);
+    the ``last`` one writes the result in ``o``'s dtype, ``_COMBINE_HEADS`` heads at a time."""
     if acc is None:
-        return o.float(), l
+        return o, l
     new = torch.logaddexp(lse, l)
     seen = torch.isfinite(new)
-    w_acc = torch.where(seen, torch.exp(lse - new), 0.0)
-    w_o = torch.where(seen, torch.exp(l - new), 0.0)
-    return acc.mul_(w_acc[..., None]).addcmul_(o, w_o[..., None]), new
+    w_acc = torch.where(seen, torch.exp(lse - new), 0.0)[..., None]
+    w_o = torch.where(seen, torch.exp(l - new), 0.0)[..., None]
+    if not last:
+        acc = acc if acc.dtype == torch.float32 else acc.float()
+        return acc.mul_(w_acc).addcmul_(o, w_o), new
+    out = torch.empty_like(o)
+    for h in range(0, o.shape[1], _COMBINE_HEADS):
+        hs = slice(h, h + _COMBINE_HEADS)
+        part = acc[:, hs].float().mul_(w_acc[:, hs])
+        out[:, hs] = part.addcmul_(o[:, hs], w_o[:, hs])
+    return out, new

@@ -222,19 +222,22 @@ def test_frames_memory_rehearsal(standin, monkeypatch):
 
 
 def test_distributed_benchmark_cpu_smoke(tmp_path):
-    """benchmarks/distributed.py under torchrun on two CPU processes (gloo): the attention part writes
-    its rows, with the one-process baseline and the scaling columns."""
+    """benchmarks/distributed.py under torchrun on three CPU processes (gloo): the attention part writes
+    its rows for two and three ranks, the ring's transfers overlapped or not, each with the one-process
+    baseline and the scaling columns."""
     import csv
     import os
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the reference backend: fast
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
                            str(ROOT / "benchmarks" / "distributed.py"), "--device", "cpu", "--parts", "attention",
-                           "--frames", "2,3", "--tokens", "16", "--dtypes", "fp32", "--out", str(tmp_path)],
+                           "--frames", "2,3", "--tokens", "16", "--dtypes", "fp32", "--ranks", "2,3",
+                           "--overlap", "on,off", "--out", str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = list(csv.DictReader(open(tmp_path / "distributed_2.csv")))
-    assert [(r["frames"], r["part"]) for r in rows] == [("2", "attention"), ("3", "attention")]
-    assert all(float(r["seconds"]) > 0 and float(r["efficiency"]) > 0 and r["ranks"] == "2" for r in rows)
+    rows = list(csv.DictReader(open(tmp_path / "distributed_3.csv")))
+    assert [(r["frames"], r["part"], r["ranks"], r["overlap"]) for r in rows] == [
+        (f, "attention", n, o) for f in ("2", "3") for n in ("2", "3") for o in ("True", "False")]
+    assert all(float(r["seconds"]) > 0 and float(r["efficiency"]) > 0 for r in rows)
     assert all(float(r["rel_l2_vs_one_gpu"]) < 1e-5 for r in rows)  # the shards make up the same problem
-    assert (tmp_path / "distributed_2.png").stat().st_size > 0
+    assert (tmp_path / "distributed_3.png").stat().st_size > 0

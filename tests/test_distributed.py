@@ -43,10 +43,17 @@ def _worker(rank, world, init_file, lengths, causal, backend, dtype, out_dir, gr
         q, k, v, do = (t.to(f"cuda:{rank}" if gpu else "cpu") for t in _full(sum(lengths), dtype, *GPU_SHAPE[gpu]))
         start = sum(lengths[:rank])
         rows = slice(start, start + lengths[rank])
-        if not grad:  # the ring schedule
+        if not grad:  # the ring schedule: the shards' lengths gathered, or given with the transfers not overlapped
+            shard = (q[:, :, rows], k[:, :, rows], v[:, :, rows])
             with torch.no_grad():
-                out = distributed.attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], causal=causal, backend=backend)
-            torch.save({"out": out}, os.path.join(out_dir, f"{rank}.pt"))
+                out = distributed.attention(*shard, causal=causal, backend=backend)
+                given = distributed.attention(*shard, causal=causal, backend=backend, lengths=lengths, overlap=False)
+                try:  # (refused before any collective: every rank raises)
+                    distributed.attention(*shard, backend=backend, lengths=[n + 1 for n in lengths])
+                    refused = False
+                except ValueError as e:
+                    refused = "lengths must give every rank's key count" in str(e)
+            torch.save({"out": out, "given": given, "refused": refused}, os.path.join(out_dir, f"{rank}.pt"))
             return
         ql, kl, vl = (t[:, :, rows].clone().requires_grad_() for t in (q, k, v))
         out = distributed.attention(ql, kl, vl, causal=causal, backend=backend)
@@ -64,7 +71,8 @@ def _run(lengths, causal, backend, dtype, grad=True, gpu=False):
         mp.spawn(_worker, args=(len(lengths), init, lengths, causal, backend, dtype, tmp, grad, gpu),
                  nprocs=len(lengths))
         parts = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(len(lengths))]
-    return {key: torch.cat([p[key] for p in parts], dim=2) for key in parts[0]}
+    return {key: torch.cat([p[key] for p in parts], dim=2) if isinstance(parts[0][key], torch.Tensor)
+            else [p[key] for p in parts] for key in parts[0]}
 
 
 @pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3], [6, 0, 5]])
@@ -98,6 +106,8 @@ def test_ring_equals_one_process(lengths, causal, backend, dtype, tol):
     q, k, v, _ = _full(sum(lengths), dtype)
     want = elsa_vision.attention(q, k, v, causal=causal, backend=backend)
     torch.testing.assert_close(got["out"], want, rtol=0, atol=tol)
+    assert torch.equal(got["given"], got["out"])  # the same steps: given lengths and the transfers' order change no bit
+    assert all(got["refused"])
 
 
 def test_ring_bfloat16_follows_the_rule():
@@ -268,6 +278,18 @@ def test_vggt_sharded_training_gradients():
     for n, p in model.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads[n], p.grad, rtol=0, atol=1e-9, msg=n)
+
+
+def test_key_lengths_of_a_sharded_aggregator_call(monkeypatch):
+    """Inside a sharded aggregator call its global blocks know every rank's key count from the frame
+    counts (no all-gather per block); elsewhere, or for tokens not a whole number per frame, None."""
+    from elsa_vision.adapters.vggt import sharded
+    monkeypatch.setattr(sharded, "rank_of", lambda group: 1)
+    assert sharded.key_lengths(None, 3 * 7) is None
+    with sharded.spanning_call([2, 3, 1]):
+        assert sharded.key_lengths(None, 3 * 7) == [14, 21, 7]
+        assert sharded.key_lengths(None, 3 * 7 + 1) is None
+    assert sharded.key_lengths(None, 3 * 7) is None
 
 
 def test_vggt_process_group_refusals():

@@ -13,7 +13,7 @@ from ...kernels.limits import HEAD_DIMS
 from ..registry import PatchState, bypass_reason, hooked
 from .common import ATTENTION_TARGETS, LEAN_CHUNK, Kind, VGGTAdapter, attention_kind, lean_option
 from .merging import FORK_BLOCKS, AggregatorCall, fork_merge, merge_mean, merging_now, unmerge
-from .sharded import sharded_group
+from .sharded import key_lengths, sharded_group
 
 
 def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
@@ -205,7 +205,7 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
     kw = dict(scale=scale, precision=opts.get("precision", "auto"), backend=opts.get("backend", "auto"))
     if group is not None:  # a global block or camera trunk of a sharded call: every rank's keys
         from ...distributed import attention as sharded_attention
-        out = sharded_attention(q, k, v, group=group, **kw)
+        out = sharded_attention(q, k, v, group=group, lengths=key_lengths(group, k.shape[2]), **kw)
     else:
         out = attention(q, k, v, **kw)
     del q, k, v

@@ -16,7 +16,7 @@ from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, unsuppo
 from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, LEAN_CHUNK, VGGTAdapter, attention_kind, block_classes,
                      is_fork_aggregator, lean_option)
 from .merging import AggregatorCall, Shard, merging, pattern_on
-from .sharded import check_spanning, first_frame_tokens_elsewhere, frame_offsets, mark_spanning, rank_of
+from .sharded import check_spanning, first_frame_tokens_elsewhere, frame_counts, mark_spanning, rank_of, spanning_call
 
 
 HEAD_LAYERS = (4, 11, 17, 23)  # what VGGT's DPT heads (depth, point, track) read; the camera head reads the last
@@ -253,12 +253,15 @@ class VGGTAggregatorAdapter(VGGTAdapter):
                 return state.delegate(images, *args, reason="training mode (lean memory and token merging are "
                                       "inference-only)", **kwargs)
             cfg = lean = None  # sharding holds in training; lean memory and merging are inference-only
-        scope = contextlib.nullcontext()
+        scopes = []  # entered around the original forward
         shadowed = {}  # instance attributes shadowing the class's methods / parameters for this call only
+        counts = None
         if group is not None:
             check_spanning(agg.global_blocks, VGGTAttentionAdapter, group, "aggregator global_blocks")
             if rank_of(group) > 0:
                 shadowed.update(first_frame_tokens_elsewhere(agg))
+            counts = frame_counts(images.shape[1], group, images.device)
+            scopes.append(spanning_call(counts))
         if cfg is not None:
             grid = (images.shape[-2] // agg.patch_size, images.shape[-1] // agg.patch_size)
             layers = {id(b.attn): i for i, b in enumerate(agg.global_blocks) if hasattr(b, "attn")}
@@ -266,10 +269,10 @@ class VGGTAggregatorAdapter(VGGTAdapter):
             # later would wait for the GPU to drain its queue
             frames, shard = images.shape[1], None
             if group is not None:  # the destination pattern is the whole sequence's (see sharded_merge_plan)
-                first, frames = frame_offsets(images.shape[1], group, images.device)
+                first, frames = sum(counts[:rank_of(group)]), sum(counts)
                 shard = Shard(group, first, images.shape[1])
             pattern = tuple(t.to(images.device) for t in pattern_on(frames, grid, agg.patch_start_idx, cfg))
-            scope = merging(AggregatorCall(cfg, frames, grid, agg.patch_start_idx, layers, pattern, shard=shard))
+            scopes.append(merging(AggregatorCall(cfg, frames, grid, agg.patch_start_idx, layers, pattern, shard=shard)))
         keep = _kept_layers(agg.depth, lean) if lean is not None else None
         host = {} if keep is not None and opts.get("lean_offload") else None
         if keep is not None:
@@ -279,7 +282,9 @@ class VGGTAggregatorAdapter(VGGTAdapter):
             shadowed["_process_global_attention"] = _lean_process(agg, "global", keep, chunk, host)
         agg.__dict__.update(shadowed)
         try:
-            with scope:
+            with contextlib.ExitStack() as stack:
+                for scope in scopes:
+                    stack.enter_context(scope)
                 outputs, patch_start_idx = state.original(images, *args, **kwargs)
         finally:
             for name in shadowed:

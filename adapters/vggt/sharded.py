@@ -25,6 +25,8 @@ raises when called with a group.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import weakref
 from typing import Optional
@@ -74,12 +76,43 @@ def rank_of(group) -> int:
     return dist.get_rank(group)
 
 
-def frame_offsets(frames: int, group, device) -> tuple[int, int]:
-    """(this rank's first frame in the whole sequence, the whole sequence's frames), from every rank's
-    frame count (one all-gather)."""
+def frame_counts(frames: int, group, device) -> list[int]:
+    """Every rank's frame count, in rank order (one all-gather)."""
     from ...distributed import gather_ints
-    counts = [c for c, in gather_ints([frames], group, device)]
-    return sum(counts[:rank_of(group)]), sum(counts)
+    return [c for c, in gather_ints([frames], group, device)]
+
+
+# The frame counts of the sharded aggregator call running now (rank order), from which its global
+# blocks' attention knows every rank's key count without a collective of its own. Read only while
+# such a call runs (_SPANNING_CALLS > 0): torch.compile cannot trace a ContextVar read.
+FRAME_COUNTS: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("elsa_vggt_frame_counts", default=None)
+_SPANNING_CALLS = [0]
+
+
+@contextlib.contextmanager
+def spanning_call(counts: list):
+    """Run the block of a ``with`` as a sharded aggregator call over ``counts`` frames per rank."""
+    token = FRAME_COUNTS.set(tuple(counts))
+    _SPANNING_CALLS[0] += 1
+    try:
+        yield
+    finally:
+        _SPANNING_CALLS[0] -= 1
+        FRAME_COUNTS.reset(token)
+
+
+def key_lengths(group, tokens: int) -> Optional[list[int]]:
+    """Every rank's key count for a spanning attention call with ``tokens`` keys on this rank, when a
+    sharded aggregator call runs and the tokens are a whole number per frame (its global blocks:
+    frames × tokens per frame); None otherwise (the camera trunk, a recomputed block in training),
+    and distributed.attention gathers them."""
+    counts = FRAME_COUNTS.get() if _SPANNING_CALLS[0] else None
+    if counts is None:
+        return None
+    mine = counts[rank_of(group)]
+    if mine <= 0 or tokens % mine:
+        return None
+    return [c * (tokens // mine) for c in counts]
 
 
 def first_frame_tokens_elsewhere(agg) -> dict:
