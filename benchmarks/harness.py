@@ -292,8 +292,15 @@ def memory_at_peak(fn: Callable[[], object], top: int = 15, roots: tuple = ("els
     trace = snap["device_traces"][dev]
     # the blocks live when the history began: allocated (in the segments) and not seen allocated since
     seen = {e["addr"] for e in trace if e["action"] == "alloc"}
-    before = sum(b["size"] for s in snap["segments"] if s["device"] == dev for b in s["blocks"]
-                 if b["state"] == "active_allocated" and b["address"] not in seen)
+    before = 0
+    for seg in snap["segments"]:
+        if seg.get("device", dev) != dev:
+            continue
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated" and addr not in seen:
+                before += b["size"]
+            addr += b["size"]
 
     def site(frames) -> str:
         for f in frames:
