@@ -183,6 +183,7 @@ def aggregator_part(frames, dtype, device, baseline, hw, groups, profiled=None, 
             elsa_vision.unpatch(agg)
         dist.barrier()
     res = {}
+    default_overlap = distributed.OVERLAP
     for name, (group, overlap) in groups.items():
         if not _members(group):
             res[name] = None
@@ -202,7 +203,7 @@ def aggregator_part(frames, dtype, device, baseline, hw, groups, profiled=None, 
                 extras(lambda: run(agg, local), {"frames": frames, "run": f"rank 0 of {name}"})
             else:
                 run(agg, local)
-        distributed.OVERLAP = True
+        distributed.OVERLAP = default_overlap
         elsa_vision.unpatch(agg)
         local = None
         dist.barrier()
@@ -234,8 +235,8 @@ def main(argv=None):
     ap.add_argument("--parts", default="attention,aggregator")
     ap.add_argument("--ranks", help="the sharded runs' sizes, each the first ranks of the launch (e.g. 2,4 under "
                                     "--nproc-per-node 4: one baseline for both); default all of them")
-    ap.add_argument("--overlap", default="on", help="on, off or on,off: the ring's transfers beside its kernels "
-                                                    "(distributed.attention's overlap)")
+    ap.add_argument("--overlap", default="off", help="on, off or on,off: the ring's transfers beside its kernels "
+                                                     "(distributed.attention's overlap)")
     ap.add_argument("--tokens", type=int, default=1041, help="tokens per frame of the attention part")
     ap.add_argument("--height", type=int, default=392)
     ap.add_argument("--width", type=int, default=518)
@@ -274,7 +275,7 @@ def main(argv=None):
     for r in sizes:
         g = dist.group.WORLD if r == world else dist.new_group(list(range(r)))
         for o in a.overlap.split(","):
-            groups[f"{r}" + ("" if o == "on" else " no-overlap")] = (g if rank < r else None, overlaps[o])
+            groups[f"{r}" + (" overlap" if o == "on" else "")] = (g if rank < r else None, overlaps[o])
     rows = []
     profiled = [] if a.profile else None
     memory = [] if a.memory else None

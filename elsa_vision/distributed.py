@@ -81,8 +81,11 @@ class _Gather(torch.autograd.Function):
         return grad[ctx.rank], None, None, None
 
 
-# What ``overlap=None`` means: the ring's transfers run beside its kernels (see the module docstring).
-OVERLAP = True
+# What ``overlap=None`` means. Off: on 4 H200s (VGGT's aggregator, 400 frames) the transfers beside
+# the kernels took the sharded aggregator from 2.09× to 1.84× one GPU on 2 ranks and from 4.09× to
+# 3.16× on 4 (benchmarks/distributed.py --overlap on,off); a transfer is milliseconds, a step's
+# kernel seconds.
+OVERLAP = False
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, scale: Optional[float] = None,
@@ -101,7 +104,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             (a collective and a wait for its result on the host) of every call. The caller vouches
             that the ranks agree on B, H, D and dtype; this rank's entry is checked.
         overlap: run each ring step's transfer beside the previous step's kernel (None:
-            :data:`OVERLAP`).
+            :data:`OVERLAP`, off).
 
     Returns:
         [B, H, n_q, D]. Differentiable in q, k and v; every rank of the group must run the
