@@ -7,8 +7,9 @@ are the last rows of the keys it sees, and ELSA's bottom-right causal alignment 
 j ≤ i + Nk − Nq) is then exactly the global causal rule.
 
 The key/value shards travel around a ring, one step per shard, in the token-major layout
-[B, n, H, D] that attention modules produce (k and v sent as they are when they are transposed
-views of such buffers, as the adapters' are: no copy). With ``overlap`` shard s+1 is already on its
+[B, n, H, D] that attention modules produce. Heads attend independently: the ring goes round once
+per group of ``RING_HEADS`` heads, so that what is in flight and the steps' outputs hold one group's
+heads. With ``overlap`` shard s+1 is already on its
 way while shard s is attended (batched isend/irecv, which NCCL runs beside the compute); without
 it each step's transfer completes before its kernel starts, which leaves every SM to the kernel
 (NCCL's kernel holds SMs while it runs, and a persistent attention kernel, one program per SM,
@@ -16,7 +17,8 @@ then waits for the slowest). Each step's ELSA call returns its rows' output and 
 the steps merge with the monoid's combine, (o₁, l₁) ∘ (o₂, l₂) = (o₁·e^{l₁−l} + o₂·e^{l₂−l}, l)
 with l = log(e^{l₁} + e^{l₂}), in float32; the last combine writes the output in the inputs' dtype
 directly, a few heads at a time (two ranks hold no float32 copy of their rows at all). A rank
-holds its own shard, the one being attended and the one arriving: O(N / ranks) keys. In half
+holds its own shard and one group of heads of the shard being attended and of the one arriving:
+O(N / ranks) keys. In half
 precision each step's output is rounded to the inputs' dtype once before the float32 merge.
 
 The backward goes around the same ring: each shard travels with float32 accumulators of its key
@@ -249,41 +251,61 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return w if w.is_contiguous() else w.contiguous()
 
 
-def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict, overlap: bool = True):
+# Heads per pass of the ring: heads attend independently, so the ring goes round once per group of
+# this many heads, and the shard arriving, the steps' outputs and their merge hold that group's
+# heads only (VGGT's 16 heads: a quarter of a shard's keys and values in flight, not all of them).
+RING_HEADS = 4
+
+
+def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict, overlap: bool = False):
     """This rank's rows and their natural-log lse (float32; −inf for a row that sees no key), the
-    key/value shards passed around the ring (see the module docstring)."""
+    key/value shards passed around the ring, one pass per RING_HEADS heads (see the module docstring)."""
+    B, H, Nq, D = q.shape
+    order = [(rank - step) % world for step in range(world)]  # whose shard each step attends
+    attended = [s for s in order if lengths[s] and (not causal or s <= rank)]
+    if not attended:  # no key seen by any row (causal, all earlier shards empty)
+        return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    if H <= RING_HEADS:
+        return _ring_pass(q, k, v, group, world, rank, lengths, causal, kw, overlap, order, attended)
+    out = torch.empty((B, Nq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)  # as attention's
+    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    for h in range(0, H, RING_HEADS):
+        hs = slice(h, h + RING_HEADS)
+        out[:, hs], lse[:, hs] = _ring_pass(q[:, hs], k[:, hs], v[:, hs], group, world, rank, lengths, causal, kw,
+                                            overlap, order, attended)
+    return out, lse
+
+
+def _ring_pass(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict, overlap: bool,
+               order: list, attended: list):
+    """One pass of the ring for the heads of q, k, v [B, h, n, D]: (rows, lse)."""
     import torch.distributed as dist
     nxt, prev = _peers(group, world, rank)
     B, H, _, D = k.shape
     acc = lse = None
-    cur = (_wire(k), _wire(v))  # [B, n, H, D] each
-    order = [(rank - step) % world for step in range(world)]  # whose shard each step attends
-    attended = [s for s in order if lengths[s] and (not causal or s <= rank)]
+    cur = (k, v)
     for step in range(world):
         src = order[step]  # whose shard ``cur`` is
         reqs = incoming = None
         if step < world - 1:
             n_in = lengths[(src - 1) % world]  # the previous rank sends the shard it holds now
-            incoming = tuple(cur[0].new_empty((B, n_in, H, D)) for _ in range(2))
-            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, cur[0], nxt, group),
-                                           dist.P2POp(dist.isend, cur[1], nxt, group),
+            incoming = tuple(k.new_empty((B, n_in, H, D)) for _ in range(2))
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, _wire(cur[0]), nxt, group),
+                                           dist.P2POp(dist.isend, _wire(cur[1]), nxt, group),
                                            dist.P2POp(dist.irecv, incoming[0], prev, group),
                                            dist.P2POp(dist.irecv, incoming[1], prev, group)])
             if not overlap:
                 _wait(reqs)
                 reqs = ()  # (done: a second wait on a gloo request does not return)
         if src in attended:
-            o, l = _attention(q, cur[0].transpose(1, 2), cur[1].transpose(1, 2), causal=causal and src == rank,
-                              return_lse=True, **kw)
+            o, l = _attention(q, cur[0], cur[1], causal=causal and src == rank, return_lse=True, **kw)
             l = torch.where(l == float("inf"), float("-inf"), l)  # a row that sees no key carries no mass
             acc, lse = _combine(acc, lse, o, l, last=src == attended[-1])
             del o
         if reqs is not None:
             _wait(reqs)
-            cur = incoming
-    if acc is None:  # no key seen by any row (causal, all earlier shards empty)
-        return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=q.device)
-    return acc.to(q.dtype), lse
+            cur = tuple(t.transpose(1, 2) for t in incoming)
+    return acc, lse
 
 
 def _wait(reqs) -> None:
@@ -293,7 +315,7 @@ def _wait(reqs) -> None:
 
 # heads per step of the last combine, which writes the output dtype: its float32 temporaries are
 # this many heads of the rows, not all of them
-_COMBINE_HEADS = 4
+_COMBINE_HEADS = 2
 
 
 def _combine(acc, lse, o, l, last: bool = False):

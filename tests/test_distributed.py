@@ -43,17 +43,20 @@ def _worker(rank, world, init_file, lengths, causal, backend, dtype, out_dir, gr
         q, k, v, do = (t.to(f"cuda:{rank}" if gpu else "cpu") for t in _full(sum(lengths), dtype, *GPU_SHAPE[gpu]))
         start = sum(lengths[:rank])
         rows = slice(start, start + lengths[rank])
-        if not grad:  # the ring schedule: the shards' lengths gathered, or given with the transfers not overlapped
+        if not grad:  # the ring schedule: the shards' lengths gathered, or given with the transfers overlapped
             shard = (q[:, :, rows], k[:, :, rows], v[:, :, rows])
             with torch.no_grad():
                 out = distributed.attention(*shard, causal=causal, backend=backend)
-                given = distributed.attention(*shard, causal=causal, backend=backend, lengths=lengths, overlap=False)
+                given = distributed.attention(*shard, causal=causal, backend=backend, lengths=lengths, overlap=True)
+                distributed.RING_HEADS = 1  # a pass of the ring per head
+                by_head = distributed.attention(*shard, causal=causal, backend=backend)
                 try:  # (refused before any collective: every rank raises)
                     distributed.attention(*shard, backend=backend, lengths=[n + 1 for n in lengths])
                     refused = False
                 except ValueError as e:
                     refused = "lengths must give every rank's key count" in str(e)
-            torch.save({"out": out, "given": given, "refused": refused}, os.path.join(out_dir, f"{rank}.pt"))
+            torch.save({"out": out, "given": given, "by_head": by_head, "refused": refused},
+                       os.path.join(out_dir, f"{rank}.pt"))
             return
         ql, kl, vl = (t[:, :, rows].clone().requires_grad_() for t in (q, k, v))
         out = distributed.attention(ql, kl, vl, causal=causal, backend=backend)
@@ -107,6 +110,7 @@ def test_ring_equals_one_process(lengths, causal, backend, dtype, tol):
     want = elsa_vision.attention(q, k, v, causal=causal, backend=backend)
     torch.testing.assert_close(got["out"], want, rtol=0, atol=tol)
     assert torch.equal(got["given"], got["out"])  # the same steps: given lengths and the transfers' order change no bit
+    torch.testing.assert_close(got["by_head"], want, rtol=0, atol=tol)
     assert all(got["refused"])
 
 
