@@ -265,7 +265,7 @@ def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw
     attended = [s for s in order if lengths[s] and (not causal or s <= rank)]
     if not attended:  # no key seen by any row (causal, all earlier shards empty)
         return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=q.device)
-    if H <= RING_HEADS:
+    if H <= RING_HEADS or world == 1:  # (one rank: nothing in flight to bound)
         return _ring_pass(q, k, v, group, world, rank, lengths, causal, kw, overlap, order, attended)
     out = torch.empty((B, Nq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)  # as attention's
     lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
