@@ -72,8 +72,16 @@ def timed(fn, device, barrier=True, group=None):
     return seconds, peak, err
 
 
-def _members(group) -> bool:
-    return group is not None and dist.get_rank(group) >= 0
+def _sharded_runs(groups: dict, res: dict):
+    """(name, group, overlap, this rank in the group, the group's size) of each group of ``groups``
+    (name → (group or None off it, overlap)) that this rank belongs to, in order; ``res[name]`` is
+    None for the others. Every run ends at a barrier of all ranks (the others wait there)."""
+    for name, (group, overlap) in groups.items():
+        if group is not None and dist.get_rank(group) >= 0:
+            yield name, group, overlap, dist.get_rank(group), dist.get_world_size(group)
+        else:
+            res[name] = None
+        dist.barrier()
 
 
 def attention_part(frames, tokens, dtype, device, baseline, groups, memory=None):
@@ -101,12 +109,7 @@ def attention_part(frames, tokens, dtype, device, baseline, groups, memory=None)
             del q, k, v
         dist.barrier()
     res, agree = {}, {}
-    for name, (group, overlap) in groups.items():
-        if not _members(group):
-            res[name] = None
-            dist.barrier()
-            continue
-        r, world = dist.get_rank(group), dist.get_world_size(group)
+    for name, group, overlap, r, world in _sharded_runs(groups, res):
         counts = [c * tokens for c in shards(frames, world)]
         lo = sum(counts[:r])
         q, k, v = (make(i, slice(lo, lo + counts[r])) for i in range(3))
@@ -126,7 +129,6 @@ def attention_part(frames, tokens, dtype, device, baseline, groups, memory=None)
             else:
                 dist.send(out.contiguous(), dst=0, group=group)
         q = k = v = out = None  # (freed before the next group's shards)
-        dist.barrier()
     return res, one, agree
 
 
@@ -184,12 +186,7 @@ def aggregator_part(frames, dtype, device, baseline, hw, groups, profiled=None, 
         dist.barrier()
     res = {}
     default_overlap = distributed.OVERLAP
-    for name, (group, overlap) in groups.items():
-        if not _members(group):
-            res[name] = None
-            dist.barrier()
-            continue
-        r, world = dist.get_rank(group), dist.get_world_size(group)
+    for name, group, overlap, r, world in _sharded_runs(groups, res):
         counts = shards(frames, world)
         lo = sum(counts[:r])
         elsa_vision.patch(agg, process_group=group, **opts)
@@ -206,7 +203,6 @@ def aggregator_part(frames, dtype, device, baseline, hw, groups, profiled=None, 
         distributed.OVERLAP = default_overlap
         elsa_vision.unpatch(agg)
         local = None
-        dist.barrier()
     return res, one, {}
 
 

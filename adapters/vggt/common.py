@@ -2,6 +2,8 @@
 forward signature each has) and the lean-memory option."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -146,3 +148,29 @@ def lean_option(options: dict):
     only the last layer), else None."""
     lean = options.get("lean_memory")
     return None if lean is None or lean is False else lean
+
+
+class CallScope:
+    """A value that holds during one aggregator call, in the context that runs it (a ContextVar),
+    with a count of such calls running in any context: while the count is 0, :meth:`get` returns None
+    without reading the ContextVar — torch.compile cannot trace that read, and a model outside such
+    calls then compiles in one graph (a module compiled inside one reads it, with a graph break:
+    correct)."""
+
+    def __init__(self, name: str):
+        self._var = contextvars.ContextVar(name, default=None)
+        self._running = 0
+
+    def get(self):
+        return self._var.get() if self._running else None
+
+    @contextlib.contextmanager
+    def holding(self, value):
+        """Run the block of a ``with`` with :meth:`get` returning ``value``."""
+        token = self._var.set(value)
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            self._var.reset(token)

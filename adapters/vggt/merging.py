@@ -3,8 +3,6 @@ destinations, the assignment of every other token to its most similar destinatio
 (mean of q, k, v) and the unmerge; and the FastVGGT fork's own merge, run with attention on ELSA."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 import sys
@@ -15,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ...dispatch import triton_serves
+from .common import CallScope
 
 # TokenMerging.fast(): random directions of the similarity, merged blocks per plan
 FAST_SIMILARITY_DIM = 64
@@ -406,29 +405,18 @@ class AggregatorCall:
         return plan
 
 
-MERGING: contextvars.ContextVar[Optional[AggregatorCall]] = contextvars.ContextVar("elsa_vggt_merging",
-                                                                                       default=None)
-# Aggregator calls with token merging running now, in any context. While it is 0 no module needs to
-# read MERGING: torch.compile cannot trace a ContextVar read, and an unmerged model then compiles
-# in one graph (a module compiled inside a merged call reads it, with a graph break: correct).
-_RUNNING = [0]
+# The aggregator call merging tokens (read only while one runs: see CallScope).
+MERGING = CallScope("elsa_vggt_merging")
 
 
 def merging_now() -> Optional[AggregatorCall]:
     """The aggregator call merging tokens in this context, if any."""
-    return MERGING.get() if _RUNNING[0] else None
+    return MERGING.get()
 
 
-@contextlib.contextmanager
 def merging(call: AggregatorCall):
     """Run the block of a ``with`` as an aggregator call that merges tokens (see :func:`merging_now`)."""
-    token = MERGING.set(call)
-    _RUNNING[0] += 1
-    try:
-        yield
-    finally:
-        _RUNNING[0] -= 1
-        MERGING.reset(token)
+    return MERGING.holding(call)
 
 
 # The FastVGGT fork's merged attention (vggt/layers/attention.py of the fork): these constants are

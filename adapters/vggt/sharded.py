@@ -25,8 +25,6 @@ raises when called with a group.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 import weakref
 from typing import Optional
@@ -34,7 +32,7 @@ from typing import Optional
 import torch
 
 from ..registry import PatchState, is_patched
-from .common import CAMERA_HEAD_TARGETS, TRACK_HEAD_TARGETS, VGGTAdapter
+from .common import CAMERA_HEAD_TARGETS, TRACK_HEAD_TARGETS, CallScope, VGGTAdapter
 
 
 # Attention modules whose calls span the ranks when they are patched with a process group: the
@@ -83,22 +81,13 @@ def frame_counts(frames: int, group, device) -> list[int]:
 
 
 # The frame counts of the sharded aggregator call running now (rank order), from which its global
-# blocks' attention knows every rank's key count without a collective of its own. Read only while
-# such a call runs (_SPANNING_CALLS > 0): torch.compile cannot trace a ContextVar read.
-FRAME_COUNTS: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("elsa_vggt_frame_counts", default=None)
-_SPANNING_CALLS = [0]
+# blocks' attention knows every rank's key count without a collective of its own.
+FRAME_COUNTS = CallScope("elsa_vggt_frame_counts")
 
 
-@contextlib.contextmanager
 def spanning_call(counts: list):
     """Run the block of a ``with`` as a sharded aggregator call over ``counts`` frames per rank."""
-    token = FRAME_COUNTS.set(tuple(counts))
-    _SPANNING_CALLS[0] += 1
-    try:
-        yield
-    finally:
-        _SPANNING_CALLS[0] -= 1
-        FRAME_COUNTS.reset(token)
+    return FRAME_COUNTS.holding(tuple(counts))
 
 
 def key_lengths(group, tokens: int) -> Optional[list[int]]:
@@ -106,7 +95,7 @@ def key_lengths(group, tokens: int) -> Optional[list[int]]:
     sharded aggregator call runs and the tokens are a whole number per frame (its global blocks:
     frames × tokens per frame); None otherwise (the camera trunk, a recomputed block in training),
     and distributed.attention gathers them."""
-    counts = FRAME_COUNTS.get() if _SPANNING_CALLS[0] else None
+    counts = FRAME_COUNTS.get()
     if counts is None:
         return None
     mine = counts[rank_of(group)]
