@@ -104,7 +104,7 @@ def attention_part(frames, tokens, dtype, device, baseline, groups, memory=None)
             q, k, v = make(0), make(1), make(2)
             ref = elsa_vision.attention(q, k, v)  # compiles outside the timing; kept for the agreement check
             one = timed(lambda: elsa_vision.attention(q, k, v), device, barrier=False)
-            if memory is not None:
+            if memory is not None and device.type == "cuda":
                 memory += [dict(r, frames=frames, run="one GPU") for r in memory_at_peak(lambda: elsa_vision.attention(q, k, v))]  # noqa: E501
             del q, k, v
         dist.barrier()
@@ -192,16 +192,19 @@ def aggregator_part(frames, dtype, device, baseline, hw, groups, profiled=None, 
         elsa_vision.patch(agg, process_group=group, **opts)
         local = images[:, lo:lo + counts[r]].to(device)
         distributed.OVERLAP = overlap  # (the aggregator's calls take the module's default)
-        run(agg, local[:, :1])  # warm-up: every rank compiles its kernels (the collectives run too)
-        res[name] = timed(lambda: run(agg, local), device, group=group)
-        if profiled is not None or memory is not None:
-            dist.barrier(group)
-            if r == 0:
-                extras(lambda: run(agg, local), {"frames": frames, "run": f"rank 0 of {name}"})
-            else:
-                run(agg, local)
-        distributed.OVERLAP = default_overlap
-        elsa_vision.unpatch(agg)
+        try:
+            run(agg, local[:, :1])  # warm-up: every rank compiles its kernels (the collectives run too)
+            res[name] = timed(lambda: run(agg, local), device, group=group)
+            if profiled is not None or memory is not None:
+                dist.barrier(group)
+                if r == 0:
+                    extras(lambda: run(agg, local), {"frames": frames, "run": f"rank 0 of {name}"})
+                else:  # as many calls as rank 0's extras make: the ring's collectives pair up
+                    for _ in range((profiled is not None) + (memory is not None)):
+                        run(agg, local)
+        finally:
+            distributed.OVERLAP = default_overlap
+            elsa_vision.unpatch(agg)
         local = None
     return res, one, {}
 
@@ -246,8 +249,8 @@ def main(argv=None):
                     help="aggregator: also write rank 0's CUDA-time breakdown of a one-GPU and a sharded call "
                          "(distributed_<name>_profile.csv)")
     ap.add_argument("--memory", action="store_true",
-                    help="also write what is allocated at rank 0's peak of a one-GPU and a sharded call "
-                         "(distributed_<name>_memory.csv)")
+                    help="also write what is allocated at rank 0's peak of a one-GPU call (both parts) and of a "
+                         "sharded call (aggregator) (distributed_<name>_memory.csv; CUDA only)")
     ap.add_argument("--name", help="results file stem after distributed_ (default: the launch's rank count)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")

@@ -263,8 +263,6 @@ def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw
     B, H, Nq, D = q.shape
     order = [(rank - step) % world for step in range(world)]  # whose shard each step attends
     attended = [s for s in order if lengths[s] and (not causal or s <= rank)]
-    if not attended:  # no key seen by any row (causal, all earlier shards empty)
-        return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=q.device)
     if H <= RING_HEADS or world == 1:  # (one rank: nothing in flight to bound)
         return _ring_pass(q, k, v, group, world, rank, lengths, causal, kw, overlap, order, attended)
     out = torch.empty((B, Nq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)  # as attention's
@@ -305,6 +303,8 @@ def _ring_pass(q, k, v, group, world: int, rank: int, lengths: list, causal: boo
         if reqs is not None:
             _wait(reqs)
             cur = tuple(t.transpose(1, 2) for t in incoming)
+    if acc is None:  # no key seen by any row (causal, all earlier shards empty); the shards were relayed
+        return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=q.device)
     return acc, lse
 
 

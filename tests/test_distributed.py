@@ -78,7 +78,7 @@ def _run(lengths, causal, backend, dtype, grad=True, gpu=False):
             else [p[key] for p in parts] for key in parts[0]}
 
 
-@pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3], [6, 0, 5]])
+@pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3], [6, 0, 5], [0, 7, 4]])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("reference", torch.float32, 2e-6),
                                                ("triton", torch.float32, 2e-6)])
@@ -97,7 +97,7 @@ def test_sharded_equals_one_process(lengths, causal, backend, dtype, tol):
         torch.testing.assert_close(got[name], want, rtol=0, atol=tol, msg=name)
 
 
-@pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3], [6, 0, 5]])
+@pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3], [6, 0, 5], [0, 7, 4]])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float32, 2e-6), ("triton", torch.float32, 2e-6)])
 def test_ring_equals_one_process(lengths, causal, backend, dtype, tol):
@@ -286,13 +286,16 @@ def test_vggt_sharded_training_gradients():
 
 def test_key_lengths_of_a_sharded_aggregator_call(monkeypatch):
     """Inside a sharded aggregator call its global blocks know every rank's key count from the frame
-    counts (no all-gather per block); elsewhere, or for tokens not a whole number per frame, None."""
+    counts (no all-gather per block); elsewhere, or with a rank holding no frame, None on every rank."""
     from elsa_vision.adapters.vggt import sharded
     monkeypatch.setattr(sharded, "rank_of", lambda group: 1)
     assert sharded.key_lengths(None, 3 * 7) is None
     with sharded.spanning_call([2, 3, 1]):
         assert sharded.key_lengths(None, 3 * 7) == [14, 21, 7]
-        assert sharded.key_lengths(None, 3 * 7 + 1) is None
+        with pytest.raises(RuntimeError, match="not a whole number per frame"):
+            sharded.key_lengths(None, 3 * 7 + 1)
+    with sharded.spanning_call([2, 3, 0]):  # a rank without frames: every rank gathers
+        assert sharded.key_lengths(None, 3 * 7) is None
     assert sharded.key_lengths(None, 3 * 7) is None
 
 

@@ -92,15 +92,16 @@ def spanning_call(counts: list):
 
 def key_lengths(group, tokens: int) -> Optional[list[int]]:
     """Every rank's key count for a spanning attention call with ``tokens`` keys on this rank, when a
-    sharded aggregator call runs and the tokens are a whole number per frame (its global blocks:
-    frames × tokens per frame); None otherwise (the camera trunk, a recomputed block in training),
-    and distributed.attention gathers them."""
+    sharded aggregator call runs (its global blocks: frames × tokens per frame); None otherwise (the
+    camera trunk, a recomputed block in training) or when a rank holds no frame — decided from what
+    every rank knows, so that all of them take the same path (distributed.attention then gathers)."""
     counts = FRAME_COUNTS.get()
-    if counts is None:
+    if counts is None or min(counts) <= 0:
         return None
     mine = counts[rank_of(group)]
-    if mine <= 0 or tokens % mine:
-        return None
+    if tokens % mine:
+        raise RuntimeError(f"a global block of a sharded aggregator call got {tokens} tokens for this rank's {mine} "
+                           "frames: not a whole number per frame")
     return [c * (tokens // mine) for c in counts]
 
 
