@@ -207,8 +207,7 @@ class _Ring(torch.autograd.Function):
                 terms = bwd(q, kv[0, :, :, :n], kv[1, :, :, :n], out, lse, do, causal and src == rank)
                 dq += terms[0]
             if pending is not None:
-                for r in pending[0]:
-                    r.wait()
+                _wait(pending[0])
                 acc = pending[1]
             if terms is not None:
                 acc[0, :, :, :n] += terms[1]
@@ -220,12 +219,10 @@ class _Ring(torch.autograd.Function):
             pending = (dist.batch_isend_irecv([dist.P2POp(dist.isend, acc, nxt, group),
                                                dist.P2POp(dist.irecv, arriving, prev, group)]), arriving)
             if reqs is not None:
-                for r in reqs:
-                    r.wait()
+                _wait(reqs)
                 kv = incoming
         if pending is not None:
-            for r in pending[0]:
-                r.wait()
+            _wait(pending[0])
             acc = pending[1]
         own = acc[:, :, :, :lengths[rank]]
         return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)) + (None,) * 8
@@ -261,24 +258,23 @@ def _ring(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw
     """This rank's rows and their natural-log lse (float32; −inf for a row that sees no key), the
     key/value shards passed around the ring, one pass per RING_HEADS heads (see the module docstring)."""
     B, H, Nq, D = q.shape
-    order = [(rank - step) % world for step in range(world)]  # whose shard each step attends
-    attended = [s for s in order if lengths[s] and (not causal or s <= rank)]
     if H <= RING_HEADS or world == 1:  # (one rank: nothing in flight to bound)
-        return _ring_pass(q, k, v, group, world, rank, lengths, causal, kw, overlap, order, attended)
+        return _ring_pass(q, k, v, group, world, rank, lengths, causal, kw, overlap)
     out = torch.empty((B, Nq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)  # as attention's
     lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     for h in range(0, H, RING_HEADS):
         hs = slice(h, h + RING_HEADS)
         out[:, hs], lse[:, hs] = _ring_pass(q[:, hs], k[:, hs], v[:, hs], group, world, rank, lengths, causal, kw,
-                                            overlap, order, attended)
+                                            overlap)
     return out, lse
 
 
-def _ring_pass(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict, overlap: bool,
-               order: list, attended: list):
+def _ring_pass(q, k, v, group, world: int, rank: int, lengths: list, causal: bool, kw: dict, overlap: bool):
     """One pass of the ring for the heads of q, k, v [B, h, n, D]: (rows, lse)."""
     import torch.distributed as dist
     nxt, prev = _peers(group, world, rank)
+    order = [(rank - step) % world for step in range(world)]  # whose shard each step attends
+    attended = [s for s in order if lengths[s] and (not causal or s <= rank)]
     B, H, _, D = k.shape
     acc = lse = None
     cur = (k, v)

@@ -269,8 +269,8 @@ class VGGTAggregatorAdapter(VGGTAdapter):
             # later would wait for the GPU to drain its queue
             frames, shard = images.shape[1], None
             if group is not None:  # the destination pattern is the whole sequence's (see sharded_merge_plan)
-                first, frames = sum(counts[:rank_of(group)]), sum(counts)
-                shard = Shard(group, first, images.shape[1])
+                shard = Shard(group, tuple(counts), rank_of(group))
+                frames = sum(counts)
             pattern = tuple(t.to(images.device) for t in pattern_on(frames, grid, agg.patch_start_idx, cfg))
             scopes.append(merging(AggregatorCall(cfg, frames, grid, agg.patch_start_idx, layers, pattern, shard=shard)))
         keep = _kept_layers(agg.depth, lean) if lean is not None else None

@@ -286,11 +286,20 @@ def unmerge(y: torch.Tensor, plan: MergePlan) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's share of a sharded aggregator call: frames first_frame … first_frame + frames − 1
-    of the whole sequence."""
+    """This rank's share of a sharded aggregator call: every rank's frame count (``counts``, rank
+    order) and this rank's place; its frames are first_frame … first_frame + frames − 1 of the whole
+    sequence."""
     group: object
-    first_frame: int
-    frames: int
+    counts: tuple
+    rank: int
+
+    @property
+    def first_frame(self) -> int:
+        return sum(self.counts[:self.rank])
+
+    @property
+    def frames(self) -> int:
+        return self.counts[self.rank]
 
 
 def _gather_rows(t: torch.Tensor, counts: list, group) -> torch.Tensor:
@@ -373,17 +382,20 @@ class AggregatorCall:
     def shard_geometry(self) -> tuple:
         """((d0, d1, s0, s1), destinations per rank, sources per rank) of a sharded call: this rank's
         destinations are pattern[0][d0:d1], its sources pattern[1][s0:s1]. The same for every
-        global block of the call, so found once (its host reads and all-gather would otherwise
-        stall every block). Collective on its first use: every rank calls it."""
+        global block of the call, so found once (from every rank's frame count: one host read, no
+        collective)."""
         if self._geometry is None:
-            from ...distributed import gather_ints
             sh, (dst, src) = self.shard, self.pattern
             P = self.special + self.grid[0] * self.grid[1]
-            bounds = torch.tensor([sh.first_frame * P, (sh.first_frame + sh.frames) * P], device=dst.device)
-            d0, d1 = (int(i) for i in torch.searchsorted(dst, bounds))
-            s0, s1 = (int(i) for i in torch.searchsorted(src, bounds))
-            nd_r, ns_r = zip(*gather_ints([d1 - d0, s1 - s0], sh.group, dst.device))
-            self._geometry = ((d0, d1, s0, s1), nd_r, ns_r)
+            ends = [0]
+            for c in sh.counts:
+                ends.append(ends[-1] + c * P)
+            bounds = torch.tensor(ends, device=dst.device)
+            d, s = torch.stack((torch.searchsorted(dst, bounds), torch.searchsorted(src, bounds))).tolist()
+            r = sh.rank
+            nd_r = tuple(b - a for a, b in zip(d, d[1:]))
+            ns_r = tuple(b - a for a, b in zip(s, s[1:]))
+            self._geometry = ((d[r], d[r + 1], s[r], s[r + 1]), nd_r, ns_r)
         return self._geometry
 
     def _make(self, x: torch.Tensor) -> MergePlan:
