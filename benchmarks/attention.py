@@ -2,8 +2,8 @@
 
     python benchmarks/attention.py              # full sweep → benchmarks/results/<device>/attention.{csv,png}
     python benchmarks/attention.py --quick      # N 4K/16K, d 64
-    python benchmarks/attention.py --hopper     # Gluon (sm_90) vs portable forward vs cuDNN/flash, bf16
-                                                # → attention_hopper.{csv,png} (sets kernels/hopper.py's policy)
+    python benchmarks/attention.py --hopper     # Gluon (sm_90) vs portable forward and backward vs cuDNN/flash,
+                                                # bf16 → attention_hopper.{csv,png} (sets kernels/hopper.py's policies)
     python benchmarks/attention.py --decode     # few queries against long keys (KV-cache shapes)
                                                 # → attention_decode.{csv,png}
     python benchmarks/attention.py --tune fwd   # tile-shape sweep for the kernel config tables
@@ -368,39 +368,57 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
-def hopper_sweep() -> list[dict]:
-    """bf16 forward, B·H·N² ≈ 2^25·16 per point: kernels/hopper.py's Gluon forward (every shape it
-    supports), the portable Triton forward, cuDNN and flash; CUDA-graph replays, interleaved."""
+def hopper_sweep(passes=("fwd", "fwd+bwd")) -> list[dict]:
+    """bf16, B·H·N² ≈ 2^25·16 per point, CUDA-graph replays, interleaved: kernels/hopper.py's Gluon
+    forward (every shape it supports) against the portable Triton forward, cuDNN and flash; and
+    forward + backward: the Gluon forward and backward, the Gluon forward with the portable
+    backward ("elsa-gluon-fwd"), the portable pair, cuDNN and flash. These rows set the policies
+    of ``hopper.serves`` and ``hopper.serves_backward``."""
     from elsa_vision.kernels import hopper
 
-    def elsa(q, k, v, causal, gluon):
+    def elsa(q, k, v, do, causal, fwd, bwd):
         def f():
-            before = hopper.ENABLED, hopper.EVERYWHERE
-            hopper.ENABLED, hopper.EVERYWHERE = gluon, gluon
+            before = hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD
+            hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD = fwd, fwd, bwd
             try:
-                return elsa_vision.attention(q, k, v, causal=causal)
+                out = elsa_vision.attention(q, k, v, causal=causal)
+                return out if do is None else torch.autograd.grad(out, (q, k, v), do)
             finally:
-                hopper.ENABLED, hopper.EVERYWHERE = before
+                hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD = before
         return f
 
+    def sdpa(name, q, k, v, do, causal):
+        fwd = sdpa_fn(name, q, k, v, causal)
+        return fwd if do is None else (lambda: torch.autograd.grad(fwd(), (q, k, v), do))
+
     rows = []
-    for d, causal, n in itertools.product((64, 128), (False, True), (197, 577, 1041, 2048, 4096, 8192, 16384)):
+    for ps, d, causal, n in itertools.product(passes, (64, 128), (False, True),
+                                              (197, 577, 1041, 2048, 4096, 8192, 16384)):
+        bwd = ps != "fwd"
         bh = min(3072, max(16, (1 << 29) // (n * n)))
-        q, k, v = make(1, bh, n, n, d, torch.bfloat16, False)
-        fns = {"elsa-gluon": elsa(q, k, v, causal, True), "elsa-portable": elsa(q, k, v, causal, False),
-               "sdpa-cudnn": sdpa_fn("cudnn", q, k, v, causal), "sdpa-flash": sdpa_fn("flash", q, k, v, causal)}
-        errs = {label: sample_error(fn(), q, k, v, causal) for label, fn in fns.items()}
+        q, k, v = make(1, bh, n, n, d, torch.bfloat16, bwd)
+        do = torch.randn_like(q) if bwd else None
+        variants = {"elsa-gluon": (True, True), "elsa-gluon-fwd": (True, False), "elsa-portable": (False, False)}
+        if not bwd:
+            del variants["elsa-gluon-fwd"]
+        fns = {label: elsa(q, k, v, do, causal, *how) for label, how in variants.items()}
+        fns.update({f"sdpa-{s}": sdpa(s, q, k, v, do, causal) for s in ("cudnn", "flash")})
+        if bwd:
+            errs = {label: grad_error(fn(), q, k, v, do, causal) for label, fn in fns.items()}
+        else:
+            errs = {label: sample_error(fn(), q, k, v, causal) for label, fn in fns.items()}
         res = measure_graphed(fns, rounds=10)
-        flops = 4.0 * bh * n * n * d * (0.5 if causal else 1.0)
+        flops = 4.0 * bh * n * n * d * (0.5 if causal else 1.0) * (3.5 if bwd else 1.0)
         best = min(r.ms for label, r in res.items() if label.startswith("sdpa") and r.ms)
         for label, r in res.items():
-            rows.append({"case": "hopper", "pass": "fwd", "dtype": "bf16", "B": 1, "H": bh, "Nq": n, "Nk": n, "d": d,
+            rows.append({"case": "hopper", "pass": ps, "dtype": "bf16", "B": 1, "H": bh, "Nq": n, "Nk": n, "d": d,
                          "causal": causal, "variant": label, "ms": r.ms,
                          "tflops": flops / (r.ms * 1e-3) / 1e12 if r.ms else None,
-                         "speedup_vs_best_sdpa": best / r.ms if r.ms else None, "max_err_vs_fp64": errs[label]})
-        print(fmt_table(rows[-4:], ["d", "causal", "Nq", "H", "variant", "ms", "tflops", "speedup_vs_best_sdpa",
-                                    "max_err_vs_fp64"]), flush=True)
-        del q, k, v
+                         "speedup_vs_best_sdpa": best / r.ms if r.ms else None,
+                         ("grad_rel_err_vs_fp64" if bwd else "max_err_vs_fp64"): errs[label]})
+        print(fmt_table(rows[-len(fns):], ["pass", "d", "causal", "Nq", "H", "variant", "ms", "tflops",
+                                           "speedup_vs_best_sdpa"]), flush=True)
+        del q, k, v, do, fns
         torch.cuda.empty_cache()
     return rows
 
@@ -472,16 +490,18 @@ def plot_training(rows, path):
 
 def plot_hopper(rows, path):
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.6))
-    for ax, (d, causal) in zip(axes, itertools.product((64, 128), (False, True))):
-        for var in ("elsa-gluon", "elsa-portable", "sdpa-cudnn", "sdpa-flash"):
-            pts = sorted((r["Nq"], r["tflops"]) for r in rows
-                         if r["d"] == d and r["causal"] == causal and r["variant"] == var and r["tflops"])
-            if pts:
-                ax.plot(*zip(*pts), marker="o", ls="-" if var.startswith("elsa") else "--", label=var)
-        style_axes(ax, "tokens N", "TF/s", f"bf16 forward, d={d}{', causal' if causal else ''}", ylog=False)
+    passes = sorted({r["pass"] for r in rows}, key=len)
+    fig, axes = plt.subplots(len(passes), 4, figsize=(20, 4.6 * len(passes)), squeeze=False)
+    for row_axes, ps in zip(axes, passes):
+        for ax, (d, causal) in zip(row_axes, itertools.product((64, 128), (False, True))):
+            for var in ("elsa-gluon", "elsa-gluon-fwd", "elsa-portable", "sdpa-cudnn", "sdpa-flash"):
+                pts = sorted((r["Nq"], r["tflops"]) for r in rows if r["pass"] == ps and r["d"] == d
+                             and r["causal"] == causal and r["variant"] == var and r["tflops"])
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ls="-" if var.startswith("elsa") else "--", label=var)
+            style_axes(ax, "tokens N", "TF/s", f"bf16 {ps}, d={d}{', causal' if causal else ''}", ylog=False)
     m = metadata()
-    fig.suptitle(f"Gluon vs portable forward — {m['device']}, torch {m['torch']}, triton {m['triton']}, {m['date']}")
+    fig.suptitle(f"Gluon vs portable kernels — {m['device']}, torch {m['torch']}, triton {m['triton']}, {m['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -495,7 +515,9 @@ def main(argv=None):
     ap.add_argument("--only", help="with --tune: one dtype or precision (e.g. ieee, bf16); with --decode: one dtype")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--no-bwd", action="store_true")
-    ap.add_argument("--hopper", action="store_true", help="the Gluon (sm_90) forward against the portable one")
+    ap.add_argument("--hopper", action="store_true",
+                    help="the Gluon (sm_90) forward and backward against the portable ones")
+    ap.add_argument("--passes", default="fwd,fwd+bwd", help="with --hopper: fwd, fwd+bwd or both (comma-separated)")
     ap.add_argument("--decode", action="store_true", help="few queries against long keys (KV-cache shapes)")
     ap.add_argument("--train", action="store_true",
                     help="half-precision forward + backward at ViT, VGGT and long-row shapes (TRAIN_SHAPES)")
@@ -507,7 +529,10 @@ def main(argv=None):
     outdir.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     if a.hopper:
-        save(hopper_sweep(), outdir, "attention_hopper", plot_hopper)
+        passes = tuple(a.passes.split(","))
+        save(hopper_sweep(passes), outdir, "attention_hopper" + ("" if passes == ("fwd", "fwd+bwd") else
+                                                                  "_" + "_".join(p.replace("+", "") for p in passes)),
+             plot_hopper)
         return
     if a.train:
         dts = (a.only,) if a.only else ("bf16", "fp16")

@@ -55,7 +55,7 @@ from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared,
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
 from .tiles import PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions
 
-try:  # the Gluon forward for Hopper (sm_90); absent where Triton ships no Gluon or the switch is off
+try:  # the Gluon forward and backward for Hopper (sm_90); absent where Triton ships no Gluon
     from . import hopper
 except ImportError:
     hopper = None
@@ -822,10 +822,12 @@ def _f16_scales(q, k, v, do=None):
     return scales
 
 
-def _hopper_serves(q, k, v, bias, precision: str, causal: bool) -> bool:
-    """Whether kernels/hopper.py's forward takes this call (its ``serves``, on an untraced call:
-    torch.compile traces the portable kernels)."""
-    return hopper is not None and not tracing() and hopper.serves(q, k, v, bias, precision, causal)
+def _hopper_serves(q, k, v, bias, precision: str, causal: bool, backward: bool = False) -> bool:
+    """Whether kernels/hopper.py's forward (``backward``: its backward) takes this call (its
+    ``serves`` / ``serves_backward``, on an untraced call: torch.compile traces the portable kernels)."""
+    if hopper is None or tracing():
+        return False
+    return (hopper.serves_backward if backward else hopper.serves)(q, k, v, bias, precision, causal)
 
 
 def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int] = None,
@@ -909,6 +911,9 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     """Returns (dq, dk, dv, dbias); dbias is None unless ``bias_grad``. Shapes as the inputs'.
     ``stats`` [B,H,2,Nq]: the forward's row statistics. ``config`` / ``kv`` / ``early_dp`` replace
     the measured choices of bwd_config / kv_config / early_dp_default (for tuning)."""
+    if (config is None and kv is None and early_dp is None and not bias_grad and stats.is_contiguous()
+            and _hopper_serves(q, k, v, bias, precision, causal, backward=True)):
+        return (*hopper.backward(do, q, k, v, out, stats, scale, causal), None)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = pow2(D)

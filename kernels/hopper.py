@@ -26,6 +26,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
@@ -42,6 +44,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 # sends every call the kernel supports here, whatever the measured policy of ``serves`` says.
 ENABLED = os.environ.get("ELSA_HOPPER", "1").strip() != "0" and CHECKED
 EVERYWHERE = False
+# BACKWARD = False keeps the backward of calls this forward served on the portable kernels
+BACKWARD = True
 
 
 @gluon.jit
@@ -62,25 +66,30 @@ def _item(w, n_m, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSA
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-            H, Nq, Nk, n_m, n_items, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            CAUSAL: gl.constexpr):
-    """The producer warp. Per item: every warpgroup's Q tile into Q buffer it % 2 (once the
-    warpgroups have released that buffer's previous item), then the item's K and V tiles into their
-    rings, whose positions run on across items. Every ring slot and Q buffer is released by all
-    warpgroups (the empty barriers count one arrival per warpgroup)."""
+def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+            v_ready, v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WITH_DO: gl.constexpr):
+    """The producer warp of the query-stationary kernels (the forward, the backward's dQ). Per
+    item: every warpgroup's Q tile (and with WITH_DO its dO tile, on the same barrier) into buffer
+    it % 2 (once the warpgroups have released that buffer's previous item), then the item's K and V
+    tiles into their rings, whose positions run on across items. Every ring slot and Q buffer is
+    released by all warpgroups (the empty barriers count one arrival per warpgroup)."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     NUM_WG: gl.constexpr = BLOCK_M // WG_M
+    NBYTES: gl.constexpr = (2 if WITH_DO else 1) * NUM_WG * q_desc.block_type.nbytes
     it = 0
     g = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, h, bh, q0, n_tiles = _item(w, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
         qb = it % 2
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
-        mbarrier.expect(q_ready.index(qb), NUM_WG * q_desc.block_type.nbytes)
+        mbarrier.expect(q_ready.index(qb), NBYTES)
         for i in gl.static_range(NUM_WG):
             tma.async_copy_global_to_shared(q_desc, [b, h, q0 + i * WG_M, 0], q_ready.index(qb),
                                             q_smem.index(NUM_WG * qb + i))
+            if WITH_DO:
+                tma.async_copy_global_to_shared(do_desc, [b, h, q0 + i * WG_M, 0], q_ready.index(qb),
+                                                do_smem.index(NUM_WG * qb + i))
         for j in range(n_tiles):
             slot = g % STAGES
             free = ((g // STAGES) & 1) ^ 1  # parity of the release of this slot's previous tile
@@ -248,8 +257,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk,
                          so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
             (_consumer, (2, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
                          so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+            (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+                       k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
@@ -257,9 +266,294 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk,
                          so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
                          so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+            (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+                       k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False)),
         ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# ---------------------------------------------------------------------------------------------
+# backward: dK/dV key-stationary (_bwd_dkdv_kernel), dQ query-stationary (_bwd_dq_kernel), both
+# deterministic (no atomics) and both from the row statistics the forward saved, turned by
+# _bwd_prep_kernel into lse2 = m + log2(S) and delta = rowsum(dO∘O), padded to a multiple of 128
+# rows (lse2 = +inf, delta = 0 there: P = 0), so that the kernels' statistics loads are aligned
+# and unmasked. P = exp2(S·scale·log2e − lse2) is recomputed in both kernels, as in the portable
+# backward (seven products per tile pair against five for a kernel that accumulates dQ by
+# atomics: the price of determinism without a TMA reduction, which Gluon 3.6 does not expose).
+
+@triton.jit
+def _bwd_prep_kernel(Out, dOut, Stats, Lse2, Delta, so_b, so_h, so_m, sd_b, sd_h, sd_m, H, Nq, NQP,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Lse2, Delta [B·H, NQP] float32 from Stats [B,H,2,Nq] (contiguous) and O, dO [B,H,Nq,D]."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = offs_m < Nq
+    offs_d = tl.arange(0, D)
+    o = tl.load(Out + b * so_b + h * so_h + offs_m[:, None].to(tl.int64) * so_m + offs_d[None, :],
+                mask=ok[:, None], other=0.0)
+    do = tl.load(dOut + b * sd_b + h * sd_h + offs_m[:, None].to(tl.int64) * sd_m + offs_d[None, :],
+                 mask=ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    st = Stats + bh.to(tl.int64) * 2 * Nq + offs_m
+    m = tl.load(st, mask=ok, other=float("inf"))
+    s = tl.load(st + Nq, mask=ok, other=1.0)
+    lse2 = tl.where(m == float("inf"), float("inf"), m + tl.log2(s))  # (+inf, 1): a row that sees no key
+    tl.store(Lse2 + bh.to(tl.int64) * NQP + offs_m, lse2)
+    tl.store(Delta + bh.to(tl.int64) * NQP + offs_m, delta)
+
+
+@gluon.jit
+def _kv_queries(pid_n, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(first query tile, number of query tiles) that see any key of key block pid_n (bottom-right
+    causal: query i sees key j iff j ≤ i + Nk − Nq)."""
+    m_lo = 0
+    if CAUSAL:
+        m_lo = gl.maximum(pid_n * BLOCK_N - (Nk - Nq), 0) // BLOCK_M
+    return m_lo, gl.cdiv(Nq, BLOCK_M) - m_lo
+
+
+@gluon.jit
+def _kv_loader(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty,
+               do_ready, do_empty, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr):
+    """The producer warp of _bwd_dkdv_kernel: the program's K and V rows once, then every query
+    tile's Q and dO into their rings (separate barriers: Sᵀ can start before dO has landed)."""
+    NUM_WG: gl.constexpr = BLOCK_N // 64
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    n0 = pid_n * BLOCK_N
+    mbarrier.expect(kv_ready.index(0), 2 * NUM_WG * k_desc.block_type.nbytes)
+    for i in gl.static_range(NUM_WG):
+        tma.async_copy_global_to_shared(k_desc, [b, h, n0 + i * 64, 0], kv_ready.index(0), k_smem.index(i))
+        tma.async_copy_global_to_shared(v_desc, [b, h, n0 + i * 64, 0], kv_ready.index(0), v_smem.index(i))
+    m_lo, n_m = _kv_queries(pid_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    for i in range(n_m):
+        slot = i % STAGES
+        free = ((i // STAGES) & 1) ^ 1  # parity of the release of this slot's previous tile
+        q0 = (m_lo + i) * BLOCK_M
+        mbarrier.wait(q_empty.index(slot), free, pred=i >= STAGES)
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, q0, 0], q_ready.index(slot), q_ring.index(slot))
+        mbarrier.wait(do_empty.index(slot), free, pred=i >= STAGES)
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, h, q0, 0], do_ready.index(slot), do_ring.index(slot))
+
+
+@gluon.jit
+def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty,
+                 Lse2, Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2,
+                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """Warpgroup wg: keys [n0 + 64·wg, +64) against every query tile that sees them, in the
+    transposed (key-major) orientation, so that Pᵀ and dSᵀ are born in the A-operand registers of
+    the dV and dK products and never go through shared memory:
+      Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (shared-memory operands, both in flight at once),
+      Pᵀ = exp2(Sᵀ·scale·log2e − lse2) while dPᵀ runs, dSᵀ = Pᵀ∘(dPᵀ − delta),
+      dV += Pᵀ·dO, dK += dSᵀ·Q (A from registers). dK is scaled once at the end."""
+    dtype: gl.constexpr = q_ring.dtype
+    ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    COL: gl.constexpr = gl.SliceLayout(0, ST_L)
+    qk_scale2 = qk_scale2.to(gl.float32)
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    k0 = pid_n * BLOCK_N + wg * 64
+    keys = k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ST_L))
+    key_ok = gl.expand_dims(keys < Nk, 1)
+    mbarrier.wait(kv_ready.index(0), 0)
+    k = k_smem.index(wg).reshape([64, D])
+    v = v_smem.index(wg).reshape([64, D])
+    dk = gl.zeros([64, D], gl.float32, O_L)
+    dv = gl.zeros([64, D], gl.float32, O_L)
+    lse_row = Lse2 + bh.to(gl.int64) * NQP
+    delta_row = Delta + bh.to(gl.int64) * NQP
+    m_lo, n_m = _kv_queries(pid_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    for i in range(n_m):
+        slot = i % STAGES
+        phase = (i // STAGES) & 1
+        q0 = (m_lo + i) * BLOCK_M
+        mbarrier.wait(q_ready.index(slot), phase)
+        q = q_ring.index(slot).reshape([BLOCK_M, D])
+        t_s = warpgroup_mma(k, q.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, ST_L), use_acc=False,
+                            is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        do = do_ring.index(slot).reshape([BLOCK_M, D])
+        t_dp = warpgroup_mma(v, do.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, ST_L), use_acc=False,
+                             is_async=True)
+        cols = q0 + gl.arange(0, BLOCK_M, layout=COL)
+        lse2 = gl.load(lse_row + cols)  # (padded to NQP ≥ every tile's end: unmasked)
+        s_t = warpgroup_mma_wait(num_outstanding=1, deps=[t_s])
+        p_t = gl.exp2(gl.fma(s_t, qk_scale2, -gl.expand_dims(lse2, 0)))
+        if CAUSAL:
+            visible = key_ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols + (Nk - Nq), 0))
+            p_t = gl.where(visible, p_t, 0.0)
+        else:
+            p_t = gl.where(key_ok, p_t, 0.0)
+        p16 = gl.convert_layout(p_t.to(dtype), A_L, assert_trivial=True)
+        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[t_dp])
+        t_dv = warpgroup_mma(p16, do, dv, is_async=True)
+        delta = gl.load(delta_row + cols)
+        ds16 = gl.convert_layout((p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), A_L, assert_trivial=True)
+        t_dk = warpgroup_mma(ds16, q, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[t_dv, t_dk])
+        mbarrier.arrive(do_empty.index(slot))
+        mbarrier.arrive(q_empty.index(slot))
+    rows = k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+    cols_d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, O_L)), 0)
+    ok = gl.expand_dims(rows < Nk, 1)
+    r64 = gl.expand_dims(rows.to(gl.int64), 1)
+    gl.store(dK + b.to(gl.int64) * sk_b + h.to(gl.int64) * sk_h + r64 * sk_n + cols_d,
+             (dk * scale).to(dK.dtype.element_ty), mask=ok)
+    gl.store(dV + b.to(gl.int64) * sv_b + h.to(gl.int64) * sv_h + r64 * sv_n + cols_d,
+             dv.to(dV.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                     H, Nq, Nk, NQP, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr):
+    """Grid (cdiv(Nk, BLOCK_N), B·H): BLOCK_N = 128 keys per program, two consumer warpgroups of 64
+    keys each holding their dK, dV [64, D] float32 accumulators in registers, a producer warp
+    streaming the query tiles (BLOCK_M rows of Q and dO) through a STAGES-deep ring.
+    dK, dV [B, H, Nk, D] (any strides, last one 1)."""
+    dtype: gl.constexpr = q_desc.dtype
+    NUM_WG: gl.constexpr = BLOCK_N // 64
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + v_desc.block_type.shape, v_desc.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=NUM_WG)
+        mbarrier.init(do_empty.index(i), count=NUM_WG)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_kv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
+                        Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
+                        BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        (_kv_consumer, (1, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
+                        Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
+                        BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        (_kv_loader, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty,
+                      do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@gluon.jit
+def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
+                 v_empty, Lse2, Delta, dQ, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2,
+                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """Warpgroup wg: per item (as the forward's), its 64 query rows' dQ over the item's key tiles:
+    S = Q·Kᵀ and dP = dO·Vᵀ (shared-memory operands, in flight together), P and dS in registers,
+    dQ += dS·K (A from registers); dQ is scaled once at the end."""
+    WG_M: gl.constexpr = 64
+    NUM_WG: gl.constexpr = BLOCK_M // WG_M
+    dtype: gl.constexpr = q_smem.dtype
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    qk_scale2 = qk_scale2.to(gl.float32)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
+    it = 0
+    g = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, bh, q0, n_tiles = _item(w, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        r0 = q0 + wg * WG_M
+        offs_m = r0 + gl.arange(0, WG_M, layout=ROW_S)
+        lse2 = gl.load(Lse2 + bh.to(gl.int64) * NQP + offs_m)  # (padded: unmasked)
+        delta = gl.load(Delta + bh.to(gl.int64) * NQP + offs_m)
+        dq = gl.zeros([WG_M, D], gl.float32, O_L)
+        qb = it % 2
+        mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
+        q = q_smem.index(NUM_WG * qb + wg).reshape([WG_M, D])
+        do = do_smem.index(NUM_WG * qb + wg).reshape([WG_M, D])
+        for j in range(n_tiles):
+            slot = (g + j) % STAGES
+            phase = ((g + j) // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            k = k_ring.index(slot).reshape([BLOCK_N, D])
+            t_s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([WG_M, BLOCK_N], gl.float32, S_L), use_acc=False,
+                                is_async=True)
+            mbarrier.wait(v_ready.index(slot), phase)
+            t_dp = warpgroup_mma(do, v_ring.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
+                                 gl.zeros([WG_M, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[t_s])
+            p = gl.exp2(gl.fma(s, qk_scale2, -gl.expand_dims(lse2, 1)))
+            n0 = j * BLOCK_N
+            visible = gl.expand_dims(n0 + offs_n < Nk, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(n0 + offs_n, 0) <= gl.expand_dims(offs_m + (Nk - Nq), 1))
+            p = gl.where(visible, p, 0.0)
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=[t_dp])
+            mbarrier.arrive(v_empty.index(slot))  # dP has read its V slot
+            ds16 = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), A_L, assert_trivial=True)
+            dq = warpgroup_mma(ds16, k, dq)  # synchronous: nothing in flight across the back edge
+            mbarrier.arrive(k_empty.index(slot))
+        mbarrier.arrive(q_empty.index(qb))
+        g += n_tiles
+        it += 1
+        rows = r0 + gl.arange(0, WG_M, layout=ROW_O)
+        ptrs = (dQ + b.to(gl.int64) * sq_b + h.to(gl.int64) * sq_h + gl.expand_dims(rows.to(gl.int64) * sq_m, 1)
+                + gl.expand_dims(cols_o, 0))
+        gl.store(ptrs, (dq * scale).to(dQ.dtype.element_ty), mask=gl.expand_dims(rows < Nq, 1))
+
+
+@gluon.jit
+def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dQ, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items,
+                   scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Persistent like _fwd_kernel (the same items and producer warp, which also brings each item's
+    dO rows): two consumer warpgroups of 64 query rows. dQ [B, H, Nq, D] (any strides, last 1)."""
+    dtype: gl.constexpr = q_desc.dtype
+    NUM_WG: gl.constexpr = BLOCK_M // 64
+    q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG] + do_desc.block_type.shape, do_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=NUM_WG)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                        Lse2, Delta, dQ, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D, BLOCK_M,
+                        BLOCK_N, STAGES, CAUSAL)),
+        (_dq_consumer, (1, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                        Lse2, Delta, dQ, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D, BLOCK_M,
+                        BLOCK_N, STAGES, CAUSAL)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+                   k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @functools.lru_cache(maxsize=64)
@@ -337,3 +631,59 @@ def forward(q, k, v, out, stats, scale: float, causal: bool) -> None:
     launch(_fwd_kernel, (programs,), qd, kd, vd, out, stats, out.stride(0), out.stride(1), out.stride(2), H, Nq, Nk,
            n_m, n_items, scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
            CONSUMER_REGS=regs, num_warps=4)
+
+
+def _tma_readable(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and not any(s * t.element_size() % 16 for s in t.stride()[:-1])
+
+
+def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
+    """Whether the backward below takes the call: ``supports`` it, and it measured faster than the
+    portable backward there (benchmarks/results/<device>/attention_hopper.csv, bf16 forward +
+    backward, CUDA-graph replays): from 4096 keys at D = 128, from 8192 at D = 64. Below, the
+    portable backward's smaller tiles and three fewer launches are ahead. ``EVERYWHERE`` takes
+    every call it supports."""
+    if not (BACKWARD and supports(q, k, v, bias, precision)):
+        return False
+    if EVERYWHERE:
+        return True
+    return k.shape[2] >= (4096 if q.shape[-1] == 128 else 8192)
+
+
+def bwd_config(d: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """((BLOCK_M, BLOCK_N, STAGES, consumer registers) of the dK/dV kernel, the same of the dQ
+    kernel). dK/dV: 64-row query tiles (at 128 the Sᵀ and dPᵀ accumulators spill); dQ: two 64-row
+    warpgroups, key tiles of 128 at D = 64 and 64 at D = 128 (shared memory: double-buffered Q and
+    dO plus the K/V ring)."""
+    return ((64, 128, 3, 240), (128, 128, 2, 240)) if d <= 64 else ((64, 128, 2, 240), (128, 64, 2, 240))
+
+
+def backward(do, q, k, v, out, stats, scale: float, causal: bool):
+    """(dq, dk, dv) [B,H,N·,D] in q's dtype for a call ``supports`` accepts, from the forward's out
+    and stats [B,H,2,Nq] (contiguous; any forward's: the statistics are the same). A dO that TMA
+    cannot read in place (unit last stride, 16-byte aligned) is copied first."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    if not _tma_readable(do):
+        do = do.contiguous()
+    (km, kn, kst, kregs), (qm, qn, qst, qregs) = bwd_config(D)
+    nqp = cdiv(Nq, 128) * 128
+    prep = torch.empty((2, B * H, nqp), device=q.device, dtype=torch.float32)
+    lse2, delta = prep[0], prep[1]
+    launch(_bwd_prep_kernel, (nqp // 128, B * H), out, do, stats, lse2, delta, out.stride(0), out.stride(1),
+           out.stride(2), do.stride(0), do.stride(1), do.stride(2), H, Nq, nqp, D=D, BLOCK_M=128, num_warps=8)
+    dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
+    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
+    dv = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
+    launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), B * H), _descriptor(q, km), _descriptor(do, km), _descriptor(k, 64),
+           _descriptor(v, 64), lse2, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
+           dv.stride(1), dv.stride(2), H, Nq, Nk, nqp, scale, scale * LOG2E, D=D, BLOCK_M=km, BLOCK_N=kn,
+           STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, num_warps=4)
+    n_m = cdiv(Nq, qm)
+    n_items = n_m * B * H
+    programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
+    launch(_bwd_dq_kernel, (programs,), _descriptor(q, 64), _descriptor(do, 64), _descriptor(k, qn),
+           _descriptor(v, qn), lse2, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), H, Nq, Nk, nqp, n_m,
+           n_items, scale, scale * LOG2E, D=D, BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal,
+           CONSUMER_REGS=qregs, num_warps=4)
+    return dq, dk, dv

@@ -1,6 +1,6 @@
-"""GPU tests (``pytest -m gpu``) of the Hopper half-precision forward (kernels/hopper.py) against the
-float64 oracle, forward and the portable backward run from its statistics. Skipped where the GPU
-is not sm_90 or the Gluon path is off."""
+"""GPU tests (``pytest -m gpu``) of the Hopper half-precision forward and backward (kernels/hopper.py)
+against the float64 oracle, and of the portable backward run from the Gluon forward's statistics.
+Skipped where the GPU is not sm_90 or the Gluon path is off."""
 import pytest
 import torch
 
@@ -13,11 +13,12 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _hopper(monkeypatch):
-    """Every supported call on the Gluon forward, whatever the measured dispatch policy says."""
+    """Every supported call on the Gluon forward and backward, whatever the measured dispatch policy says."""
     from elsa_vision.kernels import hopper
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and hopper.ENABLED):
         pytest.skip("the Gluon forward runs on sm_90 with its switch on")
     monkeypatch.setattr(hopper, "EVERYWHERE", True)
+    monkeypatch.setattr(hopper, "BACKWARD", True)
     return hopper
 
 
@@ -96,6 +97,18 @@ def test_deterministic():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_backward_dispatch_policy(monkeypatch):
+    """Without EVERYWHERE, the backward's measured policy (see hopper.serves_backward)."""
+    from elsa_vision.kernels import hopper
+    monkeypatch.setattr(hopper, "EVERYWHERE", False)
+    for n, d, want in [(4096, 64, False), (8192, 64, True), (2048, 128, False), (4096, 128, True)]:
+        q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
+        assert hopper.serves_backward(q, k, v, None, "native", False) == want, (n, d)
+    monkeypatch.setattr(hopper, "BACKWARD", False)
+    q, k, v = qkv(1, 1, 8192, 8192, 128, torch.bfloat16)
+    assert not hopper.serves_backward(q, k, v, None, "native", False)
+
+
 def test_dispatch_policy(monkeypatch):
     """Without EVERYWHERE, the measured policy: D = 128 (causal from 2048 keys), D = 64 from 1024
     keys (causal from 4096); shorter rows stay on the portable forward."""
@@ -106,3 +119,85 @@ def test_dispatch_policy(monkeypatch):
                                (2048, 128, True, True)]:
         q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
         assert hopper.serves(q, k, v, None, "native", causal) == want, (n, d, causal)
+
+
+def _grads(q, k, v, do, causal, gluon_backward):
+    """(dq, dk, dv) of the Gluon forward with the Gluon or the portable backward."""
+    from elsa_vision.kernels import attention as K, hopper
+    out, stats = K.forward(q, k, v, None, q.shape[-1] ** -0.5, causal, "native")
+    hopper.BACKWARD = gluon_backward
+    try:
+        return K.backward(do, q, k, v, None, out, stats, q.shape[-1] ** -0.5, causal, "native", False)[:3]
+    finally:
+        hopper.BACKWARD = True
+
+
+def test_backward_served(monkeypatch):
+    """The attention op's backward goes through the Gluon backward for the calls it serves."""
+    from elsa_vision.kernels import hopper
+    calls = []
+    real = hopper.backward
+    monkeypatch.setattr(hopper, "backward", lambda *a: calls.append(1) or real(*a))
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 300, 300, 64, torch.bfloat16))
+    elsa_vision.attention(q, k, v).sum().backward()
+    assert calls == [1]
+
+
+def _causal_grads(q, k, v, do, dtype):
+    """(dq, dk, dv) of bottom-right causal attention written out in ``dtype`` (autograd through a
+    softmax of a row with no visible key gives NaN; here such a row has P = 0)."""
+    q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
+    nq, nk, scale = q.shape[2], k.shape[2], q.shape[-1] ** -0.5
+    s = (q @ k.transpose(-1, -2)) * scale
+    i = torch.arange(nq, device=q.device)[:, None]
+    j = torch.arange(nk, device=q.device)[None, :]
+    s = s.masked_fill(j > i + (nk - nq), float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    dp = do @ v.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ do
+
+
+@pytest.mark.parametrize("nq,nk", [(300, 1000), (1000, 300), (129, 255), (1, 77), (64, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_cross_lengths_causal(nq, nk, d):
+    """Bottom-right causal with Nq ≠ Nk (query rows that see no key contribute nothing; keys that no
+    query sees get zero gradients): Gluon gradients against float64, and against the portable ones."""
+    q, k, v = qkv(2, 3, nq, nk, d, torch.bfloat16, seed=nq + nk)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(2, 3, nq, d, device="cuda", generator=g).to(torch.bfloat16)
+    got = _grads(q, k, v, do, True, True)
+    portable = _grads(q, k, v, do, True, False)
+    want = _causal_grads(q, k, v, do, torch.float64)
+    same_g = _causal_grads(q, k, v, do, q.dtype)
+    for name, a, p, r, s in zip(("dq", "dk", "dv"), got, portable, want, same_g):
+        assert_close_to_oracle(a, r, s, name=name, grad=True)
+        assert_close_to_oracle(p, r, s, name=name + " (portable)", grad=True)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_deterministic_and_strided_do(d):
+    """Bitwise the same gradients on repeated calls (no atomics); a dO that TMA cannot read in place
+    (a transposed view) gives bitwise the same gradients as its contiguous copy."""
+    q, k, v = qkv(2, 4, 2049, 2049, d, torch.bfloat16, seed=11)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    do = torch.randn(2, 4, 2049, d, device="cuda", generator=g).to(torch.bfloat16)
+    a = _grads(q, k, v, do, False, True)
+    b = _grads(q, k, v, do, False, True)
+    strided = do.transpose(-1, -2).contiguous().transpose(-1, -2)  # unit stride along rows, not along d
+    assert strided.stride(-1) != 1
+    c = _grads(q, k, v, strided, False, True)
+    for x, y, z in zip(a, b, c):
+        assert torch.equal(x, y) and torch.equal(x, z)
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
+def test_backward_long_rows_against_portable(d, causal):
+    """16K rows (past the float64 oracle's memory): Gluon gradients against the portable backward's,
+    both from the same forward; the two differ only in float32 summation order."""
+    q, k, v = qkv(1, 2, 16384, 16384, d, torch.bfloat16, seed=d)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(1, 2, 16384, d, device="cuda", generator=g).to(torch.bfloat16)
+    for name, a, p in zip(("dq", "dk", "dv"), _grads(q, k, v, do, causal, True), _grads(q, k, v, do, causal, False)):
+        rel = ((a.double() - p.double()).norm() / p.double().norm()).item()
+        assert rel < 2e-3, f"{name}: relative L2 to the portable backward {rel:.2e}"
