@@ -46,6 +46,7 @@ ENABLED = os.environ.get("ELSA_HOPPER", "1").strip() != "0" and CHECKED
 EVERYWHERE = False
 # BACKWARD = False keeps the backward of calls this forward served on the portable kernels
 BACKWARD = True
+EARLY_DV = True
 
 
 @gluon.jit
@@ -347,7 +348,7 @@ def _kv_loader(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring,
 def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty,
                  Lse2, Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2,
                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr):
+                 CAUSAL: gl.constexpr, EARLY_DV: gl.constexpr):
     """Warpgroup wg: keys [n0 + 64·wg, +64) against every query tile that sees them, in the
     transposed (key-major) orientation, so that Pᵀ and dSᵀ are born in the A-operand registers of
     the dV and dK products and never go through shared memory:
@@ -391,14 +392,20 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_
         lse2 = gl.load(lse_row + cols)  # (padded to NQP ≥ every tile's end: unmasked)
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=[t_s])
         p_t = gl.exp2(gl.fma(s_t, qk_scale2, -gl.expand_dims(lse2, 0)))
-        if CAUSAL:
-            visible = key_ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols + (Nk - Nq), 0))
+        # the mask only where the tile has keys past Nk (zero-filled rows score 0, not −inf) or
+        # straddles the causal diagonal; query rows past Nq have lse2 = +inf and P = 0 already
+        if (k0 + 64 > Nk) | (CAUSAL & (k0 + 63 > q0 + Nk - Nq)):
+            visible = key_ok
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols + (Nk - Nq), 0))
             p_t = gl.where(visible, p_t, 0.0)
-        else:
-            p_t = gl.where(key_ok, p_t, 0.0)
         p16 = gl.convert_layout(p_t.to(dtype), A_L, assert_trivial=True)
-        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[t_dp])
-        t_dv = warpgroup_mma(p16, do, dv, is_async=True)
+        if EARLY_DV:  # dV's product runs while dSᵀ is formed (products retire in issue order)
+            t_dv = warpgroup_mma(p16, do, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=[t_dp])
+        else:
+            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[t_dp])
+            t_dv = warpgroup_mma(p16, do, dv, is_async=True)
         delta = gl.load(delta_row + cols)
         ds16 = gl.convert_layout((p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), A_L, assert_trivial=True)
         t_dk = warpgroup_mma(ds16, q, dk, is_async=True)
@@ -419,7 +426,7 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_
 def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                      H, Nq, Nk, NQP, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, EARLY_DV: gl.constexpr):
     """Grid (cdiv(Nk, BLOCK_N), B·H): BLOCK_N = 128 keys per program, two consumer warpgroups of 64
     keys each holding their dK, dV [64, D] float32 accumulators in registers, a producer warp
     streaming the query tiles (BLOCK_M rows of Q and dO) through a STAGES-deep ring.
@@ -445,10 +452,10 @@ def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dK, dV, sk_b,
     gl.warp_specialize([
         (_kv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
                         Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                        BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, EARLY_DV)),
         (_kv_consumer, (1, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
                         Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                        BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, EARLY_DV)),
         (_kv_loader, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty,
                       do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -499,10 +506,11 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
             s = warpgroup_mma_wait(num_outstanding=1, deps=[t_s])
             p = gl.exp2(gl.fma(s, qk_scale2, -gl.expand_dims(lse2, 1)))
             n0 = j * BLOCK_N
-            visible = gl.expand_dims(n0 + offs_n < Nk, 0)
-            if CAUSAL:
-                visible = visible & (gl.expand_dims(n0 + offs_n, 0) <= gl.expand_dims(offs_m + (Nk - Nq), 1))
-            p = gl.where(visible, p, 0.0)
+            if (n0 + BLOCK_N > Nk) | (CAUSAL & (n0 + BLOCK_N - 1 > r0 + Nk - Nq)):  # (as in _kv_consumer)
+                visible = gl.expand_dims(n0 + offs_n < Nk, 0)
+                if CAUSAL:
+                    visible = visible & (gl.expand_dims(n0 + offs_n, 0) <= gl.expand_dims(offs_m + (Nk - Nq), 1))
+                p = gl.where(visible, p, 0.0)
             dp = warpgroup_mma_wait(num_outstanding=0, deps=[t_dp])
             mbarrier.arrive(v_empty.index(slot))  # dP has read its V slot
             ds16 = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), A_L, assert_trivial=True)
@@ -639,15 +647,15 @@ def _tma_readable(t: torch.Tensor) -> bool:
 
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
     """Whether the backward below takes the call: ``supports`` it, and it measured faster than the
-    portable backward there (benchmarks/results/<device>/attention_hopper.csv, bf16 forward +
-    backward, CUDA-graph replays): from 4096 keys at D = 128, from 8192 at D = 64. Below, the
-    portable backward's smaller tiles and three fewer launches are ahead. ``EVERYWHERE`` takes
-    every call it supports."""
+    portable backward there (benchmarks/results/<device>/attention_hopper_fwdbwd.csv, bf16 forward
+    + backward, CUDA-graph replays): every call at D = 128; at D = 64 from 512 keys, causal from
+    1024. Below, the portable backward's 32-row tiles waste less on padding and on the diagonal.
+    ``EVERYWHERE`` takes every call it supports."""
     if not (BACKWARD and supports(q, k, v, bias, precision)):
         return False
-    if EVERYWHERE:
+    if EVERYWHERE or q.shape[-1] == 128:
         return True
-    return k.shape[2] >= (4096 if q.shape[-1] == 128 else 8192)
+    return k.shape[2] >= (1024 if causal else 512)
 
 
 def bwd_config(d: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
@@ -658,15 +666,17 @@ def bwd_config(d: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, 
     return ((64, 128, 3, 240), (128, 128, 2, 240)) if d <= 64 else ((64, 128, 2, 240), (128, 64, 2, 240))
 
 
-def backward(do, q, k, v, out, stats, scale: float, causal: bool):
+def backward(do, q, k, v, out, stats, scale: float, causal: bool, config=None, early_dv=None):
     """(dq, dk, dv) [B,H,N·,D] in q's dtype for a call ``supports`` accepts, from the forward's out
     and stats [B,H,2,Nq] (contiguous; any forward's: the statistics are the same). A dO that TMA
-    cannot read in place (unit last stride, 16-byte aligned) is copied first."""
+    cannot read in place (unit last stride, 16-byte aligned) is copied first. ``config`` /
+    ``early_dv`` replace bwd_config's choice / EARLY_DV (for tuning)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     if not _tma_readable(do):
         do = do.contiguous()
-    (km, kn, kst, kregs), (qm, qn, qst, qregs) = bwd_config(D)
+    (km, kn, kst, kregs), (qm, qn, qst, qregs) = config or bwd_config(D)
+    early_dv = EARLY_DV if early_dv is None else early_dv
     nqp = cdiv(Nq, 128) * 128
     prep = torch.empty((2, B * H, nqp), device=q.device, dtype=torch.float32)
     lse2, delta = prep[0], prep[1]
@@ -678,7 +688,7 @@ def backward(do, q, k, v, out, stats, scale: float, causal: bool):
     launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), B * H), _descriptor(q, km), _descriptor(do, km), _descriptor(k, 64),
            _descriptor(v, 64), lse2, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
            dv.stride(1), dv.stride(2), H, Nq, Nk, nqp, scale, scale * LOG2E, D=D, BLOCK_M=km, BLOCK_N=kn,
-           STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, num_warps=4)
+           STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, EARLY_DV=early_dv, num_warps=4)
     n_m = cdiv(Nq, qm)
     n_items = n_m * B * H
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)

@@ -101,9 +101,10 @@ def test_backward_dispatch_policy(monkeypatch):
     """Without EVERYWHERE, the backward's measured policy (see hopper.serves_backward)."""
     from elsa_vision.kernels import hopper
     monkeypatch.setattr(hopper, "EVERYWHERE", False)
-    for n, d, want in [(4096, 64, False), (8192, 64, True), (2048, 128, False), (4096, 128, True)]:
+    for n, d, causal, want in [(197, 64, False, False), (577, 64, False, True), (577, 64, True, False),
+                               (1041, 64, True, True), (197, 128, True, True)]:
         q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
-        assert hopper.serves_backward(q, k, v, None, "native", False) == want, (n, d)
+        assert hopper.serves_backward(q, k, v, None, "native", causal) == want, (n, d, causal)
     monkeypatch.setattr(hopper, "BACKWARD", False)
     q, k, v = qkv(1, 1, 8192, 8192, 128, torch.bfloat16)
     assert not hopper.serves_backward(q, k, v, None, "native", False)
@@ -171,6 +172,12 @@ def test_backward_cross_lengths_causal(nq, nk, d):
     want = _causal_grads(q, k, v, do, torch.float64)
     same_g = _causal_grads(q, k, v, do, q.dtype)
     for name, a, p, r, s in zip(("dq", "dk", "dv"), got, portable, want, same_g):
+        if name == "dq" and nk == 1:
+            # exactly 0 (P = 1, dS = dP − delta): what is left is the float32 summation order of dP
+            # against delta's, D products of |dO|·|v| each, times |k|·scale
+            bound = 4 * d * 2 ** -24 * (do.abs().max() * v.abs().max() * k.abs().max()).item() * d ** -0.5
+            assert a.abs().max().item() <= bound and p.abs().max().item() <= bound
+            continue
         assert_close_to_oracle(a, r, s, name=name, grad=True)
         assert_close_to_oracle(p, r, s, name=name + " (portable)", grad=True)
 
