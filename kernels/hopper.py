@@ -46,7 +46,6 @@ ENABLED = os.environ.get("ELSA_HOPPER", "1").strip() != "0" and CHECKED
 EVERYWHERE = False
 # BACKWARD = False keeps the backward of calls this forward served on the portable kernels
 BACKWARD = True
-EARLY_DV = True
 
 
 @gluon.jit
@@ -348,7 +347,7 @@ def _kv_loader(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring,
 def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty,
                  Lse2, Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2,
                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, EARLY_DV: gl.constexpr):
+                 CAUSAL: gl.constexpr):
     """Warpgroup wg: keys [n0 + 64·wg, +64) against every query tile that sees them, in the
     transposed (key-major) orientation, so that Pᵀ and dSᵀ are born in the A-operand registers of
     the dV and dK products and never go through shared memory:
@@ -400,12 +399,9 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_
                 visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols + (Nk - Nq), 0))
             p_t = gl.where(visible, p_t, 0.0)
         p16 = gl.convert_layout(p_t.to(dtype), A_L, assert_trivial=True)
-        if EARLY_DV:  # dV's product runs while dSᵀ is formed (products retire in issue order)
-            t_dv = warpgroup_mma(p16, do, dv, is_async=True)
-            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=[t_dp])
-        else:
-            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[t_dp])
-            t_dv = warpgroup_mma(p16, do, dv, is_async=True)
+        # (dV's product issued before dP is awaited measured the same at D = 64 and spilled more at 128)
+        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[t_dp])
+        t_dv = warpgroup_mma(p16, do, dv, is_async=True)
         delta = gl.load(delta_row + cols)
         ds16 = gl.convert_layout((p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), A_L, assert_trivial=True)
         t_dk = warpgroup_mma(ds16, q, dk, is_async=True)
@@ -426,7 +422,7 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_
 def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                      H, Nq, Nk, NQP, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, EARLY_DV: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr):
     """Grid (cdiv(Nk, BLOCK_N), B·H): BLOCK_N = 128 keys per program, two consumer warpgroups of 64
     keys each holding their dK, dV [64, D] float32 accumulators in registers, a producer warp
     streaming the query tiles (BLOCK_M rows of Q and dO) through a STAGES-deep ring.
@@ -452,10 +448,10 @@ def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dK, dV, sk_b,
     gl.warp_specialize([
         (_kv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
                         Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, EARLY_DV)),
+                        BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         (_kv_consumer, (1, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
                         Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, EARLY_DV)),
+                        BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         (_kv_loader, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty,
                       do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -666,17 +662,16 @@ def bwd_config(d: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, 
     return ((64, 128, 3, 240), (128, 128, 2, 240)) if d <= 64 else ((64, 128, 2, 240), (128, 64, 2, 240))
 
 
-def backward(do, q, k, v, out, stats, scale: float, causal: bool, config=None, early_dv=None):
+def backward(do, q, k, v, out, stats, scale: float, causal: bool, config=None):
     """(dq, dk, dv) [B,H,N·,D] in q's dtype for a call ``supports`` accepts, from the forward's out
     and stats [B,H,2,Nq] (contiguous; any forward's: the statistics are the same). A dO that TMA
-    cannot read in place (unit last stride, 16-byte aligned) is copied first. ``config`` /
-    ``early_dv`` replace bwd_config's choice / EARLY_DV (for tuning)."""
+    cannot read in place (unit last stride, 16-byte aligned) is copied first. ``config`` replaces
+    bwd_config's choice (for tuning)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     if not _tma_readable(do):
         do = do.contiguous()
     (km, kn, kst, kregs), (qm, qn, qst, qregs) = config or bwd_config(D)
-    early_dv = EARLY_DV if early_dv is None else early_dv
     nqp = cdiv(Nq, 128) * 128
     prep = torch.empty((2, B * H, nqp), device=q.device, dtype=torch.float32)
     lse2, delta = prep[0], prep[1]
@@ -688,7 +683,7 @@ def backward(do, q, k, v, out, stats, scale: float, causal: bool, config=None, e
     launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), B * H), _descriptor(q, km), _descriptor(do, km), _descriptor(k, 64),
            _descriptor(v, 64), lse2, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
            dv.stride(1), dv.stride(2), H, Nq, Nk, nqp, scale, scale * LOG2E, D=D, BLOCK_M=km, BLOCK_N=kn,
-           STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, EARLY_DV=early_dv, num_warps=4)
+           STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, num_warps=4)
     n_m = cdiv(Nq, qm)
     n_items = n_m * B * H
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
