@@ -1,8 +1,9 @@
-"""ELSA's half-precision forward on Hopper (sm_90), written in Gluon: TMA, warp specialisation, wgmma.
+"""ELSA's half-precision forward and backward on Hopper (sm_90), written in Gluon: TMA, warp
+specialisation, wgmma.
 
 The scan is attention.py's (the monoid (m, S, W) folded key tile by key tile, log2 units, P
 rounded to the value dtype for the product while S sums it unrounded), and the statistics it
-writes are the portable forward's, so the portable backward runs from them unchanged. What differs
+writes are the portable forward's, so either backward runs from either forward. What differs
 is how the work is laid out:
 
   * Persistent programs, one per SM, take work items (BLOCK_M query rows of one batch·head) in
@@ -19,6 +20,10 @@ is how the work is laid out:
 
 Tiles with no visible key are never loaded (causal: the triangle's dead tiles; keys past Nk); the
 mask is applied only where a tile straddles the diagonal or the end of the keys.
+
+The backward (deterministic: no atomics) is two kernels after a small prep kernel: dK/dV with the
+keys stationary (each warpgroup owns 64 keys, the query tiles stream past) and dQ with the queries
+stationary (the forward's items and producer warp); see the section "backward" below.
 """
 from __future__ import annotations
 
