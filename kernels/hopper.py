@@ -676,6 +676,8 @@ def backward(do, q, k, v, out, stats, scale: float, causal: bool, config=None):
     Nk = k.shape[2]
     if not _tma_readable(do):
         do = do.contiguous()
+    if out.stride(-1) != 1:  # (the prep kernel reads rows of out with a unit stride)
+        out = out.contiguous()
     (km, kn, kst, kregs), (qm, qn, qst, qregs) = config or bwd_config(D)
     nqp = cdiv(Nq, 128) * 128
     prep = torch.empty((2, B * H, nqp), device=q.device, dtype=torch.float32)
