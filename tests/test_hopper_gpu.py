@@ -159,7 +159,7 @@ def _causal_grads(q, k, v, do, dtype):
     return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ do
 
 
-@pytest.mark.parametrize("nq,nk", [(300, 1000), (1000, 300), (129, 255), (1, 77), (64, 1)])
+@pytest.mark.parametrize("nq,nk", [(300, 1000), (1000, 300), (129, 255), (1, 77), (64, 1), (517, 2049)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_cross_lengths_causal(nq, nk, d):
     """Bottom-right causal with Nq ≠ Nk (query rows that see no key contribute nothing; keys that no
