@@ -678,12 +678,12 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
 def bwd_config(d: int, nk: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
     """((BLOCK_M, BLOCK_N, STAGES, consumer registers) of the dK/dV kernel, the same of the dQ
     kernel). dK/dV: 64-row query tiles (at 128 the Sᵀ and dPᵀ accumulators spill); at D = 64 from
-    1024 keys three warpgroups of 64 keys at 160 registers (336 bytes of spills, and still 9% faster
-    at 16K: one warpgroup's exponentials run under two others' products; below 1024 keys the
-    192-key blocks are mostly padding). dQ: two 64-row warpgroups, key tiles of 128 at D = 64 and
+    640 keys three warpgroups of 64 keys at 160 registers (336 bytes of spills, and still 9% faster
+    at 16K, 5–6% at 705–833 keys: one warpgroup's exponentials run under two others' products; at
+    577 keys, 768 keys in 192-key blocks against 640 in 128-key blocks, 2.5% slower). dQ: two 64-row warpgroups, key tiles of 128 at D = 64 and
     64 at D = 128 (shared memory: double-buffered Q and dO plus the K/V ring)."""
     if d <= 64:
-        return ((64, 192, 2, 160) if nk >= 1024 else (64, 128, 3, 240)), (128, 128, 2, 240)
+        return ((64, 192, 2, 160) if nk >= 640 else (64, 128, 3, 240)), (128, 128, 2, 240)
     return (64, 128, 2, 240), (128, 64, 2, 240)
 
 
