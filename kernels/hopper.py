@@ -222,17 +222,11 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_read
 
 
 @gluon.jit
-def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2,
-                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Persistent: program p takes work items p, p + programs, … (see _item), each BLOCK_M query
-    rows of one batch·head, with BLOCK_M / 64 consumer warpgroups of 64 rows and a producer warp
-    (num_warps = 4: the first warpgroup).
-
-    Out [B, H, Nq, D] (any strides, last one 1), Stats [B, H, 2, Nq] float32: (m in log2 units,
-    S); (+inf, 1) for a row that sees no key."""
+def _query_stationary_buffers(q_desc, k_desc, v_desc, NUM_WG: gl.constexpr, STAGES: gl.constexpr):
+    """Shared memory of the query-stationary kernels (the forward, the backward's dQ): two Q buffers
+    of NUM_WG warpgroup tiles, the K and V rings, and their ready / empty barriers (an empty barrier
+    counts one arrival per warpgroup), initialised and fenced."""
     dtype: gl.constexpr = q_desc.dtype
-    NUM_WG: gl.constexpr = BLOCK_M // 64
     q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG] + q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -251,6 +245,23 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk,
         mbarrier.init(k_empty.index(i), count=NUM_WG)
         mbarrier.init(v_empty.index(i), count=NUM_WG)
     fence_async_shared()
+    return q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty
+
+
+@gluon.jit
+def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2,
+                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Persistent: program p takes work items p, p + programs, … (see _item), each BLOCK_M query
+    rows of one batch·head, with BLOCK_M / 64 consumer warpgroups of 64 rows and a producer warp
+    (num_warps = 4: the first warpgroup).
+
+    Out [B, H, Nq, D] (any strides, last one 1), Stats [B, H, 2, Nq] float32: (m in log2 units,
+    S); (+inf, 1) for a row that sees no key."""
+    dtype: gl.constexpr = q_desc.dtype
+    NUM_WG: gl.constexpr = BLOCK_M // 64
+    q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = _query_stationary_buffers(
+        q_desc, k_desc, v_desc, NUM_WG, STAGES)
 
     # one literal partition list per warpgroup count: Gluon 3.6 builds it at compile time and takes
     # neither a comprehension nor the consumers' arguments grouped into tuples
@@ -550,24 +561,9 @@ def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dQ, sq_b, sq_h,
     dO rows): two consumer warpgroups of 64 query rows. dQ [B, H, Nq, D] (any strides, last 1)."""
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_M // 64
-    q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG] + q_desc.block_type.shape, q_desc.layout)
+    q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = _query_stationary_buffers(
+        q_desc, k_desc, v_desc, NUM_WG, STAGES)
     do_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG] + do_desc.block_type.shape, do_desc.layout)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=NUM_WG)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=NUM_WG)
-        mbarrier.init(v_empty.index(i), count=NUM_WG)
     fence_async_shared()
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
