@@ -53,6 +53,12 @@ EVERYWHERE = False
 BACKWARD = True
 
 
+@gluon.constexpr_function
+def _acc_layout(n):
+    """The register layout of one warpgroup's wgmma accumulator with n columns (64 rows, 4 warps)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _item(w, n_m, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Work item w → (b, h, bh, q0, n_tiles): query rows [q0, q0 + BLOCK_M) of batch·head bh, and
@@ -118,7 +124,7 @@ def _step(j, g, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready
     max. Nothing is in flight across calls: ptxas serialises every wgmma of a loop whose in-flight
     accumulators cross its back edge."""
     dtype: gl.constexpr = q.dtype
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    S_L: gl.constexpr = _acc_layout(BLOCK_N)
     O_L: gl.constexpr = acc.type.layout
     P_L: gl.constexpr = p16.type.layout
     WG_M: gl.constexpr = p16.shape[0]
@@ -164,8 +170,8 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_read
     WG_M: gl.constexpr = 64
     NUM_WG: gl.constexpr = BLOCK_M // WG_M
     dtype: gl.constexpr = q_smem.dtype
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    S_L: gl.constexpr = _acc_layout(BLOCK_N)
+    O_L: gl.constexpr = _acc_layout(D)
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
@@ -371,8 +377,8 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_
       Pᵀ = exp2(Sᵀ·scale·log2e − lse2) while dPᵀ runs, dSᵀ = Pᵀ∘(dPᵀ − delta),
       dV += Pᵀ·dO, dK += dSᵀ·Q (A from registers). dK is scaled once at the end."""
     dtype: gl.constexpr = q_ring.dtype
-    ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    ST_L: gl.constexpr = _acc_layout(BLOCK_M)
+    O_L: gl.constexpr = _acc_layout(D)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     COL: gl.constexpr = gl.SliceLayout(0, ST_L)
     qk_scale2 = qk_scale2.to(gl.float32)
@@ -500,8 +506,8 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
     WG_M: gl.constexpr = 64
     NUM_WG: gl.constexpr = BLOCK_M // WG_M
     dtype: gl.constexpr = q_smem.dtype
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    S_L: gl.constexpr = _acc_layout(BLOCK_N)
+    O_L: gl.constexpr = _acc_layout(D)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
@@ -564,7 +570,6 @@ def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dQ, sq_b, sq_h,
     q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = _query_stationary_buffers(
         q_desc, k_desc, v_desc, NUM_WG, STAGES)
     do_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG] + do_desc.block_type.shape, do_desc.layout)
-    fence_async_shared()
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                         Lse2, Delta, dQ, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D, BLOCK_M,
