@@ -11,7 +11,7 @@ import torch
 from .checks import (autocast, bias4, check_block, check_flag, check_head_dim, check_qkv, check_same_kind, check_scale,
                      pair, window_bias, window_mask)
 from .dispatch import HALF, Problem, autocast_dtype, clear_memo, dispatch_token, select
-from .kernels.limits import WINDOW_BLOCKS as _BLOCKS
+from .kernels.limits import MAX_GRID_YZ, WINDOW_BLOCKS as _BLOCKS
 from .kernels.reference import Geometry, qkv_views
 
 PRECISIONS = ("auto", "ieee", "tf32x3", "fp16x3", "tf32")
@@ -83,7 +83,9 @@ def attention(
     Returns:
         [B, H, Nq, D] in the inputs' dtype (and the lse with ``return_lse``).
 
-    Under ``torch.autocast`` the inputs are cast to the autocast dtype, as SDPA does.
+    Under ``torch.autocast`` the inputs are cast to the autocast dtype, as SDPA does. A call with
+    more than 65535 batch·heads (CUDA's limit on the grid axis the kernels put them on) runs in
+    chunks of the batch, concatenated.
     """
     key, kept = _kept_call("attention", (q, k, v, bias), (scale, causal, precision, backend, partitions, return_lse))
     if kept is not None:
@@ -108,10 +110,29 @@ def attention(
     if Nk == 0 or Nq == 0:  # no key: every row is fully masked and returns 0
         out = _nothing_to_attend(q.shape, q, k, v)
         return (out, torch.full((B, H, Nq), float("inf"), device=q.device)) if return_lse else out
+    if B * H > MAX_GRID_YZ and B > 1:  # (thousands of VGGT frames × heads)
+        return _in_batch_chunks(run, q, k, v, bias, scale, causal, prec, partitions, return_lse)
     if q is q0 and bias is bias0:  # no autocast cast, no bool → additive or broadcast view to redo
         _keep(key, (run, scale, prec))
     out, lse = run(q, k, v, bias, scale, causal, prec, partitions, return_lse)
     return (out, lse.detach()) if return_lse else out
+
+
+def _in_batch_chunks(run, q, k, v, bias, scale, causal, prec, partitions, return_lse):
+    """``run`` on chunks of the batch of at most MAX_GRID_YZ batch·heads each, concatenated: the
+    kernels put batch·heads on a grid axis that CUDA caps at 65535 programs (batch elements are
+    independent, so each chunk's rows are what one call would give). bias is 4-D (bias4)."""
+    B, H = q.shape[:2]
+    step = max(1, MAX_GRID_YZ // H)
+    outs, lses = [], []
+    for b0 in range(0, B, step):
+        rows = slice(b0, b0 + step)
+        out, lse = run(q[rows], k[rows], v[rows], bias[rows] if bias is not None and bias.shape[0] == B else bias,
+                       scale, causal, prec, partitions, return_lse)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs)
+    return (out, torch.cat(lses).detach()) if return_lse else out
 
 
 def _nothing_to_attend(shape, q, k, v) -> torch.Tensor:

@@ -31,6 +31,8 @@ import triton
 from triton import knobs as _knobs
 from triton.runtime import driver as _driver
 
+from .limits import MAX_GRID_YZ
+
 INTERPRET = bool(_knobs.runtime.interpret)
 
 # Triton versions whose binder layout and launcher call this module's fast path was checked against
@@ -179,6 +181,17 @@ def _descriptor_signature(d) -> tuple:
     return type(d), d.base.dtype, tuple(d.block_shape), d.layout
 
 
+def check_grid(fn, grid: tuple) -> None:
+    """A clear error for a CUDA grid past its limits instead of the driver's "invalid argument"
+    (the interpreter has none)."""
+    if any(g > MAX_GRID_YZ for g in grid[1:3]):
+        raise ValueError(
+            f"{getattr(fn, '__name__', fn)}: launch grid {tuple(grid)} has more than {MAX_GRID_YZ} programs on its "
+            f"2nd or 3rd axis, CUDA's limit there (the attention kernels put batch × heads on the 2nd): split "
+            f"the call into smaller batches (elsa_vision.attention does this by itself when the batch has more "
+            f"than one element)")
+
+
 def launch(fn, grid: tuple, *args, **meta):
     """``fn[grid](*args, **meta)`` with Triton's per-call host work cut to what a compiled kernel
     needs: a launch whose arguments have the :func:`_signature` of one seen before reuses that
@@ -188,6 +201,8 @@ def launch(fn, grid: tuple, *args, **meta):
     where :func:`tritons_own_path` holds."""
     if _MODE is not None:
         return _other_launch(fn, grid, args, meta)
+    if len(grid) > 1 and not INTERPRET:
+        check_grid(fn, grid)
     if tritons_own_path():
         return fn[grid](*args, **meta)
     dev = torch.cuda.current_device()
@@ -236,6 +251,8 @@ class Launch:
         self.fn, self.scalars, self.meta = fn, tuple(scalars), meta
         self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         self._bound: dict = {}
+        if not INTERPRET and not tracing():
+            check_grid(fn, self.grid)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if _MODE is not None:

@@ -6,3 +6,4 @@ HEAD_DIMS = (16, 256)          # attention: head dims padded to a power of two i
 WINDOW_HEAD_DIMS = (16, 128)   # window attention: its per-window tiles hold q, k, v of a whole window
 MAX_WINDOW_TOKENS = 256        # window attention: tokens per window
 WINDOW_BLOCKS = (64, 128, 256)  # window attention: the key tiles a call may ask for
+MAX_GRID_YZ = 65535            # CUDA's limit on a launch grid's 2nd and 3rd axes (attention puts batch·heads on the 2nd)

@@ -554,3 +554,40 @@ def test_query_broadcast_bias_gradient(nq, nk, d, bshape, seed):
     q, k, v = (torch.randn(2 if len(bshape) == 4 else 1, 1, n, d, generator=g).to(DEVICE) for n in (nq, nk, nk))
     bias = torch.randn(bshape, generator=g).to(DEVICE)
     check_case(q, k, v, bias=bias, precision="ieee", backend="triton", seed=seed)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_batch_chunks_past_the_grid_limit(monkeypatch, backend):
+    """More batch·heads than CUDA's grid axis holds (65535): the call runs in chunks of the batch,
+    and each chunk's rows, lse and gradients are bitwise those of one call (the limit lowered to 4
+    here: chunks of 2, 2 and 1 batch elements; a bias per batch element is sliced with them)."""
+    import elsa_vision.api as api
+    g = torch.Generator().manual_seed(0)
+    dt = torch.float64 if backend == "reference" else torch.float32
+    q, k, v = (torch.randn(5, 2, 19, 16, generator=g, dtype=dt).to(DEVICE) for _ in range(3))
+    bias = torch.randn(5, 1, 19, 19, generator=g, dtype=dt).to(DEVICE)
+    do = torch.randn(5, 2, 19, 16, generator=g, dtype=dt).to(DEVICE)
+
+    def run():
+        ins = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out, lse = elsa_vision.attention(*ins[:3], bias=ins[3], causal=True, return_lse=True, backend=backend,
+                                         partitions=1 if backend == "triton" else None)
+        return (out, lse, *torch.autograd.grad(out, ins, do))
+
+    want = run()
+    calls = []
+    real = api._in_batch_chunks
+    monkeypatch.setattr(api, "_in_batch_chunks", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(api, "MAX_GRID_YZ", 4)
+    api.clear_caches()  # (the first call's decision is kept per signature, shapes included)
+    got = run()
+    assert calls, "the chunked path did not run"
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, want):
+        assert torch.equal(a, b), name
+
+
+def test_grid_past_cuda_limit_is_a_clear_error():
+    from elsa_vision.kernels import launch
+    launch.check_grid(test_grid_past_cuda_limit_is_a_clear_error, (7, 65535, 3))
+    with pytest.raises(ValueError, match="65535 programs on its 2nd or 3rd axis"):
+        launch.check_grid(test_grid_past_cuda_limit_is_a_clear_error, (1, 65536))
