@@ -33,8 +33,8 @@ def _qk_norm_rope_kernel(
     BLOCK_T: tl.constexpr,
 ):
     eps = tl.cast(eps, tl.float32)  # inductor passes float64
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)  # (batch·heads on the grid's 1st axis: CUDA caps the 2nd at 65535)
+    pid_t = tl.program_id(1)
     b = bh // H
     h = bh % H
     HALF: tl.constexpr = D // 2
@@ -114,7 +114,7 @@ def _qk_norm_rope(x: torch.Tensor, heads: int, out: torch.Tensor, has_norm: bool
     D = out.shape[-1]
     rope = pos is not None
     block_t = 64 if INTERPRET else max(1, 4096 // D)
-    launch(_qk_norm_rope_kernel, (cdiv(n, block_t), B * heads),
+    launch(_qk_norm_rope_kernel, (B * heads, cdiv(n, block_t)),
            x, pos if rope else x, weight if weight is not None else x, bias if bias is not None else x,
            cos if rope else x, sin if rope else x, out, n, heads, eps,
            x.stride(0), x.stride(1), pos.stride(0) if rope else 0, pos.stride(1) if rope else 0,
