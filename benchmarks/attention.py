@@ -417,7 +417,8 @@ def hopper_sweep(passes=("fwd", "fwd+bwd")) -> list[dict]:
                          "speedup_vs_best_sdpa": best / r.ms if r.ms else None,
                          ("grad_rel_err_vs_fp64" if bwd else "max_err_vs_fp64"): errs[label]})
         print(fmt_table(rows[-len(fns):], ["pass", "d", "causal", "Nq", "H", "variant", "ms", "tflops",
-                                           "speedup_vs_best_sdpa"]), flush=True)
+                                           "speedup_vs_best_sdpa",
+                                           "grad_rel_err_vs_fp64" if bwd else "max_err_vs_fp64"]), flush=True)
         del q, k, v, do, fns
         torch.cuda.empty_cache()
     return rows

@@ -84,8 +84,8 @@ def attention(
         [B, H, Nq, D] in the inputs' dtype (and the lse with ``return_lse``).
 
     Under ``torch.autocast`` the inputs are cast to the autocast dtype, as SDPA does. A call with
-    more than 65535 batch·heads (CUDA's limit on the grid axis the kernels put them on) runs in
-    chunks of the batch, concatenated.
+    more than 65535 batch·heads (CUDA's limit on the grid axis the kernels put them on) and a batch
+    of more than one element runs in chunks of the batch, concatenated.
     """
     key, kept = _kept_call("attention", (q, k, v, bias), (scale, causal, precision, backend, partitions, return_lse))
     if kept is not None:

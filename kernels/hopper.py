@@ -49,7 +49,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 # sends every call the kernel supports here, whatever the measured policy of ``serves`` says.
 ENABLED = os.environ.get("ELSA_HOPPER", "1").strip() != "0" and CHECKED
 EVERYWHERE = False
-# BACKWARD = False keeps the backward of calls this forward served on the portable kernels
+# BACKWARD = False keeps every backward on the portable kernels (serves_backward does not depend
+# on which forward ran: the statistics are the same)
 BACKWARD = True
 
 
@@ -601,17 +602,21 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _tma_readable(t: torch.Tensor) -> bool:
+    """What a TMA descriptor reads in place: a unit last stride, 16-byte aligned base and strides,
+    and no broadcast (zero-stride) dimension."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and not any(s * t.element_size() % 16 or (s == 0 and n > 1) for s, n in zip(t.stride()[:-1], t.shape)))
+
+
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str) -> bool:
-    """Whether this forward can take the call: sm_90, half precision, no bias, D ∈ HEAD_DIMS, q/k/v
-    with a unit last stride and 16-byte aligned bases and strides (what TMA reads)."""
+    """Whether the kernels here can take the call (forward and backward): sm_90, half precision, no
+    bias, D ∈ HEAD_DIMS, q/k/v of one dtype that TMA reads in place."""
     if not ENABLED or bias is not None or precision != "native" or q.dtype not in DTYPES or q.shape[-1] not in HEAD_DIMS:
         return False
     if not q.is_cuda or _capability(q.device.index or 0) != (9, 0):
         return False
-    for t in (q, k, v):
-        if t.dtype != q.dtype or t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * 2 % 16 for s in t.stride()[:-1]):
-            return False
-    return True
+    return all(t.dtype == q.dtype and _tma_readable(t) for t in (q, k, v))
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
@@ -658,10 +663,6 @@ def forward(q, k, v, out, stats, scale: float, causal: bool) -> None:
            CONSUMER_REGS=regs, num_warps=4)
 
 
-def _tma_readable(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and not any(s * t.element_size() % 16 for s in t.stride()[:-1])
-
-
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
     """Whether the backward below takes the call: ``supports`` it, and it measured faster than the
     portable backward there (benchmarks/results/<device>/attention_hopper_fwdbwd.csv, bf16 forward
@@ -694,11 +695,15 @@ def backward(do, q, k, v, out, stats, scale: float, causal: bool, config=None):
     bwd_config's choice (for tuning)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    if not _tma_readable(do):
-        do = do.contiguous()
+    if do.dtype != q.dtype or not _tma_readable(do):
+        do = do.to(q.dtype).contiguous()
     if out.stride(-1) != 1:  # (the prep kernel reads rows of out with a unit stride)
         out = out.contiguous()
     (km, kn, kst, kregs), (qm, qn, qst, qregs) = config or bwd_config(D, Nk)
+    if config is not None and not (qm == 128 and kn in (128, 192) and km in (64, 128)):
+        # the kernels' warpgroup counts and barrier counts follow from these; others would hang
+        raise ValueError(f"hopper.backward: config {config} is not one the kernels run: dK/dV needs BLOCK_N 128 "
+                         f"or 192 and BLOCK_M 64 or 128, dQ BLOCK_M 128")
     nqp = cdiv(Nq, 128) * 128
     prep = torch.empty((2, B * H, nqp), device=q.device, dtype=torch.float32)
     lse2, delta = prep[0], prep[1]

@@ -591,3 +591,17 @@ def test_grid_past_cuda_limit_is_a_clear_error():
     launch.check_grid(test_grid_past_cuda_limit_is_a_clear_error, (7, 65535, 3))
     with pytest.raises(ValueError, match="65535 programs on its 2nd or 3rd axis"):
         launch.check_grid(test_grid_past_cuda_limit_is_a_clear_error, (1, 65536))
+
+
+def test_tma_readable_layouts():
+    """What the Hopper kernels read in place by TMA (the rest goes to the portable kernels, or, for
+    dO, is copied first): unit last stride, 16-byte aligned strides, no broadcast dimension."""
+    hopper = pytest.importorskip("elsa_vision.kernels.hopper")
+    t = torch.randn(2, 3, 64, 64).to(torch.bfloat16)
+    assert hopper._tma_readable(t)
+    assert hopper._tma_readable(t.transpose(1, 2))  # token-major views (timm's packed qkv)
+    assert not hopper._tma_readable(t.transpose(-1, -2))
+    assert hopper._tma_readable(t[..., :60])  # (120 bytes of each 128-byte row)
+    assert not hopper._tma_readable(torch.randn(2, 3, 64, 60).to(torch.bfloat16))  # rows of 120 bytes
+    assert not hopper._tma_readable(t[:, :1].expand(2, 3, 64, 64))  # heads broadcast (stride 0)
+    assert hopper._tma_readable(t[:, :1])  # a size-1 dimension's stride is never stepped
