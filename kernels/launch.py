@@ -187,7 +187,7 @@ def check_grid(fn, grid: tuple) -> None:
     if any(g > MAX_GRID_YZ for g in grid[1:3]):
         raise ValueError(
             f"{getattr(fn, '__name__', fn)}: launch grid {tuple(grid)} has more than {MAX_GRID_YZ} programs on its "
-            f"2nd or 3rd axis, CUDA's limit there (batch × heads or windows on the kernels' 2nd axis): split "
+            f"2nd or 3rd axis, CUDA's limit there (where the kernels put batch × heads, or heads): split "
             f"the call into smaller batches (elsa_vision.attention does this by itself when its batch has more "
             f"than one element)")
 
