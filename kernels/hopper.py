@@ -681,8 +681,9 @@ def bwd_config(d: int, nk: int) -> tuple[tuple[int, int, int, int], tuple[int, i
     kernel). dK/dV: 64-row query tiles (at 128 the Sᵀ and dPᵀ accumulators spill); at D = 64 from
     640 keys three warpgroups of 64 keys at 160 registers (336 bytes of spills, and still 9% faster
     at 16K, 5–6% at 705–833 keys: one warpgroup's exponentials run under two others' products; at
-    577 keys, 768 keys in 192-key blocks against 640 in 128-key blocks, 2.5% slower). dQ: two 64-row warpgroups, key tiles of 128 at D = 64 and
-    64 at D = 128 (shared memory: double-buffered Q and dO plus the K/V ring)."""
+    577 keys, 768 keys in 192-key blocks against 640 in 128-key blocks, 2.5% slower). dQ: two
+    64-row warpgroups, key tiles of 128 at D = 64 and 64 at D = 128 (shared memory: double-buffered
+    Q and dO plus the K/V ring)."""
     if d <= 64:
         return ((64, 192, 2, 160) if nk >= 640 else (64, 128, 3, 240)), (128, 128, 2, 240)
     return (64, 128, 2, 240), (128, 64, 2, 240)
@@ -691,8 +692,8 @@ def bwd_config(d: int, nk: int) -> tuple[tuple[int, int, int, int], tuple[int, i
 def backward(do, q, k, v, out, stats, scale: float, causal: bool, config=None):
     """(dq, dk, dv) [B,H,N·,D] in q's dtype for a call ``supports`` accepts, from the forward's out
     and stats [B,H,2,Nq] (contiguous; any forward's: the statistics are the same). A dO that TMA
-    cannot read in place (unit last stride, 16-byte aligned) is copied first. ``config`` replaces
-    bwd_config's choice (for tuning)."""
+    cannot read in place (see _tma_readable), or of another dtype, is copied first. ``config``
+    replaces bwd_config's choice (for tuning)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     if do.dtype != q.dtype or not _tma_readable(do):
