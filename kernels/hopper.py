@@ -689,22 +689,17 @@ def bwd_config(d: int, nk: int) -> tuple[tuple[int, int, int, int], tuple[int, i
     return (64, 128, 2, 240), (128, 64, 2, 240)
 
 
-def backward(do, q, k, v, out, stats, scale: float, causal: bool, config=None):
+def backward(do, q, k, v, out, stats, scale: float, causal: bool):
     """(dq, dk, dv) [B,H,N·,D] in q's dtype for a call ``supports`` accepts, from the forward's out
     and stats [B,H,2,Nq] (contiguous; any forward's: the statistics are the same). A dO that TMA
-    cannot read in place (see _tma_readable), or of another dtype, is copied first. ``config``
-    replaces bwd_config's choice (for tuning)."""
+    cannot read in place (see _tma_readable), or of another dtype, is copied first."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     if do.dtype != q.dtype or not _tma_readable(do):
         do = do.to(q.dtype).contiguous()
     if out.stride(-1) != 1:  # (the prep kernel reads rows of out with a unit stride)
         out = out.contiguous()
-    (km, kn, kst, kregs), (qm, qn, qst, qregs) = config or bwd_config(D, Nk)
-    if config is not None and not (qm == 128 and kn in (128, 192) and km in (64, 128)):
-        # the kernels' warpgroup counts and barrier counts follow from these; others would hang
-        raise ValueError(f"hopper.backward: config {config} is not one the kernels run: dK/dV needs BLOCK_N 128 "
-                         f"or 192 and BLOCK_M 64 or 128, dQ BLOCK_M 128")
+    (km, kn, kst, kregs), (qm, qn, qst, qregs) = bwd_config(D, Nk)
     nqp = cdiv(Nq, 128) * 128
     prep = torch.empty((2, B * H, nqp), device=q.device, dtype=torch.float32)
     lse2, delta = prep[0], prep[1]
