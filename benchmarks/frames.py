@@ -23,7 +23,8 @@ matmul precision "highest" for every linear layer; ELSA in ``--fp32-precision``,
 
 Variants: native (unpatched: SDPA), elsa (patched), elsa-lean (lean_memory=True), elsa-merge
 (TokenMerging(ratio=0.9)), elsa-merge-fast (TokenMerging.fast()), elsa-lean-merge, elsa-lean-merge-proj
-(+ similarity_dim=64), elsa-lean-merge-reuse (+ reuse=2), elsa-lean-merge-fast, elsa-lean-offload (+
+(+ similarity_dim=64), elsa-lean-merge-reuse (+ reuse=2), elsa-lean-merge-protect5 (+ protect=0.05: half of
+FastVGGT's protected destinations), elsa-lean-merge-fast (all three), elsa-lean-offload (+
 lean_offload=True: the layers only the DPT heads read in host memory), elsa-lean-offload-merge.
 FastVGGT fork (bf16 only; it casts its model to bf16): fastvggt-native / fastvggt-elsa (its merging
 from block 0, SDPA or ELSA), fastvggt-nomerge-native / -elsa. The fork installs under the same package name ``vggt``, so it runs in a subprocess whose
@@ -72,6 +73,8 @@ VARIANTS = {  # name → patch options (None = unpatched); order = run order (re
     "elsa-lean-merge-proj": {"lean_memory": True, "token_merging": {"similarity_dim": 64}},
     "elsa-lean-merge-reuse": {"lean_memory": True, "token_merging": {"reuse": 2}},
     "elsa-lean-merge-fast": {"lean_memory": True, "token_merging": "fast"},
+    # fewer destinations: half of FastVGGT's protected tokens (what the fast preset takes), alone
+    "elsa-lean-merge-protect5": {"lean_memory": True, "token_merging": {"protect": 0.05}},
     "elsa-lean-offload": {"lean_memory": True, "lean_offload": True},
     "elsa-lean-offload-merge": {"lean_memory": True, "lean_offload": True, "token_merging": True},
 }
@@ -83,7 +86,7 @@ FORK_VARIANTS = {  # name → (fork merging on?, patched?)
 }
 REFERENCE = {"elsa": "native", "elsa-lean": "elsa", "elsa-merge": "elsa", "elsa-lean-merge": "elsa-lean",
              "elsa-merge-fast": "elsa", "elsa-lean-merge-proj": "elsa-lean", "elsa-lean-merge-reuse": "elsa-lean",
-             "elsa-lean-merge-fast": "elsa-lean",
+             "elsa-lean-merge-fast": "elsa-lean", "elsa-lean-merge-protect5": "elsa-lean",
              "elsa-lean-offload": "elsa-lean", "elsa-lean-offload-merge": "elsa-lean-merge",
              "fastvggt-elsa": "fastvggt-native", "fastvggt-native": "fastvggt-nomerge-native",
              "fastvggt-nomerge-elsa": "fastvggt-nomerge-native"}

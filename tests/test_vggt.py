@@ -600,13 +600,21 @@ def test_reuse_makes_one_plan_per_reuse_blocks(standin, monkeypatch, reuse, plan
 
 
 def test_fast_preset():
-    """TokenMerging.fast(): the projected similarity and reused plans of the preset's constants,
-    any other field settable, and its fields checked like any TokenMerging's."""
+    """TokenMerging.fast(): the projected similarity, reused plans and fewer protected tokens of the
+    preset's constants, any other field settable, and its fields checked like any TokenMerging's;
+    its destinations are the default's less the protected tokens it drops."""
     from elsa_vision.adapters.vggt import merging as M
     fast = A.TokenMerging.fast()
-    assert (fast.similarity_dim, fast.reuse, fast.ratio) == (M.FAST_SIMILARITY_DIM, M.FAST_REUSE, 0.9)
+    assert (fast.similarity_dim, fast.reuse, fast.protect, fast.ratio) == (
+        M.FAST_SIMILARITY_DIM, M.FAST_REUSE, M.FAST_PROTECT, 0.9)
     assert A.TokenMerging.fast(ratio=0.5, seed=2, reuse=1) == A.TokenMerging(
-        ratio=0.5, seed=2, similarity_dim=M.FAST_SIMILARITY_DIM, reuse=1)
+        ratio=0.5, seed=2, similarity_dim=M.FAST_SIMILARITY_DIM, reuse=1, protect=M.FAST_PROTECT)
+    frames_, grid, special = 40, (28, 37), 5
+    n = frames_ * (special + grid[0] * grid[1])
+    dst_default, _ = M.destination_pattern(frames_, grid, special, A.TokenMerging())
+    dst_fast, src_fast = M.destination_pattern(frames_, grid, special, fast)
+    assert dst_default.numel() - dst_fast.numel() == round(0.1 * n) - round(M.FAST_PROTECT * n)
+    assert dst_fast.numel() + src_fast.numel() == n
     with pytest.raises(ValueError, match="reuse"):
         A.TokenMerging.fast(reuse=0)
 
