@@ -12,5 +12,6 @@ Kernel families (Triton), one file each:
   attention.py  ELSA attention (forward scan, backward)
   window.py     windowed attention for Swin (plain and shifted windows)
   nearest.py    fused nearest-row search (token merging's similarity)
+  segment_mean.py  segment means of token rows (token merging's merge)
   rope.py       q/k LayerNorm + 2-D RoPE in one pass (VGGT)
 """

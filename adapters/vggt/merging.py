@@ -146,7 +146,10 @@ class MergePlan:
     Sharded across ranks (see :func:`sharded_merge_plan`): N is this rank's tokens, M the whole
     merged set's rows, ``group`` the process group whose ranks' sums make the means, ``rows`` [R]
     the merged rows this rank's tokens read (ascending) and ``read`` [B, N] each token's position
-    in ``rows``; single-process plans have None there."""
+    in ``rows``; single-process plans have None there.
+
+    ``segments``: (order [B, N], offsets [B, M + 1]) of kernels/segment_mean.py — the tokens sorted
+    by merged row — on plans whose merge runs that kernel (single-process, on CUDA), else None."""
     slot: torch.Tensor
     counts: torch.Tensor
     num_tokens: int   # N
@@ -155,10 +158,12 @@ class MergePlan:
     group: Optional[object] = None
     rows: Optional[torch.Tensor] = None
     read: Optional[torch.Tensor] = None
+    segments: Optional[tuple] = None
 
     def tensors(self) -> tuple:
         """The plan's tensors (for record_stream when it was made on another stream)."""
-        return tuple(t for t in (self.slot, self.counts, self.destinations, self.rows, self.read) if t is not None)
+        return tuple(t for t in (self.slot, self.counts, self.destinations, self.rows, self.read,
+                                 *(self.segments or ())) if t is not None)
 
 
 def _nearest(metric: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype,
@@ -258,12 +263,30 @@ def merge_plan(metric: torch.Tensor, frames: int, grid: tuple[int, int], special
     # integer counts are exact in float32 whatever the order of the additions
     counts = torch.zeros(B, M, dtype=torch.float32, device=dev).scatter_add_(
         1, slot, torch.ones(1, 1, dtype=torch.float32, device=dev).expand(B, N))
-    return MergePlan(slot, counts, N, M, dst)
+    return MergePlan(slot, counts, N, M, dst, segments=_segments(slot, counts))
+
+
+def _segment_kernel(device: torch.device):
+    """kernels/segment_mean.py where it serves the merge: on CUDA with the Triton kernels available
+    (the CPU path's index_add_ is as fast there; the interpreter's tests call the kernel directly)."""
+    if device.type != "cuda" or not triton_serves("cuda"):
+        return None
+    from ...kernels import segment_mean
+    return segment_mean
+
+
+def _segments(slot: torch.Tensor, counts: torch.Tensor) -> Optional[tuple]:
+    kernel = _segment_kernel(slot.device)
+    return None if kernel is None else kernel.segments(slot, counts)
 
 
 def merge_mean(t: torch.Tensor, plan: MergePlan) -> torch.Tensor:
     """[B, N, ...] (any strides) → [B, M, ...]: each merged row is the mean of its tokens, accumulated
-    in float32 (float64 for float64) and returned in t's dtype. Deterministic on CPU and CUDA."""
+    in float32 (float64 for float64) and returned in t's dtype. Deterministic on CPU and CUDA. With
+    the plan's segments ([B, N, H, D] rows), one pass of kernels/segment_mean.py."""
+    if plan.segments is not None and plan.group is None and t.dim() == 4:
+        from ...kernels.segment_mean import segment_mean
+        return segment_mean(t, *plan.segments)
     B, N = t.shape[:2]
     acc_dt = torch.float64 if t.dtype == torch.float64 else torch.float32
     acc = torch.zeros((B, plan.num_merged, *t.shape[2:]), dtype=acc_dt, device=t.device)
