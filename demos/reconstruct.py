@@ -450,7 +450,7 @@ def parse_args(argv=None):
     p.add_argument("--baseline", action="store_true", help="native attention (SDPA), unpatched, for comparison")
     p.add_argument("--merge", nargs="?", const="0.9", default=None, metavar="RATIO|fast",
                    help="token merging in global attention (FastVGGT's method), ratio default 0.9; 'fast': "
-                        "TokenMerging.fast() (cheaper merge assignment, ratio 0.9)")
+                        "TokenMerging.fast() (cheaper merge assignment, fewer destinations, ratio 0.9)")
     p.add_argument("--merge-seed", type=int, default=0)
     p.add_argument("--lean", action="store_true",
                    help="keep only the aggregator layers the heads read and bound transient memory")
