@@ -5,6 +5,7 @@
     python benchmarks/windows.py --tune --shapes swinT-s1,swinT-s4,v2w16-s1   # kernel tuning switches
     python benchmarks/windows.py --quick --profile   # + CUDA time per kernel and host time per call
     python benchmarks/windows.py --blocks   # Swin blocks' whole _attn: shift + windows + attention
+    python benchmarks/windows.py --quick --compile default   # every variant under torch.compile
     → benchmarks/results/<device>/windows.csv and windows.png (windows_quick.* with --quick,
       windows_blocks.* with --blocks)
 
@@ -192,41 +193,50 @@ def variants(sweep: bool, generic: bool):
     return vs
 
 
-def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None):
+def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None, compile_mode=None):
     """Rows of one (shape, dtype, mode): every variant timed interleaved. ``profile`` (a list): also
     one profiled call per variant, its CUDA time per kernel and the host time of the call
     (``host_ms``: wall time of the call without waiting for the GPU; above the kernels' total, the
-    GPU idles between launches)."""
+    GPU idles between launches). ``compile_mode``: every variant's call — timm's strided q, k, v
+    views included — under torch.compile(mode=…, fullgraph=True), its backward compiled with it;
+    compiled in the warm-up, in a fresh dynamo state per case (no CUDA-graph replays then)."""
     dtype = DT[dtype_name]
     qkv, bias, mask = make_inputs(BW, nW, H, N, dtype, bwd)
     leaves = (qkv, bias)
     grad_out = torch.randn(BW, H, N, HEAD_DIM, device=DEVICE, dtype=dtype)
 
-    def call(fn):
-        if getattr(fn, "packed", False):
-            return fn(qkv, bias, mask, dtype)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # timm's strided q, k, v views
-        return fn(q, k, v, bias, mask, dtype)
+    def views(fn):
+        def f(qkv, bias, mask):
+            if getattr(fn, "packed", False):
+                return fn(qkv, bias, mask, dtype)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # timm's strided q, k, v views
+            return fn(q, k, v, bias, mask, dtype)
+        return torch.compile(f, mode=compile_mode, fullgraph=True) if compile_mode else f
 
-    def wrap(fn):
+    if compile_mode:
+        torch._dynamo.reset()
+    called = {n: views(fn) for n, fn in vs.items()}
+
+    def wrap(n):
+        fn = called[n]
         if not bwd:
             def f():
                 with torch.no_grad():
-                    return call(fn)
+                    return fn(qkv, bias, mask)
         else:
             def f():
-                return torch.autograd.grad(call(fn), leaves, grad_out)
+                return torch.autograd.grad(fn(qkv, bias, mask), leaves, grad_out)
         return f
 
-    res = measure({n: wrap(fn) for n, fn in vs.items()}, rounds=rounds)
+    res = measure({n: wrap(n) for n in vs}, rounds=rounds)
     # the same calls replayed from CUDA graphs: GPU time without the host's launch work
-    gres = measure_graphed({n: wrap(fn) for n, fn in vs.items() if res[n].ms is not None},
-                           rounds=rounds) if DEVICE == "cuda" else {}
+    gres = measure_graphed({n: wrap(n) for n in vs if res[n].ms is not None},
+                           rounds=rounds) if DEVICE == "cuda" and not compile_mode else {}
     if profile is not None:
-        for n, fn in vs.items():
+        for n in vs:
             if res[n].ms is None:
                 continue
-            f = wrap(fn)
+            f = wrap(n)
             host = []
             for _ in range(5):
                 sync()
@@ -361,7 +371,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="the Swin-T stages and two SwinV2 shapes, no block sweep, fewer rounds")
     ap.add_argument("--shapes", help="comma-separated shape names (see SHAPES)")
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--no-bwd", action="store_true", help="forward only")
+    ap.add_argument("--no-fwd", action="store_true", help="forward+backward only")
     ap.add_argument("--no-generic", action="store_true", help="skip elsa_vision.attention on the expanded mask")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--tune", nargs="?", const="all", metavar="SWITCHES",
@@ -374,7 +385,12 @@ def main(argv=None):
                     help="time the Swin-T blocks' whole _attn instead (shift + windows + attention; see above)")
     ap.add_argument("--smoke", action="store_true",
                     help="check this script on CPU (TRITON_INTERPRET=1): one window per image, one head, 1 round")
+    ap.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
+                    help="every variant's call under torch.compile in this mode (fullgraph, backward included) "
+                         "→ <stem>_compile_<mode>.*")
     a = ap.parse_args(argv)
+    if a.compile and (a.blocks or a.tune):
+        ap.error("--compile times the attention calls; not with --blocks or --tune")
     global DEVICE
     if a.smoke:
         DEVICE = "cpu"
@@ -397,9 +413,9 @@ def main(argv=None):
         return run_blocks(a, rounds)
     rows, prof = [], ([] if a.profile else None)
     for dtype_name in a.dtypes.split(","):
-        for bwd in ([False] if a.no_bwd else [False, True]):
+        for bwd in [m for m in (False, True) if not (a.no_bwd and m or a.no_fwd and not m)]:
             for name, BW, nW, H, N in shapes:
-                rows += run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, prof)
+                rows += run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, prof, a.compile)
                 done = [r for r in rows if r["shape"] == name and r["dtype"] == dtype_name and r["mode"] == ("fwd+bwd" if bwd else "fwd")]
                 print(fmt_table(done, ["shape", "dtype", "mode", "variant", "ms", "peak_mib", "speedup", "mem_ratio", "graph_ms",
                                        "graph_speedup", "error"]), flush=True)
@@ -407,6 +423,8 @@ def main(argv=None):
     if a.smoke and not a.out:
         outdir = Path("/tmp/elsa_windows_smoke")
     stem = "windows_tune" if a.tune else "windows_quick" if a.quick else "windows"
+    if a.compile:
+        stem += f"_compile_{a.compile.replace('-', '_')}"
     csv = write_csv(rows, outdir / f"{stem}.csv")
     plot(rows, outdir / f"{stem}.png")
     print(f"\nwrote {csv} and {outdir / (stem + '.png')}")
@@ -427,7 +445,7 @@ def run_blocks(a, rounds):
         global BLOCK_BATCH
         BLOCK_BATCH = 1
     for dtype_name in a.dtypes.split(","):
-        for bwd in ([False] if a.no_bwd else [False, True]):
+        for bwd in [m for m in (False, True) if not (a.no_bwd and m or a.no_fwd and not m)]:
             for stage in stages:
                 done = run_block_case(*stage, dtype_name, bwd, rounds)
                 rows += done

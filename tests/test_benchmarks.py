@@ -71,6 +71,18 @@ def test_windows_benchmark_smoke(tmp_path, args):
     assert all(float(r["host_ms"]) > 0 for r in prof) and any(r.get("kernel") for r in prof)
 
 
+def test_windows_benchmark_compile_smoke(tmp_path):
+    """--compile: every variant's call (forward and backward) compiled whole, no variant failing."""
+    from benchmarks import windows
+    import csv
+    windows.main(["--smoke", "--quick", "--shapes", "swinT-s4", "--dtypes", "fp32", "--compile", "default",
+                  "--out", str(tmp_path)])
+    rows = list(csv.DictReader(open(tmp_path / "windows_quick_compile_default.csv")))
+    assert {r["variant"] for r in rows} == {"timm-sdpa", "timm-math", "elsa", "elsa-qkv"}
+    assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"}
+    assert all(r["ms"] and not r["error"] for r in rows), [r for r in rows if r["error"]]
+
+
 def test_windows_benchmark_blocks_smoke(tmp_path):
     """--blocks: timm's Swin block _attn against ELSA's module-level and block-fused patches."""
     from benchmarks import windows
