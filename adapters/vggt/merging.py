@@ -268,7 +268,8 @@ def merge_plan(metric: torch.Tensor, frames: int, grid: tuple[int, int], special
 
 def _segment_kernel(device: torch.device):
     """kernels/segment_mean.py where it serves the merge: on CUDA with the Triton kernels available
-    (the CPU path's index_add_ is as fast there; the interpreter's tests call the kernel directly)."""
+    (on the CPU the merge stays index_add_; the CPU tests run the kernel under the interpreter
+    directly)."""
     if device.type != "cuda" or not triton_serves("cuda"):
         return None
     from ...kernels import segment_mean
