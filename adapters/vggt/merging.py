@@ -270,8 +270,8 @@ def _segment_kernel(device: torch.device):
     """kernels/segment_mean.py where it serves the merge: on CUDA with the Triton kernels available
     (on the CPU the merge stays index_add_; the CPU tests run the kernel under the interpreter
     directly)."""
-    if device.type != "cuda" or not triton_serves("cuda"):
-        return None
+    if device.type != "cuda" or not triton_serves("cuda") or torch.compiler.is_compiling():
+        return None  # (under torch.compile the torch ops, which inductor fuses, as for kernels/rope.py)
     from ...kernels import segment_mean
     return segment_mean
 
