@@ -53,7 +53,8 @@ from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3,
                      dot_nt, ds_k, ds_units, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
 from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
-from .tiles import PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions
+from .tiles import (PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions,
+                    tail_width)
 
 try:  # the Gluon forward and backward for Hopper (sm_90); absent where Triton ships no Gluon
     from . import hopper
@@ -208,9 +209,10 @@ def _fwd_kernel(
     H, Nq, Nk, part_len, n_part, scale, qk_scale2,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-    KAHAN: tl.constexpr, CHUNK: tl.constexpr, PIPELINE: tl.constexpr,
+    KAHAN: tl.constexpr, CHUNK: tl.constexpr, PIPELINE: tl.constexpr, TAIL: tl.constexpr,
 ):
-    """Phase 1 (and, unsplit, its epilogue). CHUNK > 0 (float32, unsplit): the interior key tiles
+    """Phase 1 (and, unsplit, its epilogue). TAIL < BLOCK_N (no causal mask; see tiles.tail_width):
+    the partial last key tile, at most TAIL keys, is scanned TAIL wide. CHUNK > 0 (float32, unsplit): the interior key tiles
     are folded CHUNK keys at a time into a fresh state, and each chunk's state is merged with the
     monoid operator into the running one, whose W lives in this program's rows of Out (float32):
     the two-level scan inside one program. Rounding then accumulates over CHUNK / BLOCK_N tile sums
@@ -292,10 +294,19 @@ def _fwd_kernel(
             m_i, s_i, c_s, acc, c_acc = _scan_tile(
                 q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
                 sb_n, scale, qk_scale2, ck, cv, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, False, PREC, KAHAN)
-    for start in range(full_end, k_hi, BLOCK_N):
-        m_i, s_i, c_s, acc, c_acc = _scan_tile(
-            q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
-            sb_n, scale, qk_scale2, ck, cv, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
+    if TAIL < BLOCK_N:
+        # one partial tile at most (partitions are whole tiles, no diagonal): a 197-key row scans
+        # 3 × 64 + 16 keys instead of 4 × 64
+        if k_hi > full_end:
+            m_i, s_i, c_s, acc, c_acc = _scan_tile(
+                q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, full_end + tl.arange(0, TAIL), offs_d, Nq, Nk, k_end,
+                sk_n, sv_n, sb_n, scale, qk_scale2, ck, cv, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True,
+                PREC, KAHAN)
+    else:
+        for start in range(full_end, k_hi, BLOCK_N):
+            m_i, s_i, c_s, acc, c_acc = _scan_tile(
+                q, q_lo, k_ptrs, v_ptrs, bias_ptrs, offs_m, start + offs_n0, offs_d, Nq, Nk, k_end, sk_n, sv_n,
+                sb_n, scale, qk_scale2, ck, cv, m_i, s_i, c_s, acc, c_acc, D, HAS_BIAS, CAUSAL, True, PREC, KAHAN)
     if CHUNK > 0:  # the tail joins the chunks' running state
         w_t = tl.load(o_ptrs, mask=o_mask & (full_end > k_lo), other=0.0)
         m_i, s_i, acc = _combine(m_t, s_t, w_t, m_i, s_i, acc, HAS_BIAS)
@@ -451,6 +462,56 @@ def _head_scales(Scales, bh, PREC: tl.constexpr):
 
 
 @triton.jit
+def _dkdv_step(dk, dv, k, k_lo, v, v_lo, q_base, do_base, bias_base, Stats, Delta, bh, offs_m, offs_n, offs_d,
+               Nq, Nk, sq_m, sq_d, sdo_m, sdo_d, sb_m, sb_n, s_scale, s_scale2, cq, cv, cdo, D: tl.constexpr,
+               D_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+               EXACT: tl.constexpr, EARLY_DP: tl.constexpr):
+    """(dk, dv) [BLOCK_N, D_PAD] plus the shares dSᵀ·q and Pᵀ·dO of the query tile at offs_m (any
+    width): the body of _bwd_dkdv_kernel's loop."""
+    row_ok = offs_m < Nq
+    qT = tl.load(q_base + offs_m[None, :] * sq_m + offs_d[:, None] * sq_d,
+                 mask=row_ok[None, :] & (offs_d[:, None] < D), other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d,
+                 mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    m_r, r_r = load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
+    delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
+    do_lo = do
+    if PREC == FP16X3:
+        qT, qT_lo = split_f16(qT * cq)
+        do, do_lo = split_f16(do * cdo)
+        delta = delta * cdo * cv
+        if _SAME_ORIENTATION:
+            qkT = tl.trans(dot3(tl.trans(qT), tl.trans(qT_lo), tl.trans(k), tl.trans(k_lo)))
+        else:
+            qkT = dot3(k, k_lo, qT, qT_lo)
+    elif _SAME_ORIENTATION:
+        qkT = tl.trans(dot(tl.trans(qT), tl.trans(k), PREC))
+    else:
+        qkT = dot(k, qT, PREC)
+    if EARLY_DP:
+        dpT = dot_nt(v, v_lo, do, do_lo, PREC)
+    btT = 0.0
+    if HAS_BIAS:
+        btT = tl.load(bias_base + offs_m[None, :] * sb_m + offs_n[:, None] * sb_n,
+                      mask=row_ok[None, :] & (offs_n[:, None] < Nk), other=0.0).to(tl.float32)
+    visible = offs_n[:, None] < Nk
+    if CAUSAL:
+        visible = visible & (offs_n[:, None] <= offs_m[None, :] + (Nk - Nq))
+    pT = tl.where(visible, _probs(qkT, btT, s_scale, s_scale2, m_r[None, :], r_r[None, :], HAS_BIAS, EXACT), 0.0)
+    dv = dv + pv(pT, do, do_lo, PREC)
+    if not EARLY_DP:
+        dpT = dot_nt(v, v_lo, do, do_lo, PREC)
+    dsT = pT * (dpT - delta[None, :])
+    if PREC == FP16X3:
+        u, w = dk_units(r_r, D_PAD)
+        a_hi, a_lo = split_f16(dsT * u[None, :])
+        dk = dk + dot3(a_hi, a_lo, tl.trans(qT) * w[:, None], tl.trans(qT_lo) * w[:, None])
+    else:
+        dk = dk + dot(cast(dsT, qT.dtype), tl.trans(qT), PREC)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, dOut, Stats, Delta, dK, dV, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
@@ -458,13 +519,14 @@ def _bwd_dkdv_kernel(
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
-    EARLY_DP: tl.constexpr,
+    EARLY_DP: tl.constexpr, TAIL: tl.constexpr,
 ):
-    """One key tile per program; loops over the query tiles that can see it. Everything is formed
-    transposed — Sᵀ = k·qᵀ [BLOCK_N, BLOCK_M] — so that all four products have the key tile as their
-    M dimension (dV += Pᵀ·dO, dPᵀ = v·dOᵀ, dK += dSᵀ·q): with BLOCK_N = 64 each is one warpgroup
-    MMA on Hopper, where a [BLOCK_M, BLOCK_N] score tile transposed for dV and dK would put
-    BLOCK_N = 32 rows there (mma.sync, or duplicated work).
+    """One key tile per program; loops over the query tiles that can see it (TAIL < BLOCK_M: the
+    partial last one TAIL rows wide). Everything is formed transposed — Sᵀ = k·qᵀ [BLOCK_N, BLOCK_M]
+    — so that all four products have the key tile as their M dimension (dV += Pᵀ·dO, dPᵀ = v·dOᵀ,
+    dK += dSᵀ·q): with BLOCK_N = 64 each is one warpgroup MMA on Hopper, where a [BLOCK_M, BLOCK_N]
+    score tile transposed for dV and dK would put BLOCK_N = 32 rows there (mma.sync, or duplicated
+    work).
 
     fp16x3 (PREC 4): k, v, q, dO are split at their heads' scales; Pᵀ goes in as Pᵀ·2^14. dSᵀ's
     column i (query i) is scaled by t_i = 2^min(−floor(log2 r_i), 10) ≈ S_i (see ds_units) and q's
@@ -500,48 +562,20 @@ def _bwd_dkdv_kernel(
     q_base = Q + b * sq_b + h * sq_h
     do_base = dOut + b * sdo_b + h * sdo_h
     bias_base = Bias + b * sb_b + h * sb_h
-    for start in range(m_lo, Nq, BLOCK_M):
-        offs_m = start + offs_m0
-        row_ok = offs_m < Nq
-        qT = tl.load(q_base + offs_m[None, :] * sq_m + offs_d[:, None] * sq_d,
-                     mask=row_ok[None, :] & (offs_d[:, None] < D), other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d,
-                     mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        m_r, r_r = load_stats(Stats, bh, offs_m, row_ok, Nq, HAS_BIAS, EXACT)
-        delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
-        do_lo = do
-        if PREC == FP16X3:
-            qT, qT_lo = split_f16(qT * cq)
-            do, do_lo = split_f16(do * cdo)
-            delta = delta * cdo * cv
-            if _SAME_ORIENTATION:
-                qkT = tl.trans(dot3(tl.trans(qT), tl.trans(qT_lo), tl.trans(k), tl.trans(k_lo)))
-            else:
-                qkT = dot3(k, k_lo, qT, qT_lo)
-        elif _SAME_ORIENTATION:
-            qkT = tl.trans(dot(tl.trans(qT), tl.trans(k), PREC))
-        else:
-            qkT = dot(k, qT, PREC)
-        if EARLY_DP:
-            dpT = dot_nt(v, v_lo, do, do_lo, PREC)
-        btT = 0.0
-        if HAS_BIAS:
-            btT = tl.load(bias_base + offs_m[None, :] * sb_m + offs_n[:, None] * sb_n,
-                          mask=row_ok[None, :] & (offs_n[:, None] < Nk), other=0.0).to(tl.float32)
-        visible = offs_n[:, None] < Nk
-        if CAUSAL:
-            visible = visible & (offs_n[:, None] <= offs_m[None, :] + (Nk - Nq))
-        pT = tl.where(visible, _probs(qkT, btT, s_scale, s_scale2, m_r[None, :], r_r[None, :], HAS_BIAS, EXACT), 0.0)
-        dv += pv(pT, do, do_lo, PREC)
-        if not EARLY_DP:
-            dpT = dot_nt(v, v_lo, do, do_lo, PREC)
-        dsT = pT * (dpT - delta[None, :])
-        if PREC == FP16X3:
-            u, w = dk_units(r_r, D_PAD)
-            a_hi, a_lo = split_f16(dsT * u[None, :])
-            dk += dot3(a_hi, a_lo, tl.trans(qT) * w[:, None], tl.trans(qT_lo) * w[:, None])
-        else:
-            dk += dot(cast(dsT, qT.dtype), tl.trans(qT), PREC)
+    m_hi = Nq
+    if TAIL < BLOCK_M:  # full query tiles, then the partial one TAIL wide
+        m_hi = (Nq // BLOCK_M) * BLOCK_M
+    for start in range(m_lo, m_hi, BLOCK_M):
+        dk, dv = _dkdv_step(
+            dk, dv, k, k_lo, v, v_lo, q_base, do_base, bias_base, Stats, Delta, bh, start + offs_m0, offs_n, offs_d,
+            Nq, Nk, sq_m, sq_d, sdo_m, sdo_d, sb_m, sb_n, s_scale, s_scale2, cq, cv, cdo, D, D_PAD, HAS_BIAS,
+            CAUSAL, PREC, EXACT, EARLY_DP)
+    if TAIL < BLOCK_M:
+        if m_hi < Nq:  # (m_lo ≤ m_hi: a causal program's first tile is at most the partial one)
+            dk, dv = _dkdv_step(
+                dk, dv, k, k_lo, v, v_lo, q_base, do_base, bias_base, Stats, Delta, bh, m_hi + tl.arange(0, TAIL),
+                offs_n, offs_d, Nq, Nk, sq_m, sq_d, sdo_m, sdo_d, sb_m, sb_n, s_scale, s_scale2, cq, cv, cdo, D, D_PAD, HAS_BIAS,
+                CAUSAL, PREC, EXACT, EARLY_DP)
     if PREC == FP16X3:  # one power of two at a time: their product may leave float32's range
         dk = dk * (65536.0 * D_PAD) * (1.0 / cq) * (1.0 / cdo) * (1.0 / cv)
         dv = dv * (1.0 / 16384.0) * (1.0 / cdo)
@@ -669,16 +703,27 @@ def _bwd_delta_kernel(
 
 
 @triton.jit
+def _dq_step(dq, q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, offs_n, offs_d, row_ok, m_r, r_r, delta, f,
+             Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, scale, qk_scale2, ck, cv, D: tl.constexpr,
+             HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr):
+    """dq [BM, D_PAD] plus the key tile at offs_n's share dS·k (see _p_dp_tile, ds_k)."""
+    k, k_lo, p, dp = _p_dp_tile(q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, offs_n, offs_d, row_ok, m_r,
+                                r_r, Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, scale, qk_scale2, ck, cv,
+                                D, HAS_BIAS, CAUSAL, PREC, EXACT)
+    return dq + ds_k(p * (dp - delta[:, None]), f, k, k_lo, PREC)
+
+
+@triton.jit
 def _bwd_dq_kernel(
     Q, K, V, Bias, dOut, Stats, Delta, dQ, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr, TAIL: tl.constexpr,
 ):
-    """One query tile per program; loops over the key tiles it can see. fp16x3: dS row i enters the
-    product scaled by f_i (ds_units), undone on dQ's row i at the end."""
+    """One query tile per program; loops over the key tiles it can see (TAIL: as _fwd_kernel's).
+    fp16x3: dS row i enters the product scaled by f_i (ds_units), undone on dQ's row i at the end."""
     qk_scale2, scale = tl.cast(qk_scale2, tl.float32), tl.cast(scale, tl.float32)  # inductor passes float64
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -699,11 +744,17 @@ def _bwd_dq_kernel(
     if PREC == FP16X3:
         delta = delta * cdo * cv
         f = ds_units(r_r, D_PAD)
+    if TAIL < BLOCK_N:  # full tiles, then the partial one TAIL wide (no causal mask: k_hi is Nk)
+        k_hi = (Nk // BLOCK_N) * BLOCK_N
     for start in range(0, k_hi, BLOCK_N):
-        k, k_lo, p, dp = _p_dp_tile(q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, start + offs_n0, offs_d,
-                                    row_ok, m_r, r_r, Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, s_scale, s_scale2,
-                                    ck, cv, D, HAS_BIAS, CAUSAL, PREC, EXACT)
-        dq += ds_k(p * (dp - delta[:, None]), f, k, k_lo, PREC)
+        dq = _dq_step(dq, q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, start + offs_n0, offs_d, row_ok,
+                      m_r, r_r, delta, f, Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, s_scale, s_scale2, ck, cv,
+                      D, HAS_BIAS, CAUSAL, PREC, EXACT)
+    if TAIL < BLOCK_N:
+        if k_hi < Nk:
+            dq = _dq_step(dq, q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, k_hi + tl.arange(0, TAIL), offs_d,
+                          row_ok, m_r, r_r, delta, f, Nq, Nk, sk_n, sk_d, sv_n, sv_d, sb_m, sb_n, s_scale, s_scale2,
+                          ck, cv, D, HAS_BIAS, CAUSAL, PREC, EXACT)
     if PREC == FP16X3:  # one power of two at a time: their product may leave float32's range
         dq = dq * (1.0 / f)[:, None] * (1.0 / ck) * (1.0 / cdo) * (1.0 / cv)
     dq = dq * scale
@@ -887,7 +938,7 @@ def _fwd_launch(q, k, v, bias, out, scale: float, causal: bool, precision: str, 
         dict(D=D, D_PAD=pow2(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
              HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split,
              PREC=PRECISION_CODES[precision], KAHAN=cfg.kahan and not chunk, CHUNK=chunk, PIPELINE=cfg.pipeline,
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+             TAIL=cfg.block_n if causal else tail_width(k.shape[2], cfg.block_n), num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
 def phase2(ms, ss, ws, out, stats, natural: bool):
@@ -938,12 +989,12 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
             out, do, delta, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0)
     launch(_bwd_dq_kernel, (cdiv(Nq, cfg.block_m), B * H),
         q, k, v, bias_arg, do, stats, delta, dq, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, **common)
+        HAS_BIAS=bias is not None, TAIL=cfg.block_n if causal else tail_width(Nk, cfg.block_n), **common)
     kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
     early_dp = early_dp_default(q.dtype, d_pad, precision) if early_dp is None else early_dp
     launch(_bwd_dkdv_kernel, (cdiv(Nk, kv.block_n), B * H),
         q, k, v, bias_arg, do, stats, delta, dk, dv, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, EARLY_DP=early_dp,
+        HAS_BIAS=bias is not None, EARLY_DP=early_dp, TAIL=tail_width(Nq, kv.block_m),
         **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n, "num_warps": kv.num_warps,
            "num_stages": kv.num_stages})
     dbias = None
