@@ -622,10 +622,11 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision:
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
     """Whether this forward takes the call: ``supports`` it, and it measured faster than the
     portable forward there (benchmarks/results/<device>/attention_hopper.csv, bf16, CUDA-graph
-    replays): at D = 128 every non-causal call and causal ones from 2048 keys; at D = 64 from 2048
+    replays): at D = 128 every non-causal call and causal ones from 2048 keys; at D = 64 from 1280
     keys, causal from 4096. Below, a block of 128 or 192 rows is mostly padding or the diagonal's
-    masked tile, and the portable kernel's smaller tiles are ahead (VGGT's 1041-token frames: 558
-    against 604 µs, 48 × 16 heads, H200). ``EVERYWHERE`` (tests,
+    masked tile, and the portable kernel's 64-row tiles are ahead (VGGT's 1041-token frames, 48 × 16
+    heads: 558 against 604 µs on an H200, 570 against 616 on an H100; at 1536 tokens the Gluon
+    kernel is ahead, 525 against 563 µs on the H100). ``EVERYWHERE`` (tests,
     benchmarks) takes every call it supports."""
     if not supports(q, k, v, bias, precision):
         return False
@@ -634,7 +635,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     nk = k.shape[2]
     if q.shape[-1] == 128:
         return not causal or nk >= 2048
-    return nk >= (4096 if causal else 2048)
+    return nk >= (4096 if causal else 1280)
 
 
 def config(d: int, nq: int) -> tuple[int, int, int, int]:
