@@ -211,12 +211,12 @@ def _fwd_kernel(
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
     KAHAN: tl.constexpr, CHUNK: tl.constexpr, PIPELINE: tl.constexpr, TAIL: tl.constexpr,
 ):
-    """Phase 1 (and, unsplit, its epilogue). TAIL < BLOCK_N (no causal mask; see tiles.tail_width):
-    the partial last key tile, at most TAIL keys, is scanned TAIL wide. CHUNK > 0 (float32, unsplit): the interior key tiles
-    are folded CHUNK keys at a time into a fresh state, and each chunk's state is merged with the
-    monoid operator into the running one, whose W lives in this program's rows of Out (float32):
-    the two-level scan inside one program. Rounding then accumulates over CHUNK / BLOCK_N tile sums
-    plus Nk / CHUNK merges instead of Nk / BLOCK_N tile sums, at no register cost — Kahan
+    """Phase 1 (and, unsplit, its epilogue). TAIL < BLOCK_N (no causal mask; see tiles.tail_width): the
+    partial last key tile, at most TAIL keys, is scanned TAIL wide. CHUNK > 0 (float32, unsplit): the
+    interior key tiles are folded CHUNK keys at a time into a fresh state, and each chunk's state is
+    merged with the monoid operator into the running one, whose W lives in this program's rows of Out
+    (float32): the two-level scan inside one program. Rounding then accumulates over CHUNK / BLOCK_N
+    tile sums plus Nk / CHUNK merges instead of Nk / BLOCK_N tile sums, at no register cost — Kahan
     compensation, the other way to bound it, doubles the accumulator registers (at 64×64 tiles it
     spilled)."""
     scale, qk_scale2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32)  # inductor passes float64
@@ -574,8 +574,8 @@ def _bwd_dkdv_kernel(
         if m_hi < Nq:  # (m_lo ≤ m_hi: a causal program's first tile is at most the partial one)
             dk, dv = _dkdv_step(
                 dk, dv, k, k_lo, v, v_lo, q_base, do_base, bias_base, Stats, Delta, bh, m_hi + tl.arange(0, TAIL),
-                offs_n, offs_d, Nq, Nk, sq_m, sq_d, sdo_m, sdo_d, sb_m, sb_n, s_scale, s_scale2, cq, cv, cdo, D, D_PAD, HAS_BIAS,
-                CAUSAL, PREC, EXACT, EARLY_DP)
+                offs_n, offs_d, Nq, Nk, sq_m, sq_d, sdo_m, sdo_d, sb_m, sb_n, s_scale, s_scale2, cq, cv, cdo, D, D_PAD,
+                HAS_BIAS, CAUSAL, PREC, EXACT, EARLY_DP)
     if PREC == FP16X3:  # one power of two at a time: their product may leave float32's range
         dk = dk * (65536.0 * D_PAD) * (1.0 / cq) * (1.0 / cdo) * (1.0 / cv)
         dv = dv * (1.0 / 16384.0) * (1.0 / cdo)
@@ -938,7 +938,8 @@ def _fwd_launch(q, k, v, bias, out, scale: float, causal: bool, precision: str, 
         dict(D=D, D_PAD=pow2(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
              HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split,
              PREC=PRECISION_CODES[precision], KAHAN=cfg.kahan and not chunk, CHUNK=chunk, PIPELINE=cfg.pipeline,
-             TAIL=cfg.block_n if causal else tail_width(k.shape[2], cfg.block_n), num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+             TAIL=cfg.block_n if causal else tail_width(k.shape[2], cfg.block_n), num_warps=cfg.num_warps,
+             num_stages=cfg.num_stages))
 
 
 def phase2(ms, ss, ws, out, stats, natural: bool):
