@@ -624,10 +624,9 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     portable forward there (benchmarks/results/<device>/attention_hopper.csv, bf16, CUDA-graph
     replays): at D = 128 every non-causal call and causal ones from 2048 keys; at D = 64 from 1280
     keys, causal from 4096. Below, a block of 128 or 192 rows is mostly padding or the diagonal's
-    masked tile, and the portable kernel's 64-row tiles are ahead (VGGT's 1041-token frames, 48 × 16
-    heads: 558 against 604 µs on an H200, 570 against 616 on an H100; at 1536 tokens the Gluon
-    kernel is ahead, 525 against 563 µs on the H100). ``EVERYWHERE`` (tests,
-    benchmarks) takes every call it supports."""
+    masked tile, and the portable kernel's 64-row tiles are ahead (VGGT's 1041-token frames among
+    them; the Gluon kernel leads from 1536 tokens; README, "Short rows in the portable forward").
+    ``EVERYWHERE`` (tests, benchmarks) takes every call it supports."""
     if not supports(q, k, v, bias, precision):
         return False
     if EVERYWHERE:

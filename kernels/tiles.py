@@ -77,8 +77,7 @@ def _fwd_tiles(dtype: torch.dtype, d_pad: int, precision: str, nk: int, has_bias
             return Config(128, 64, 4, 3)
         if d_pad <= 64:
             # rows under 4K keys: one-warpgroup programs of 64 rows, with the narrow last key tile
-            # (tail_width), measured 6-23% faster than 128 × 64 at 197-1041 tokens (H200, 768 heads;
-            # equal at 4097)
+            # (tail_width), measured faster than 128 × 64 at 197-1041 tokens and equal at 4097
             return Config(64, 64, 4, 3) if nk < 4096 else Config(128, 64, 8, 3)
         if d_pad <= 128:
             return Config(64, 64, 4, 3)
@@ -104,13 +103,12 @@ def tail_width(n, block: int) -> int:
     remainder rounded up to a power of two, at least 16 (the smallest tensor-core product side), or
     ``block`` itself when that saves nothing, ``n`` divides evenly or is symbolic (a traced call's
     sizes stay unguarded). ViT's 197 tokens in 64-wide tiles: 3 full tiles and a 16-wide one, where
-    a fourth 64-wide tile would spend 59 of its 64 columns on padding (the bf16 forward at 197 tokens
-    measured 9% faster, at 577 7%).
+    a fourth 64-wide tile would spend 59 of its 64 columns on padding.
 
     Loops of 32-wide tiles keep them: there the narrow tile saves half a tile and its separate code
-    after the software-pipelined loop cost more (the half-precision backward at 197 tokens, dQ's keys
-    and dK/dV's queries 32 at a time, measured 2.5% slower). The interpreter takes it at every width,
-    so that the CPU tests cover it."""
+    after the software-pipelined loop measured slower (the half-precision backward at 197 tokens,
+    dQ's keys and dK/dV's queries 32 at a time; README, "Short rows in the portable forward"). The
+    interpreter takes it at every width, so that the CPU tests cover it."""
     if type(n) is not int or n % block == 0 or (block < 64 and not INTERPRET):
         return block
     return min(block, pow2(n % block))
