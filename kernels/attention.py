@@ -53,8 +53,8 @@ from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3,
                      dot_nt, ds_k, ds_units, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
 from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
-from .tiles import (PLAIN_KEYS, Config, bwd_config, early_dp_default, fused_config, fwd_config, kv_config,
-                    plan_partitions, tail_width)
+from .tiles import (PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions,
+                    tail_width)
 
 try:  # the Gluon forward and backward for Hopper (sm_90); absent where Triton ships no Gluon
     from . import hopper
@@ -467,8 +467,7 @@ def _dkdv_step(dk, dv, k, k_lo, v, v_lo, q_base, do_base, bias_base, Stats, Delt
                D_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                EXACT: tl.constexpr, EARLY_DP: tl.constexpr):
     """(dk, dv) [BLOCK_N, D_PAD] plus the shares dSᵀ·q and Pᵀ·dO of the query tile at offs_m (any
-    width), and that tile's dSᵀ [BLOCK_N, width] (float32; fp16x3: in units of c_dO·c_v): the body
-    of _bwd_dkdv_kernel's and _bwd_fused_kernel's loops."""
+    width): the body of _bwd_dkdv_kernel's loop."""
     row_ok = offs_m < Nq
     qT = tl.load(q_base + offs_m[None, :] * sq_m + offs_d[:, None] * sq_d,
                  mask=row_ok[None, :] & (offs_d[:, None] < D), other=0.0)
@@ -509,7 +508,7 @@ def _dkdv_step(dk, dv, k, k_lo, v, v_lo, q_base, do_base, bias_base, Stats, Delt
         dk = dk + dot3(a_hi, a_lo, tl.trans(qT) * w[:, None], tl.trans(qT_lo) * w[:, None])
     else:
         dk = dk + dot(cast(dsT, qT.dtype), tl.trans(qT), PREC)
-    return dk, dv, dsT
+    return dk, dv
 
 
 @triton.jit
@@ -567,13 +566,13 @@ def _bwd_dkdv_kernel(
     if TAIL < BLOCK_M:  # full query tiles, then the partial one TAIL wide
         m_hi = (Nq // BLOCK_M) * BLOCK_M
     for start in range(m_lo, m_hi, BLOCK_M):
-        dk, dv, _ = _dkdv_step(
+        dk, dv = _dkdv_step(
             dk, dv, k, k_lo, v, v_lo, q_base, do_base, bias_base, Stats, Delta, bh, start + offs_m0, offs_n, offs_d,
             Nq, Nk, sq_m, sq_d, sdo_m, sdo_d, sb_m, sb_n, s_scale, s_scale2, cq, cv, cdo, D, D_PAD, HAS_BIAS,
             CAUSAL, PREC, EXACT, EARLY_DP)
     if TAIL < BLOCK_M:
         if m_hi < Nq:  # (m_lo ≤ m_hi: a causal program's first tile is at most the partial one)
-            dk, dv, _ = _dkdv_step(
+            dk, dv = _dkdv_step(
                 dk, dv, k, k_lo, v, v_lo, q_base, do_base, bias_base, Stats, Delta, bh, m_hi + tl.arange(0, TAIL),
                 offs_n, offs_d, Nq, Nk, sq_m, sq_d, sdo_m, sdo_d, sb_m, sb_n, s_scale, s_scale2, cq, cv, cdo, D, D_PAD,
                 HAS_BIAS, CAUSAL, PREC, EXACT, EARLY_DP)
@@ -585,107 +584,6 @@ def _bwd_dkdv_kernel(
              mask=kv_mask)
     tl.store(dV + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], cast(dv, dV.dtype.element_ty),
              mask=kv_mask)
-
-
-@triton.jit
-def _fused_step(dk, dv, k, v, q_base, do_base, Stats, Delta, dQacc, dQ, bh, offs_m, offs_n, offs_d, first, last,
-                Nq, Nk, sq_m, sq_d, sdo_m, sdo_d, qk_scale2, scale, D: tl.constexpr, D_PAD: tl.constexpr,
-                PREC: tl.constexpr, EARLY_DP: tl.constexpr):
-    """_dkdv_step's (dk, dv) for the query tile at offs_m, and its dQ rows' share dS·k added to
-    dQacc [BH, Nq, D_PAD] (float32; ``first``: the key tile that starts the sum) — or, for the last
-    key tile (``last``), the finished rows written to dQ [BH, Nq, D] in its dtype."""
-    dk, dv, dsT = _dkdv_step(
-        dk, dv, k, k, v, v, q_base, do_base, q_base, Stats, Delta, bh, offs_m, offs_n, offs_d, Nq, Nk, sq_m, sq_d,
-        sdo_m, sdo_d, 0, 0, scale, qk_scale2, 1.0, 1.0, 1.0, D, D_PAD, False, False, PREC, False, EARLY_DP)
-    dq = dot(tl.trans(cast(dsT, k.dtype)), k, PREC)
-    row_ok = offs_m < Nq
-    acc = dQacc + bh.to(tl.int64) * Nq * D_PAD + offs_m[:, None] * D_PAD + offs_d[None, :]
-    # masks, not branches: the loop stays one block for the software pipeliner
-    dq += tl.load(acc, mask=row_ok[:, None] & (first == 0), other=0.0)
-    tl.store(acc, dq, mask=row_ok[:, None] & (last == 0))
-    tl.store(dQ + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :], cast(dq * scale, dQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d[None, :] < D) & (last != 0))
-    return dk, dv
-
-
-@triton.jit
-def _fused_key_tile(K, V, q_base, do_base, Stats, Delta, dQacc, dQ, dK, dV, b, h, bh, offs_n, Nq, Nk,
-                    sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sdo_m, sdo_d, qk_scale2, scale,
-                    first, last, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-                    PREC: tl.constexpr, EARLY_DP: tl.constexpr, TAIL_M: tl.constexpr):
-    """The key tile at offs_n (any width) against every query tile (TAIL_M < BLOCK_M: the partial
-    last one TAIL_M rows wide): its dK and dV stored, each query tile's dQ share passed on."""
-    offs_d = tl.arange(0, D_PAD)
-    kv_mask = (offs_n[:, None] < Nk) & (offs_d[None, :] < D)
-    k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
-    v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
-    dk = tl.zeros([BN, D_PAD], tl.float32)
-    dv = tl.zeros([BN, D_PAD], tl.float32)
-    m_hi = Nq
-    if TAIL_M < BLOCK_M:
-        m_hi = (Nq // BLOCK_M) * BLOCK_M
-    for start in range(0, m_hi, BLOCK_M):
-        dk, dv = _fused_step(dk, dv, k, v, q_base, do_base, Stats, Delta, dQacc, dQ, bh, start + tl.arange(0, BLOCK_M),
-                             offs_n, offs_d, first, last, Nq, Nk, sq_m, sq_d, sdo_m, sdo_d, qk_scale2, scale,
-                             D, D_PAD, PREC, EARLY_DP)
-    if TAIL_M < BLOCK_M:
-        if m_hi < Nq:
-            dk, dv = _fused_step(dk, dv, k, v, q_base, do_base, Stats, Delta, dQacc, dQ, bh, m_hi + tl.arange(0, TAIL_M),
-                                 offs_n, offs_d, first, last, Nq, Nk, sq_m, sq_d, sdo_m, sdo_d, qk_scale2, scale,
-                                 D, D_PAD, PREC, EARLY_DP)
-    out = bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :]
-    tl.store(dK + out, cast(dk * scale, dK.dtype.element_ty), mask=kv_mask)
-    tl.store(dV + out, cast(dv, dV.dtype.element_ty), mask=kv_mask)
-
-
-@triton.jit
-def _bwd_fused_kernel(
-    Q, K, V, Out, dOut, Stats, Delta, dQacc, dQ, dK, dV,
-    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-    so_b, so_h, so_m, so_d, sdo_b, sdo_h, sdo_m, sdo_d,
-    H, Nq, Nk, qk_scale2, scale,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    EARLY_DP: tl.constexpr, TAIL_M: tl.constexpr, TAIL_N: tl.constexpr,
-):
-    """The whole backward of one batch·head per program (half precision, no bias, not causal):
-    delta = rowsum(dO·O) for all its rows, then for each key tile (TAIL_N < BLOCK_N: the partial
-    last one TAIL_N wide) a pass over the query tiles that adds dK and dV in registers (as
-    _bwd_dkdv_kernel) and each query tile's dQ share dS·k into dQacc [BH, Nq, D_PAD] (float32),
-    a buffer only this program touches; the last key tile's pass writes dQ. Five products per
-    tile pair where the two kernels recompute P and dP in both (seven), one launch where they
-    take three. No atomics: every sum runs in a fixed order, the gradients are bitwise
-    reproducible. Delta [BH, Nq] float32 is scratch too."""
-    qk_scale2, scale = tl.cast(qk_scale2, tl.float32), tl.cast(scale, tl.float32)  # inductor passes float64
-    bh = tl.program_id(0)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_d = tl.arange(0, D_PAD)
-    for start in range(0, Nq, BLOCK_M):
-        offs_m = start + tl.arange(0, BLOCK_M)
-        msk = (offs_m[:, None] < Nq) & (offs_d[None, :] < D)
-        o = tl.load(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d, mask=msk, other=0.0)
-        do = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=msk,
-                     other=0.0)
-        tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1),
-                 mask=offs_m < Nq)
-    q_base = Q + b * sq_b + h * sq_h
-    do_base = dOut + b * sdo_b + h * sdo_h
-    n_hi = Nk
-    if TAIL_N < BLOCK_N:
-        n_hi = (Nk // BLOCK_N) * BLOCK_N
-    for start in range(0, n_hi, BLOCK_N):
-        # a thread reads delta and dQacc rows other threads of the program wrote: make them visible
-        tl.debug_barrier()
-        _fused_key_tile(K, V, q_base, do_base, Stats, Delta, dQacc, dQ, dK, dV, b, h, bh, start + tl.arange(0, BLOCK_N),
-                        Nq, Nk, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sdo_m, sdo_d, qk_scale2,
-                        scale, (start == 0) * 1, (start + BLOCK_N >= Nk) * 1, D, D_PAD, BLOCK_M,
-                        BLOCK_N, PREC, EARLY_DP, TAIL_M)
-    if TAIL_N < BLOCK_N:
-        if n_hi < Nk:
-            tl.debug_barrier()
-            _fused_key_tile(K, V, q_base, do_base, Stats, Delta, dQacc, dQ, dK, dV, b, h, bh,
-                            n_hi + tl.arange(0, TAIL_N), Nq, Nk, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n,
-                            sv_d, sdo_m, sdo_d, qk_scale2, scale, (n_hi == 0) * 1, (n_hi < Nk) * 1, D, D_PAD, BLOCK_M, TAIL_N, PREC, EARLY_DP, TAIL_M)
 
 
 @triton.jit
@@ -1061,25 +959,16 @@ def _merge_launch(out, ws, natural: bool) -> Launch:
 
 
 def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precision: str, bias_grad: bool,
-             config: Optional[Config] = None, kv: Optional[Config] = None, early_dp: Optional[bool] = None,
-             fused: Optional[Config] = None):
+             config: Optional[Config] = None, kv: Optional[Config] = None, early_dp: Optional[bool] = None):
     """Returns (dq, dk, dv, dbias); dbias is None unless ``bias_grad``. Shapes as the inputs'.
     ``stats`` [B,H,2,Nq]: the forward's row statistics. ``config`` / ``kv`` / ``early_dp`` replace
-    the measured choices of bwd_config / kv_config / early_dp_default, ``fused`` that of
-    fused_config (half precision without a bias, not causal), and any of them the choice of
-    kernel family (for tuning and tests)."""
+    the measured choices of bwd_config / kv_config / early_dp_default (for tuning)."""
+    if (config is None and kv is None and early_dp is None and not bias_grad and stats.is_contiguous()
+            and _hopper_serves(q, k, v, bias, precision, causal, backward=True)):
+        return (*hopper.backward(do, q, k, v, out, stats, scale, causal), None)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = pow2(D)
-    chosen = config is None and kv is None and early_dp is None and fused is None
-    if bias is None and not causal and q.dtype != torch.float32 and stats.is_contiguous():
-        if chosen:
-            fused = fused_config(q.dtype, d_pad, Nk, B * H, q.device)
-        if fused is not None:
-            return (*_fused_backward(do, q, k, v, out, stats, scale, fused), None)
-    if chosen and not bias_grad and stats.is_contiguous() and _hopper_serves(q, k, v, bias, precision, causal,
-                                                                           backward=True):
-        return (*hopper.backward(do, q, k, v, out, stats, scale, causal), None)
     cfg = config or bwd_config(q.dtype, d_pad, precision, Nq)
     prec = PRECISION_CODES[precision]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
@@ -1128,24 +1017,6 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
             dfull = dfull.sum(dim=red, keepdim=True)
         dbias = dfull.to(bias.dtype)
     return dq, dk, dv, dbias
-
-
-def _fused_backward(do, q, k, v, out, stats, scale: float, cfg: Config):
-    """(dq, dk, dv) by _bwd_fused_kernel: one program per batch·head."""
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    d_pad = pow2(D)
-    delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    dq_acc = torch.empty((B, H, Nq, d_pad), device=q.device, dtype=torch.float32)
-    dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
-    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=k.dtype)
-    dv = torch.empty((B, H, Nk, D), device=q.device, dtype=v.dtype)
-    launch(_bwd_fused_kernel, (B * H,),
-        q, k, v, out, do, stats, delta, dq_acc, dq, dk, dv, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *do.stride(), H, Nq, Nk, scale * LOG2E, scale, D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        PREC=PRECISION_CODES["native"], EARLY_DP=True, TAIL_M=tail_width(Nq, cfg.block_m),
-        TAIL_N=tail_width(Nk, cfg.block_n), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------

@@ -141,28 +141,6 @@ def bwd_config(dtype: torch.dtype, d_pad: int, precision: str, nq: int = 0) -> C
     return Config(16, 16, 4, 1)
 
 
-# The one-launch backward (attention._bwd_fused_kernel) for short half-precision rows: tiles, and
-# where it takes a call (at most FUSED_KEYS keys, at least FUSED_PROGRAMS_PER_SM batch·heads an SM:
-# one program per batch·head runs a whole head, so few heads would leave SMs idle).
-FUSED = Config(64, 64, 4, 2)
-FUSED_KEYS = 1088
-FUSED_PROGRAMS_PER_SM = 4
-
-
-def fused_config(dtype: torch.dtype, d_pad: int, nk, batch_heads, device: torch.device) -> Optional[Config]:
-    """The tile shape of the one-launch backward where it takes a call (half precision, d ≤ 64,
-    short rows, many batch·heads; the caller checks bias and causality), else None. Sizes may be
-    symbolic: a traced call takes it only on plain ints."""
-    if dtype == torch.float32 or d_pad > 64 or not (isinstance(nk, int) and isinstance(batch_heads, int)):
-        return None
-    if INTERPRET:
-        return Config(32, 32, 1, 1)
-    sms = sm_count(device.index or 0) if device.type == "cuda" else 1
-    if nk > FUSED_KEYS or batch_heads < FUSED_PROGRAMS_PER_SM * sms:
-        return None
-    return FUSED
-
-
 def early_dp_default(dtype: torch.dtype, d_pad: int, precision: str) -> bool:
     """Whether the dK/dV kernel issues dPᵀ = v·dOᵀ right after Sᵀ, before the exponentials, so that
     the tensor cores work under them (the dQ kernel always does). Bitwise the same gradients either

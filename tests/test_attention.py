@@ -216,41 +216,6 @@ def test_backward_half(dtype):
     check_case(*qkv(1, 2, 70, 50, 64, dtype=dtype), backend="triton", bias=rand(2, 70, 50, seed=2).to(dtype))
 
 
-def backward_paths(q, k, v, paths, seed=0):
-    """{path: (dq, dk, dv)} of kernels/attention.backward with each path's keyword arguments (a forced
-    kernel family), checked against the float64 oracle by the gradient rule; each path run twice
-    and bitwise reproducible. Half precision, no bias, not causal."""
-    from elsa_vision.kernels import attention as K
-    scale = q.shape[-1] ** -0.5
-    out, stats = K.forward(q, k, v, None, scale, False, "native")
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    do = torch.randn(out.shape, generator=g).to(device=q.device, dtype=q.dtype)
-    ins64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = torch.autograd.grad(verify.oracle(*ins64, scale=scale), ins64, do.double())
-    same_ins = [t.detach().requires_grad_() for t in (q, k, v)]
-    same = torch.autograd.grad(torch_same_dtype(*same_ins, scale=scale), same_ins, do)
-    got = {}
-    for name, kw in paths.items():
-        grads = K.backward(do, q, k, v, None, out, stats, scale, False, "native", False, **kw)[:3]
-        again = K.backward(do, q, k, v, None, out, stats, scale, False, "native", False, **kw)[:3]
-        for n, a, b, r, s_ in zip(["dq", "dk", "dv"], grads, again, ref, same):
-            assert torch.equal(a, b), f"{name} {n}: not reproducible"
-            assert_close_to_oracle(a, r, s_, name=f"{name} {n}", grad=True)
-        got[name] = grads
-    return got
-
-
-@pytest.mark.parametrize("nq,nk,d,dtype", [(1, 1, 32, torch.bfloat16), (70, 45, 64, torch.float16),
-                                           (33, 97, 40, torch.bfloat16), (64, 64, 32, torch.float16)])
-def test_backward_fused_and_two_kernel(nq, nk, d, dtype):
-    """The one-launch backward (several key tiles, narrow last tiles of keys and of queries, the
-    float32 dQ sum carried between key tiles) and the two-kernel one, each forced."""
-    from elsa_vision.kernels import tiles
-    backward_paths(*qkv(2, 2, nq, nk, d, dtype=dtype, seed=nq), {
-        "fused": dict(fused=tiles.Config(32, 32, 1, 1)),
-        "two-kernel": dict(config=tiles.bwd_config(dtype, 64, "native"))})
-
-
 def test_backward_deterministic():
     q, k, v = qkv(2, 2, 45, 77, 32)
     bias = rand(2, 45, 77, seed=1)

@@ -143,31 +143,6 @@ def test_causal_split_and_cross_lengths():
     check_case(q, k, v, causal=True, backend="triton")
 
 
-@pytest.mark.parametrize("n", [1, 197, 257, 577, 1041])
-@pytest.mark.parametrize("d", [32, 64])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_backward_gpu(n, d, dtype):
-    """The one-launch backward at its compiled tile shape (and the two-kernel one) against the
-    oracle rule, bitwise reproducible."""
-    from test_attention import backward_paths
-    from elsa_vision.kernels import tiles
-    backward_paths(*qkv(3, 4, n, n, d, dtype, seed=n + d), {
-        "fused": dict(fused=tiles.FUSED),
-        "two-kernel": dict(config=tiles.bwd_config(dtype, 64, "native"))})
-
-
-def test_fused_backward_by_policy_gpu():
-    """ViT-B's shape (197 tokens, 12 heads) with enough images that the policy takes the one-launch
-    backward, through the public API."""
-    from elsa_vision.kernels import tiles
-    from elsa_vision.kernels.launch import sm_count
-    heads = 12
-    batch = -(-tiles.FUSED_PROGRAMS_PER_SM * sm_count(0) // heads)
-    q, k, v = qkv(batch, heads, 197, 197, 64, torch.bfloat16, seed=3)
-    assert tiles.fused_config(q.dtype, 64, 197, batch * heads, q.device) is not None
-    check_case(q, k, v, backend="triton")
-
-
 def test_deterministic_backward_gpu():
     q, k, v = qkv(2, 8, 3000, 3000, 64, torch.bfloat16, seed=7)
     bias = torch.randn(8, 3000, 3000, device="cuda")
