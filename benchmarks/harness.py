@@ -216,7 +216,7 @@ def fmt_table(rows: list[dict], cols: list[str]) -> str:
 # Kernel-name patterns → category of a CUDA time breakdown (first match wins: SDPA's kernels are
 # CUTLASS kernels too, so they are tested before the GEMMs).
 KERNEL_CATEGORIES = (
-    ("elsa attention", r"^_(fwd|merge|bwd_\w+|win_\w+)_kernel|^_bwd_preprocess"),
+    ("elsa attention", r"^_(fwd|merge|bwd_\w+|win_\w+)_kernel"),
     ("sdpa", r"flash|fmha|cudnn|sdpa|attention|efficient_attention"),
     ("gemm", r"gemm|xmma|cutlass|nvjet|wgmma|sm\d\d_|ampere_|cublas"),
     ("index / scatter / sort", r"index|scatter|gather|sort|radix|segment|unique|cub::"),

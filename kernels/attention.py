@@ -18,10 +18,10 @@ With one partition, phase 2 is phase 1's epilogue (no summaries touch memory). P
 scheduling choice: when (query blocks × batch·heads) cannot fill the GPU, the keys are split into
 balanced partitions so that every SM gets equal work (LeanAttention's stream-K idea).
 
-Backward. delta = rowsum(dO·O) (preprocess kernel; float32 with a bias gradient: Σ P·dP, see
-_bwd_delta_kernel); a dK/dV kernel (formed transposed, key tile as the MMAs' M side) loops over query
-tiles and a dQ kernel loops over key tiles, both recomputing P from the saved per-row statistics (m, S) — stored
-as a [B, H, 2, Nq] float32 tensor, m in the path's units: without a bias log2 units, with one
+Backward. A dQ kernel loops over key tiles, forming its rows' delta = rowsum(dO·O) first (float32
+with a bias gradient: Σ P·dP, from a kernel of its own, _bwd_delta_kernel); a dK/dV kernel (formed
+transposed, key tile as the MMAs' M side) runs next and loops over query tiles; both recompute P
+from the saved per-row statistics (m, S) — stored as a [B, H, 2, Nq] float32 tensor, m in the path's units: without a bias log2 units, with one
 natural units, so that nothing is rounded at the logits' magnitude before the large terms cancel.
 In float32, P = 2^(q·k·scale·log2 e − m₂) / S (with a bias 2^((q·k·scale + b − m)·log2 e) / S):
 folding log S into a single log-sum-exp would round log S at its own magnitude, a relative error
@@ -435,23 +435,6 @@ def _probs(qk, bias, scale, qk_scale2, m, r, HAS_BIAS: tl.constexpr, EXACT: tl.c
 
 
 @triton.jit
-def _bwd_preprocess(Out, dOut, Delta, so_b, so_h, so_m, so_d, sd_b, sd_h, sd_m, sd_d, H, Nq,
-                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta[bh, i] = Σ_d dO[i, d] · O[i, d] (float32)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    msk = (offs_m[:, None] < Nq) & (offs_d[None, :] < D)
-    o = tl.load(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d, mask=msk, other=0.0)
-    do = tl.load(dOut + b * sd_b + h * sd_h + offs_m[:, None] * sd_m + offs_d[None, :] * sd_d, mask=msk, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, delta, mask=offs_m < Nq)
-
-
-@triton.jit
 def _head_scales(Scales, bh, PREC: tl.constexpr):
     """(c_q, c_k, c_v, c_dO) of head bh for the float16 split (see _f16_scales_kernel); 1s otherwise."""
     if PREC == FP16X3:
@@ -665,7 +648,7 @@ def _bwd_delta_kernel(
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """delta[bh, i] = Σ_j P_ij·dP_ij from the very P and dP that form dS (float32 with a bias
-    gradient, in place of _bwd_preprocess). rowsum(dO ⊙ O) is the same number in exact arithmetic,
+    gradient, in place of the dQ kernel's rowsum(dO ⊙ O)). That is the same number in exact arithmetic,
     but O carries the forward's rounding, and a bias broadcast along queries sums dS down its
     columns, where that per-row error no longer cancels: such a dbias came out 5× less accurate
     than PyTorch's.
@@ -715,14 +698,17 @@ def _dq_step(dq, q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, offs_n, 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Bias, dOut, Stats, Delta, dQ, Scales,
+    Q, K, V, Bias, dOut, Out, Stats, Delta, dQ, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
+    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n, so_b, so_h, so_m, so_d,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr, TAIL: tl.constexpr,
+    OWN_DELTA: tl.constexpr,
 ):
     """One query tile per program; loops over the key tiles it can see (TAIL: as _fwd_kernel's).
+    OWN_DELTA: the program forms its rows' delta = rowsum(dO·O) itself (no launch of its own) and
+    stores it for the dK/dV kernel that runs next; otherwise it reads Delta (_bwd_delta_kernel's).
     fp16x3: dS row i enters the product scaled by f_i (ds_units), undone on dQ's row i at the end."""
     qk_scale2, scale = tl.cast(qk_scale2, tl.float32), tl.cast(scale, tl.float32)  # inductor passes float64
     pid_m = tl.program_id(0)
@@ -739,7 +725,14 @@ def _bwd_dq_kernel(
     k_base = K + b * sk_b + h * sk_h
     v_base = V + b * sv_b + h * sv_h
     bias_base = Bias + b * sb_b + h * sb_h
-    delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
+    if OWN_DELTA:
+        o = tl.load(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d, mask=qm, other=0.0)
+        do_in = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm,
+                        other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do_in.to(tl.float32), 1)
+        tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, delta, mask=row_ok)
+    else:
+        delta = tl.load(Delta + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
     f = 1.0
     if PREC == FP16X3:
         delta = delta * cdo * cv
@@ -980,17 +973,15 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     common = dict(D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, PREC=prec,
                   EXACT=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *_strides4(bias))
-    if bias_grad and q.dtype == torch.float32:  # delta from P and dP (see _bwd_delta_kernel)
+    own_delta = not (bias_grad and q.dtype == torch.float32)  # else delta from P and dP (see _bwd_delta_kernel)
+    if not own_delta:
         launch(_bwd_delta_kernel, (cdiv(Nq, cfg.block_m), B * H),
             q, k, v, bias_arg, do, stats, delta, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
             HAS_BIAS=bias is not None, **common)
-    else:
-        bm0 = 16 if INTERPRET else 64
-        launch(_bwd_preprocess, (cdiv(Nq, bm0), B * H),
-            out, do, delta, *out.stride(), *do.stride(), H, Nq, D=D, D_PAD=d_pad, BLOCK_M=bm0)
     launch(_bwd_dq_kernel, (cdiv(Nq, cfg.block_m), B * H),
-        q, k, v, bias_arg, do, stats, delta, dq, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, TAIL=cfg.block_n if causal else tail_width(Nk, cfg.block_n), **common)
+        q, k, v, bias_arg, do, out, stats, delta, dq, scales, *strides, *out.stride(), H, Nq, Nk, scale * LOG2E,
+        scale, HAS_BIAS=bias is not None, TAIL=cfg.block_n if causal else tail_width(Nk, cfg.block_n),
+        OWN_DELTA=own_delta, **common)
     kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
     early_dp = early_dp_default(q.dtype, d_pad, precision) if early_dp is None else early_dp
     launch(_bwd_dkdv_kernel, (cdiv(Nk, kv.block_n), B * H),
