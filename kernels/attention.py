@@ -21,8 +21,9 @@ balanced partitions so that every SM gets equal work (LeanAttention's stream-K i
 Backward. A dQ kernel loops over key tiles, forming its rows' delta = rowsum(dO·O) first (float32
 with a bias gradient: Σ P·dP, from a kernel of its own, _bwd_delta_kernel); a dK/dV kernel (formed
 transposed, key tile as the MMAs' M side) runs next and loops over query tiles; both recompute P
-from the saved per-row statistics (m, S) — stored as a [B, H, 2, Nq] float32 tensor, m in the path's units: without a bias log2 units, with one
-natural units, so that nothing is rounded at the logits' magnitude before the large terms cancel.
+from the saved per-row statistics (m, S) — stored as a [B, H, 2, Nq] float32 tensor, m in the
+path's units: without a bias log2 units, with one natural units, so that nothing is rounded at the
+logits' magnitude before the large terms cancel.
 In float32, P = 2^(q·k·scale·log2 e − m₂) / S (with a bias 2^((q·k·scale + b − m)·log2 e) / S):
 folding log S into a single log-sum-exp would round log S at its own magnitude, a relative error
 of up to ulp(log S) on every P of the row — several times PyTorch's softmax error once a row has
