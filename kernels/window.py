@@ -86,7 +86,7 @@ from .common import (C_LOG2E, FP16X3, PRECISION_CODES, cast, dk_units, dot, dot3
                      load_stats, pow2_of, pv, row_mean, split_f16, store_stats)
 from .launch import Launch, cdiv, clear_caches, pow2, prepared
 from .ops import AUTOGRAD, COMPILED, KernelOp, check_first_order, route
-from .reference import Geometry, from_windows, qkv_views, to_windows
+from .reference import Geometry, qkv_views
 from .tiles import make_plan, plan_runs
 
 # ---------------------------------------------------------------------------------------------
@@ -904,31 +904,42 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
 # gradient in one piece and read image rows in place.
 
 
+def _geometry(geometry: Optional[list[int]]) -> Optional[Geometry]:
+    """The op's geometry argument (a :class:`Geometry`'s seven ints, or None) as a Geometry."""
+    return Geometry(*geometry) if geometry is not None else None
+
+
 def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                 mask: Optional[torch.Tensor], scale: float, precision: str, block: int,
-                windows_per_program: int) -> tuple[torch.Tensor, torch.Tensor]:
+                windows_per_program: int, geometry: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q/k/v [BW,H,N,D], bias [H,N,N], mask [nW,N,N] (float) → out [BW,H,N,D] ([BW,N,H,D] layout),
-    row statistics [BW,H,2,N]. ``block`` 0 = auto; ``windows_per_program`` ≤ 0 lets the planner choose."""
-    return forward(q, k, v, bias, mask, scale, precision, block, windows_per_program if windows_per_program > 0 else None)
+    row statistics [BW,H,2,N]. ``block`` 0 = auto; ``windows_per_program`` ≤ 0 lets the planner choose.
+    ``geometry`` (a :class:`Geometry` as its seven ints): q/k/v and out are image rows [T,H,D]
+    instead, rolled and partitioned by the kernels' addressing (see :func:`forward`)."""
+    return forward(q, k, v, bias, mask, scale, precision, block, windows_per_program if windows_per_program > 0 else None,
+                   geo=_geometry(geometry))
 
 
 def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], out: Optional[torch.Tensor],
                  stats: torch.Tensor, scale: float, precision: str, block: int, windows_per_program: int,
-                 bias_grad: bool) -> list[torch.Tensor]:
-    """→ [dq, dk, dv, dbias]; dbias [H,N,N] is an empty tensor unless ``bias_grad``."""
+                 geometry: Optional[list[int]], bias_grad: bool) -> list[torch.Tensor]:
+    """→ [dq, dk, dv, dbias] (dq, dk, dv shaped as q, k, v: image rows with ``geometry``); dbias
+    [H,N,N] is an empty tensor unless ``bias_grad``."""
     dq, dk, dv, dbias = backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, bias_grad,
-                                 windows_per_program if windows_per_program > 0 else None)
+                                 windows_per_program if windows_per_program > 0 else None, geo=_geometry(geometry))
     # dbias is the [H, N, N] corner of the padded [H, NR, NR] sum: a compiled graph expects the
     # fake's strides (inductor asserts them), so the op returns it row-major
     return [dq, dk, dv, dbias.contiguous() if dbias is not None else q.new_empty(0)]
 
 
 def _save(inputs, outputs):
-    q, k, v, bias, mask, scale, precision, block, wpp = inputs
+    q, k, v, bias, mask, scale, precision, block, wpp, *geometry = inputs
+    geometry = geometry[0] if geometry else None
     out, stats = outputs
-    keep_out = make_plan(q.shape[2], q.shape[3], q.dtype, block, precision).reads_out
-    return (q, k, v, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp)
+    n, d = (geometry[3] * geometry[4], q.shape[2]) if geometry is not None else q.shape[2:]
+    keep_out = make_plan(n, d, q.dtype, block, precision).reads_out
+    return (q, k, v, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp, geometry)
 
 
 OP = KernelOp("window", "window_attention", forward=_op_forward, backward=_op_backward, save=_save)
@@ -995,13 +1006,13 @@ class _PackedWindowAttention(torch.autograd.Function):
 
 def _compiled(q, k, v, bias, mask, scale: float, precision: str, block: int, wpp: int,
               geo: Optional[Geometry]) -> torch.Tensor:
-    """The call as torch.compile traces it: the window custom op; image rows are rolled and
-    partitioned into window rows around it by torch ops (inductor fuses those copies itself)."""
+    """The call as torch.compile traces it: the window custom op, with ``geo`` on image rows (the
+    kernels roll and partition them by their addressing, as on the eager path: no copies of q, k,
+    v, out or their gradients around the op; a packed qkv's three gradients are stacked by autograd,
+    one copy, where the eager path writes them in place)."""
     if geo is None:
         return OP.fwd(q, k, v, bias, mask, scale, precision, block, wpp)[0]
-    q, k, v = (to_windows(t, geo).transpose(1, 2) for t in (q, k, v))
-    out = OP.fwd(q, k, v, bias, mask, scale, precision, block, wpp)[0]
-    return from_windows(out.transpose(1, 2), geo)
+    return OP.fwd(q, k, v, bias, mask, scale, precision, block, wpp, list(geo))[0]
 
 
 def window_attention(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,

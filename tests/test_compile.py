@@ -93,6 +93,41 @@ def test_window_dynamic_batch():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_shifted_windows_compiled_in_place(packed):
+    """Shifted windows under compile: image rows go into the window op as they are (the kernels roll
+    and partition them by their addressing; no roll in the graph), outputs and gradients as eager's,
+    one graph for every batch size."""
+    backend, graphs = _counting("inductor" if GPU else "aot_eager")
+    rolls = []
+
+    def counting(gm, example_inputs):
+        rolls.append(sum(1 for n in gm.graph.nodes if n.op == "call_function" and "roll" in str(n.target)))
+        return backend(gm, example_inputs)
+    torch._dynamo.reset()
+    ih, iw, ws, sh, H, D = 8, 12, 4, 2, 2, 16
+    nW = (ih // ws) * (iw // ws)
+    bias = torch.randn(H, ws * ws, ws * ws, device=DEVICE, requires_grad=True)
+    mask = torch.where(torch.rand(nW, ws * ws, ws * ws, device=DEVICE) < 0.3, -100.0, 0.0)
+
+    def step(*args):  # (q, k, v or the packed qkv), then the bias
+        return elsa_vision.shifted_window_attention(*args[:-1], window_size=ws, shift_size=sh, bias=args[-1],
+                                                    mask=mask)
+
+    c = torch.compile(step, fullgraph=True, backend=counting)
+    for batch in (2, 3):
+        g = torch.Generator(device=DEVICE).manual_seed(batch)
+        shape = (batch, ih, iw, 3, H, D) if packed else (batch, ih, iw, H, D)
+        ins = [torch.randn(shape, generator=g, device=DEVICE).requires_grad_() for _ in range(1 if packed else 3)]
+        torch._dynamo.mark_dynamic(ins[0], 0) if packed else [torch._dynamo.mark_dynamic(t, 0) for t in ins]
+        out, grads = _grads(c, *ins, bias)
+        ref, ref_grads = _grads(step, *ins, bias)
+        assert verify.max_err(out, ref) <= 1e-6
+        assert all(verify.max_err(a, b) <= 1e-5 for a, b in zip(grads, ref_grads))
+    assert len(graphs) == 1 and graphs[0] == 1 and rolls == [0]
+    torch._dynamo.reset()
+
+
 def test_vggt_standin_aggregator_fullgraph():
     """A patched VGGT stand-in compiles in one graph (frame and global attention, the fused norm +
     RoPE of inference), with ELSA's ops in it, and returns what eager returns."""
