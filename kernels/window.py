@@ -916,8 +916,8 @@ def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optiona
     row statistics [BW,H,2,N]. ``block`` 0 = auto; ``windows_per_program`` ≤ 0 lets the planner choose.
     ``geometry`` (a :class:`Geometry` as its seven ints): q/k/v and out are image rows [T,H,D]
     instead, rolled and partitioned by the kernels' addressing (see :func:`forward`)."""
-    return forward(q, k, v, bias, mask, scale, precision, block, windows_per_program if windows_per_program > 0 else None,
-                   geo=_geometry(geometry))
+    wpp = windows_per_program if windows_per_program > 0 else None
+    return forward(q, k, v, bias, mask, scale, precision, block, wpp, geo=_geometry(geometry))
 
 
 def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
