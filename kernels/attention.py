@@ -726,7 +726,7 @@ def _bwd_dq_kernel(
     k_base = K + b * sk_b + h * sk_h
     v_base = V + b * sv_b + h * sv_h
     bias_base = Bias + b * sb_b + h * sb_h
-    if OWN_DELTA:
+    if OWN_DELTA:  # (dO read again as it is: _query_tile's dO is split and scaled under fp16x3)
         o = tl.load(Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d, mask=qm, other=0.0)
         do_in = tl.load(dOut + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=qm,
                         other=0.0)
