@@ -5,10 +5,12 @@ A kernel family hands :class:`KernelOp` its host-side ``forward`` and ``backward
 functions that launch its kernels):
 
     forward(q, k, v, bias, *rest)  → (out, stats)             stats: float32 row statistics, no gradient
-    backward(do, *saved, *args, bias_grad) → [dq, dk, dv, dbias]   dbias an empty tensor unless bias_grad
+    backward(do, *saved, *args, bias_grad, *tail) → [dq, dk, dv, dbias]   dbias an empty tensor unless bias_grad
 
 ``save(inputs, outputs)`` says which tensors the backward reads (``saved``) and which non-tensor
-arguments it takes (``args``). From these, :class:`KernelOp` registers
+arguments it takes (``args``; optionally a third element, ``tail``: arguments after ``bias_grad``,
+where a family adds a defaulted argument to its backward op — a graph compiled and cached by an
+earlier version calls the op without it, and must still bind). From these, :class:`KernelOp` registers
 
 - ``elsa_vision::<name>_fwd`` and ``elsa_vision::<name>_bwd`` as ``torch.library.triton_op``s:
   torch.compile traces their bodies, with every launch made through ``wrap_triton``
@@ -89,7 +91,7 @@ class KernelOp:
     inputs before it are q, k, v, whose gradients the backward always returns."""
 
     def __init__(self, name: str, what: str, *, forward: Callable, backward: Callable,
-                 save: Callable[[tuple, tuple], tuple[tuple, tuple]], bias_input: int = 3):
+                 save: Callable[[tuple, tuple], tuple], bias_input: int = 3):
         self.what, self.bias_input = what, bias_input
         self.forward, self.backward, self.save = forward, backward, save
         self.fwd, self.bwd = (register(f"elsa_vision::{name}_{part}", fn) for part, fn in (("fwd", forward),
@@ -101,9 +103,9 @@ class KernelOp:
     # -- the custom ops' autograd
 
     def _setup(self, ctx, inputs, output) -> None:
-        saved, args = self.save(inputs, output)
+        saved, args, *tail = self.save(inputs, output)
         ctx.save_for_backward(*saved)
-        ctx.args = args
+        ctx.args, ctx.tail = args, tuple(tail[0]) if tail else ()
         ctx.n_inputs = len(inputs)
 
     def _grads(self, ctx, dq, dk, dv, dbias, bias_grad: bool) -> tuple:
@@ -115,7 +117,7 @@ class KernelOp:
     def _op_backward(self, ctx, dout, _dstats):  # (the statistics take no gradient)
         saved = ctx.saved_tensors
         bias_grad = self._bias_grad(ctx, saved)
-        dq, dk, dv, dbias = self.bwd(dout, *saved, *ctx.args, bias_grad)
+        dq, dk, dv, dbias = self.bwd(dout, *saved, *ctx.args, bias_grad, *ctx.tail)
         return self._grads(ctx, dq, dk, dv, dbias, bias_grad)
 
     def _op_double_backward(self, ctx, *grads):
@@ -130,9 +132,10 @@ class KernelOp:
             @staticmethod
             def forward(ctx, *inputs):
                 out, stats = op.forward(*inputs)
-                saved, args = op.save(inputs, (out, stats))
+                saved, args, *tail = op.save(inputs, (out, stats))
                 ctx.save_for_backward(*saved)
                 ctx.args, ctx.n_inputs = args, len(inputs)
+                ctx.tail = tuple(tail[0]) if tail else ()
                 ctx.mark_non_differentiable(stats)
                 return out, stats
 
@@ -141,7 +144,7 @@ class KernelOp:
                 check_first_order(op.what)
                 saved = ctx.saved_tensors
                 bias_grad = op._bias_grad(ctx, saved)
-                dq, dk, dv, dbias = op.backward(dout, *saved, *ctx.args, bias_grad)
+                dq, dk, dv, dbias = op.backward(dout, *saved, *ctx.args, bias_grad, *ctx.tail)
                 return op._grads(ctx, dq, dk, dv, dbias, bias_grad)
 
         Function.__name__ = Function.__qualname__ = f"{op.what}_function"

@@ -923,7 +923,7 @@ def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optiona
 def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], out: Optional[torch.Tensor],
                  stats: torch.Tensor, scale: float, precision: str, block: int, windows_per_program: int,
-                 geometry: Optional[list[int]], bias_grad: bool) -> list[torch.Tensor]:
+                 bias_grad: bool, geometry: Optional[list[int]] = None) -> list[torch.Tensor]:
     """→ [dq, dk, dv, dbias] (dq, dk, dv shaped as q, k, v: image rows with ``geometry``); dbias
     [H,N,N] is an empty tensor unless ``bias_grad``."""
     dq, dk, dv, dbias = backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, bias_grad,
@@ -939,7 +939,7 @@ def _save(inputs, outputs):
     out, stats = outputs
     n, d = (geometry[3] * geometry[4], q.shape[2]) if geometry is not None else q.shape[2:]
     keep_out = make_plan(n, d, q.dtype, block, precision).reads_out
-    return (q, k, v, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp, geometry)
+    return (q, k, v, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp), (geometry,)
 
 
 OP = KernelOp("window", "window_attention", forward=_op_forward, backward=_op_backward, save=_save)

@@ -431,7 +431,7 @@ def test_custom_ops_fake_matches_real(N):
     assert_fake_matches_real(torch.ops.elsa_vision.window_fwd.default, *args)
     out, stats = W.window_fwd(*args)
     assert_fake_matches_real(torch.ops.elsa_vision.window_bwd.default, torch.randn_like(out), q, k, v, bias, m, out,
-                             stats, 32 ** -0.5, "ieee", 0, 0, None, True)
+                             stats, 32 ** -0.5, "ieee", 0, 0, True)
 
 
 # ---------------------------------------------------------------------------------------------
