@@ -932,7 +932,7 @@ def _fwd_launch(q, k, v, bias, out, scale: float, causal: bool, precision: str, 
         dict(D=D, D_PAD=pow2(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
              HAS_BIAS=bias is not None, CAUSAL=causal, SPLIT=split,
              PREC=PRECISION_CODES[precision], KAHAN=cfg.kahan and not chunk, CHUNK=chunk, PIPELINE=cfg.pipeline,
-             TAIL=cfg.block_n if causal else tail_width(k.shape[2], cfg.block_n), num_warps=cfg.num_warps,
+             TAIL=tail_width(k.shape[2], cfg.block_n, causal), num_warps=cfg.num_warps,
              num_stages=cfg.num_stages))
 
 
@@ -981,7 +981,7 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
             HAS_BIAS=bias is not None, **common)
     launch(_bwd_dq_kernel, (cdiv(Nq, cfg.block_m), B * H),
         q, k, v, bias_arg, do, out, stats, delta, dq, scales, *strides, *out.stride(), H, Nq, Nk, scale * LOG2E,
-        scale, HAS_BIAS=bias is not None, TAIL=cfg.block_n if causal else tail_width(Nk, cfg.block_n),
+        scale, HAS_BIAS=bias is not None, TAIL=tail_width(Nk, cfg.block_n, causal),
         OWN_DELTA=own_delta, **common)
     kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
     early_dp = early_dp_default(q.dtype, d_pad, precision) if early_dp is None else early_dp

@@ -103,10 +103,19 @@ class KernelOp:
     # -- the custom ops' autograd
 
     def _setup(self, ctx, inputs, output) -> None:
+        """What the backward needs, from ``save``, onto ``ctx`` (both paths)."""
         saved, args, *tail = self.save(inputs, output)
         ctx.save_for_backward(*saved)
         ctx.args, ctx.tail = args, tuple(tail[0]) if tail else ()
         ctx.n_inputs = len(inputs)
+
+    def _backward(self, backward: Callable, ctx, dout) -> tuple:
+        """The gradients of the forward's inputs by ``backward`` (the backward op, or the host
+        function on the eager path) from what ``_setup`` stored."""
+        saved = ctx.saved_tensors
+        bias_grad = self._bias_grad(ctx, saved)
+        dq, dk, dv, dbias = backward(dout, *saved, *ctx.args, bias_grad, *ctx.tail)
+        return self._grads(ctx, dq, dk, dv, dbias, bias_grad)
 
     def _grads(self, ctx, dq, dk, dv, dbias, bias_grad: bool) -> tuple:
         return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (ctx.n_inputs - self.bias_input - 1)
@@ -115,10 +124,7 @@ class KernelOp:
         return bool(saved[self.bias_input] is not None and ctx.needs_input_grad[self.bias_input])
 
     def _op_backward(self, ctx, dout, _dstats):  # (the statistics take no gradient)
-        saved = ctx.saved_tensors
-        bias_grad = self._bias_grad(ctx, saved)
-        dq, dk, dv, dbias = self.bwd(dout, *saved, *ctx.args, bias_grad, *ctx.tail)
-        return self._grads(ctx, dq, dk, dv, dbias, bias_grad)
+        return self._backward(self.bwd, ctx, dout)
 
     def _op_double_backward(self, ctx, *grads):
         raise double_backward_error(self.what)
@@ -132,20 +138,14 @@ class KernelOp:
             @staticmethod
             def forward(ctx, *inputs):
                 out, stats = op.forward(*inputs)
-                saved, args, *tail = op.save(inputs, (out, stats))
-                ctx.save_for_backward(*saved)
-                ctx.args, ctx.n_inputs = args, len(inputs)
-                ctx.tail = tuple(tail[0]) if tail else ()
+                op._setup(ctx, inputs, (out, stats))
                 ctx.mark_non_differentiable(stats)
                 return out, stats
 
             @staticmethod
             def backward(ctx, dout, _dstats):
                 check_first_order(op.what)
-                saved = ctx.saved_tensors
-                bias_grad = op._bias_grad(ctx, saved)
-                dq, dk, dv, dbias = op.backward(dout, *saved, *ctx.args, bias_grad, *ctx.tail)
-                return op._grads(ctx, dq, dk, dv, dbias, bias_grad)
+                return op._backward(op.backward, ctx, dout)
 
         Function.__name__ = Function.__qualname__ = f"{op.what}_function"
         return Function

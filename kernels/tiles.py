@@ -98,18 +98,19 @@ def _fwd_tiles(dtype: torch.dtype, d_pad: int, precision: str, nk: int, has_bias
     return Config(32, 32, 4, 1)
 
 
-def tail_width(n, block: int) -> int:
+def tail_width(n, block: int, causal_keys: bool = False) -> int:
     """Width of the last, partial tile of a loop over ``n`` positions in steps of ``block``: the
     remainder rounded up to a power of two, at least 16 (the smallest tensor-core product side), or
     ``block`` itself when that saves nothing, ``n`` divides evenly or is symbolic (a traced call's
-    sizes stay unguarded). ViT's 197 tokens in 64-wide tiles: 3 full tiles and a 16-wide one, where
+    sizes stay unguarded), or the loop runs over keys under a causal mask (``causal_keys``: its
+    bound is the diagonal, not ``n``). ViT's 197 tokens in 64-wide tiles: 3 full tiles and a 16-wide one, where
     a fourth 64-wide tile would spend 59 of its 64 columns on padding.
 
     Loops of 32-wide tiles keep them: there the narrow tile saves half a tile and its separate code
     after the software-pipelined loop measured slower (the half-precision backward at 197 tokens,
     dQ's keys and dK/dV's queries 32 at a time; README, "Short rows in the portable forward"). The
     interpreter takes it at every width, so that the CPU tests cover it."""
-    if type(n) is not int or n % block == 0 or (block < 64 and not INTERPRET):
+    if causal_keys or type(n) is not int or n % block == 0 or (block < 64 and not INTERPRET):
         return block
     return min(block, pow2(n % block))
 
