@@ -21,9 +21,10 @@ is how the work is laid out:
 Tiles with no visible key are never loaded (causal: the triangle's dead tiles; keys past Nk); the
 mask is applied only where a tile straddles the diagonal or the end of the keys.
 
-The backward (deterministic: no atomics) is two kernels after a small prep kernel: dK/dV with the
-keys stationary (each warpgroup owns 64 keys, the query tiles stream past) and dQ with the queries
-stationary (the forward's items and producer warp); see the section "backward" below.
+The backward (deterministic: no atomics) is two kernels: dQ with the queries stationary (the
+forward's items and producer warp), which also forms the rows' statistics, then dK/dV with the keys
+stationary (each warpgroup owns 64 keys, the query tiles stream past); see the section "backward"
+below.
 """
 from __future__ import annotations
 
@@ -31,8 +32,6 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
@@ -294,36 +293,15 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk,
 
 
 # ---------------------------------------------------------------------------------------------
-# backward: dK/dV key-stationary (_bwd_dkdv_kernel), dQ query-stationary (_bwd_dq_kernel), both
-# deterministic (no atomics) and both from the row statistics the forward saved, turned by
-# _bwd_prep_kernel into lse2 = m + log2(S) and delta = rowsum(dO∘O), padded to a multiple of 128
-# rows (lse2 = +inf, delta = 0 there: P = 0), so that the kernels' statistics loads are aligned
-# and unmasked. P = exp2(S·scale·log2e − lse2) is recomputed in both kernels, as in the portable
-# backward (seven products per tile pair against five for a kernel that accumulates dQ by
-# atomics: the price of determinism without a TMA reduction, which Gluon 3.6 does not expose).
-
-@triton.jit
-def _bwd_prep_kernel(Out, dOut, Stats, Lse2, Delta, so_b, so_h, so_m, sd_b, sd_h, sd_m, H, Nq, NQP,
-                     D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Lse2, Delta [B·H, NQP] float32 from Stats [B,H,2,Nq] (contiguous) and O, dO [B,H,Nq,D]."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ok = offs_m < Nq
-    offs_d = tl.arange(0, D)
-    o = tl.load(Out + b * so_b + h * so_h + offs_m[:, None].to(tl.int64) * so_m + offs_d[None, :],
-                mask=ok[:, None], other=0.0)
-    do = tl.load(dOut + b * sd_b + h * sd_h + offs_m[:, None].to(tl.int64) * sd_m + offs_d[None, :],
-                 mask=ok[:, None], other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    st = Stats + bh.to(tl.int64) * 2 * Nq + offs_m
-    m = tl.load(st, mask=ok, other=float("inf"))
-    s = tl.load(st + Nq, mask=ok, other=1.0)
-    lse2 = tl.where(m == float("inf"), float("inf"), m + tl.log2(s))  # (+inf, 1): a row that sees no key
-    tl.store(Lse2 + bh.to(tl.int64) * NQP + offs_m, lse2)
-    tl.store(Delta + bh.to(tl.int64) * NQP + offs_m, delta)
+# backward: dQ query-stationary (_bwd_dq_kernel), then dK/dV key-stationary (_bwd_dkdv_kernel),
+# both deterministic (no atomics) and both from the row statistics the forward saved: the dQ
+# kernel turns them into lse2 = m + log2(S) and delta = rowsum(dO∘O) for its own rows and stores
+# them, padded to its items' multiple of 128 rows (lse2 = +inf, delta = 0 there: P = 0), so that
+# the dK/dV kernel's statistics loads are aligned and unmasked (a separate kernel for them cost a
+# pass over O and dO and a launch). P = exp2(S·scale·log2e − lse2) is recomputed in both
+# kernels, as in the portable backward (seven products per tile pair against five for a kernel
+# that accumulates dQ by atomics: the price of determinism without a TMA reduction, which Gluon
+# 3.6 does not expose).
 
 
 @gluon.jit
@@ -369,7 +347,7 @@ def _kv_loader(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring,
 def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty,
                  Lse2, Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2,
                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr):
+                 CAUSAL: gl.constexpr, PREFETCH: gl.constexpr):
     """Warpgroup wg: keys [n0 + 64·wg, +64) against every query tile that sees them, in the
     transposed (key-major) orientation, so that Pᵀ and dSᵀ are born in the A-operand registers of
     the dV and dK products and never go through shared memory:
@@ -397,10 +375,20 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_
     lse_row = Lse2 + bh.to(gl.int64) * NQP
     delta_row = Delta + bh.to(gl.int64) * NQP
     m_lo, n_m = _kv_queries(pid_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    offs_q = gl.arange(0, BLOCK_M, layout=COL)
+    if PREFETCH:
+        last = (m_lo + n_m - 1) * BLOCK_M
+        lse2 = gl.load(lse_row + m_lo * BLOCK_M + offs_q)
+        delta = gl.load(delta_row + m_lo * BLOCK_M + offs_q)
     for i in range(n_m):
         slot = i % STAGES
         phase = (i // STAGES) & 1
         q0 = (m_lo + i) * BLOCK_M
+        cols = q0 + offs_q
+        if PREFETCH:
+            nxt = gl.minimum(q0 + BLOCK_M, last)
+            lse2_next = gl.load(lse_row + nxt + offs_q)
+            delta_next = gl.load(delta_row + nxt + offs_q)
         mbarrier.wait(q_ready.index(slot), phase)
         q = q_ring.index(slot).reshape([BLOCK_M, D])
         t_s = warpgroup_mma(k, q.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, ST_L), use_acc=False,
@@ -409,8 +397,11 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_
         do = do_ring.index(slot).reshape([BLOCK_M, D])
         t_dp = warpgroup_mma(v, do.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, ST_L), use_acc=False,
                              is_async=True)
-        cols = q0 + gl.arange(0, BLOCK_M, layout=COL)
-        lse2 = gl.load(lse_row + cols)  # (padded to NQP ≥ every tile's end: unmasked)
+        if not PREFETCH:
+            # both issued before Sᵀ is awaited: delta loaded where it is used (after dPᵀ) left its
+            # latency exposed on every tile (the backward measured 2–11% slower)
+            lse2 = gl.load(lse_row + cols)  # (padded to NQP ≥ every tile's end: unmasked)
+            delta = gl.load(delta_row + cols)
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=[t_s])
         p_t = gl.exp2(gl.fma(s_t, qk_scale2, -gl.expand_dims(lse2, 0)))
         # the mask only where the tile has keys past Nk (zero-filled rows score 0, not −inf) or
@@ -424,12 +415,14 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_
         # (dV's product issued before dP is awaited measured the same at D = 64 and spilled more at 128)
         dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[t_dp])
         t_dv = warpgroup_mma(p16, do, dv, is_async=True)
-        delta = gl.load(delta_row + cols)
         ds16 = gl.convert_layout((p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), A_L, assert_trivial=True)
         t_dk = warpgroup_mma(ds16, q, dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[t_dv, t_dk])
         mbarrier.arrive(do_empty.index(slot))
         mbarrier.arrive(q_empty.index(slot))
+        if PREFETCH:
+            lse2 = lse2_next
+            delta = delta_next
     rows = k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
     cols_d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, O_L)), 0)
     ok = gl.expand_dims(rows < Nk, 1)
@@ -467,18 +460,22 @@ def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dK, dV, sk_b,
         mbarrier.init(q_empty.index(i), count=NUM_WG)
         mbarrier.init(do_empty.index(i), count=NUM_WG)
     fence_async_shared()
+    # the consumers load a query tile's statistics one tile ahead where the registers allow: at D = 64
+    # with 240 registers (at 160, or with D = 128's accumulators, the two extra live vectors spill,
+    # and the spills cost more than the loads' latency)
+    PREFETCH: gl.constexpr = (D <= 64) & (CONSUMER_REGS >= 200)
     # (one literal partition list per warpgroup count, as in _fwd_kernel)
     if NUM_WG == 3:
         gl.warp_specialize([
             (_kv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
                             Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                            BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                            BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
             (_kv_consumer, (1, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
                             Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                            BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                            BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
             (_kv_consumer, (2, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
                             Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                            BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                            BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
             (_kv_loader, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty,
                           do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -486,21 +483,45 @@ def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dK, dV, sk_b,
         gl.warp_specialize([
             (_kv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
                             Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                            BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                            BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
             (_kv_consumer, (1, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
                             Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                            BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                            BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
             (_kv_loader, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty,
                           do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
+@gluon.constexpr_function
+def _rows_layout(d):
+    """A blocked register layout of [64, d] rows over one warpgroup, 8 contiguous elements (16
+    bytes) per thread."""
+    return gl.BlockedLayout([1, 8], [32 * 8 // d, d // 8], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _o_rows(Out, so_b, so_h, so_m, w, wg: gl.constexpr, n_m, n_items, H, Nq, Nk, D: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, layout: gl.constexpr):
+    """O's 64 rows of warpgroup wg in work item w ([64, D] in ``layout``; zeros past Nq, and all
+    zeros for w ≥ n_items: the item after a program's last)."""
+    b, h, bh, q0, n_tiles = _item(gl.minimum(w, n_items - 1), n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    rows = q0 + wg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    ok = (rows < Nq) & (w < n_items)
+    ptrs = (Out + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h + gl.expand_dims(rows.to(gl.int64) * so_m, 1)
+            + gl.expand_dims(cols, 0))
+    return gl.load(ptrs, mask=gl.expand_dims(ok, 1), other=0.0)
+
+
 @gluon.jit
 def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                 v_empty, Lse2, Delta, dQ, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2,
-                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr):
-    """Warpgroup wg: per item (as the forward's), its 64 query rows' dQ over the item's key tiles:
+                 v_empty, Out, Stats, Lse2, Delta, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m,
+                 n_items, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Warpgroup wg: per item (as the forward's), its 64 query rows' statistics and dQ over the
+    item's key tiles. Statistics: lse2 = m + log2(S) from the forward's, delta = rowsum(dO∘O) from
+    dO in shared memory and O's rows (loaded one item ahead), both stored for the dK/dV kernel
+    that runs next (rows past Nq: lse2 = +inf, delta = 0, so that P = 0 there). Then per key tile
     S = Q·Kᵀ and dP = dO·Vᵀ (shared-memory operands, in flight together), P and dS in registers,
     dQ += dS·K (A from registers); dQ is scaled once at the end."""
     WG_M: gl.constexpr = 64
@@ -512,21 +533,33 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
     qk_scale2 = qk_scale2.to(gl.float32)
+    ROWS_L: gl.constexpr = _rows_layout(D)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
     cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
     it = 0
     g = 0
+    o_next = _o_rows(Out, so_b, so_h, so_m, gl.program_id(0), wg, n_m, n_items, H, Nq, Nk, D, BLOCK_M, BLOCK_N,
+                     CAUSAL, ROWS_L)
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, h, bh, q0, n_tiles = _item(w, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
         r0 = q0 + wg * WG_M
         offs_m = r0 + gl.arange(0, WG_M, layout=ROW_S)
-        lse2 = gl.load(Lse2 + bh.to(gl.int64) * NQP + offs_m)  # (padded: unmasked)
-        delta = gl.load(Delta + bh.to(gl.int64) * NQP + offs_m)
+        # (a load of O's rows at the item's start left its latency exposed on every item)
+        o = o_next
+        o_next = _o_rows(Out, so_b, so_h, so_m, w + gl.num_programs(0), wg, n_m, n_items, H, Nq, Nk, D, BLOCK_M,
+                         BLOCK_N, CAUSAL, ROWS_L)
+        st = Stats + bh.to(gl.int64) * 2 * Nq + offs_m
+        m = gl.load(st, mask=offs_m < Nq, other=float("inf"))
+        s_sum = gl.load(st + Nq, mask=offs_m < Nq, other=1.0)
+        lse2 = gl.where(m == float("inf"), float("inf"), m + gl.log2(s_sum))  # (+inf, 1): a row that sees no key
         dq = gl.zeros([WG_M, D], gl.float32, O_L)
         qb = it % 2
         mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
         q = q_smem.index(NUM_WG * qb + wg).reshape([WG_M, D])
         do = do_smem.index(NUM_WG * qb + wg).reshape([WG_M, D])
+        delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.load(ROWS_L).to(gl.float32), axis=1), ROW_S)
+        gl.store(Lse2 + bh.to(gl.int64) * NQP + offs_m, lse2)  # (NQP: every item's rows)
+        gl.store(Delta + bh.to(gl.int64) * NQP + offs_m, delta)
         for j in range(n_tiles):
             slot = (g + j) % STAGES
             phase = ((g + j) // STAGES) & 1
@@ -560,11 +593,12 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
 
 
 @gluon.jit
-def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dQ, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items,
-                   scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Lse2, Delta, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m,
+                   H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Persistent like _fwd_kernel (the same items and producer warp, which also brings each item's
-    dO rows): two consumer warpgroups of 64 query rows. dQ [B, H, Nq, D] (any strides, last 1)."""
+    dO rows): two consumer warpgroups of 64 query rows. O, dQ [B, H, Nq, D] (any strides, last 1),
+    Stats [B, H, 2, Nq] (contiguous); writes Lse2, Delta [B·H, NQP] float32, NQP = n_m·BLOCK_M."""
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_M // 64
     q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = _query_stationary_buffers(
@@ -572,11 +606,11 @@ def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dQ, sq_b, sq_h,
     do_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG] + do_desc.block_type.shape, do_desc.layout)
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        Lse2, Delta, dQ, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D, BLOCK_M,
-                        BLOCK_N, STAGES, CAUSAL)),
+                        Out, Stats, Lse2, Delta, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items,
+                        scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         (_dq_consumer, (1, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        Lse2, Delta, dQ, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D, BLOCK_M,
-                        BLOCK_N, STAGES, CAUSAL)),
+                        Out, Stats, Lse2, Delta, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items,
+                        scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                    k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -667,14 +701,14 @@ def forward(q, k, v, out, stats, scale: float, causal: bool) -> None:
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
     """Whether the backward below takes the call: ``supports`` it, and it measured faster than the
     portable backward there (benchmarks/results/<device>/attention_hopper_fwdbwd.csv, bf16 forward
-    + backward, CUDA-graph replays): every call at D = 128; at D = 64 from 512 keys, causal from
-    1024. Below, the portable backward's 32-row tiles waste less on padding and on the diagonal.
-    ``EVERYWHERE`` takes every call it supports."""
+    + backward, CUDA-graph replays; thresh_ab.csv for the short rows): every call at D = 128; at
+    D = 64 from 300 keys, causal from 1024. Below, the portable backward's 32-row tiles waste less
+    on padding and on the diagonal. ``EVERYWHERE`` takes every call it supports."""
     if not (BACKWARD and supports(q, k, v, bias, precision)):
         return False
     if EVERYWHERE or q.shape[-1] == 128:
         return True
-    return k.shape[2] >= (1024 if causal else 512)
+    return k.shape[2] >= (1024 if causal else 300)
 
 
 def bwd_config(d: int, nk: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
@@ -698,26 +732,25 @@ def backward(do, q, k, v, out, stats, scale: float, causal: bool):
     Nk = k.shape[2]
     if do.dtype != q.dtype or not _tma_readable(do):
         do = do.to(q.dtype).contiguous()
-    if out.stride(-1) != 1:  # (the prep kernel reads rows of out with a unit stride)
+    if out.stride(-1) != 1:  # (the dQ kernel reads rows of out with a unit stride)
         out = out.contiguous()
     (km, kn, kst, kregs), (qm, qn, qst, qregs) = bwd_config(D, Nk)
-    nqp = cdiv(Nq, 128) * 128
-    prep = torch.empty((2, B * H, nqp), device=q.device, dtype=torch.float32)
-    lse2, delta = prep[0], prep[1]
-    launch(_bwd_prep_kernel, (nqp // 128, B * H), out, do, stats, lse2, delta, out.stride(0), out.stride(1),
-           out.stride(2), do.stride(0), do.stride(1), do.stride(2), H, Nq, nqp, D=D, BLOCK_M=128, num_warps=8)
+    n_m = cdiv(Nq, qm)
+    n_items = n_m * B * H
+    nqp = n_m * qm  # (≥ every dK/dV query tile's end: its statistics loads are unmasked)
+    stats_bwd = torch.empty((2, B * H, nqp), device=q.device, dtype=torch.float32)
+    lse2, delta = stats_bwd[0], stats_bwd[1]
     dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
     dv = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
+    # dQ first: it writes the rows' lse2 and delta, which the dK/dV kernel reads
+    programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
+    launch(_bwd_dq_kernel, (programs,), _descriptor(q, 64), _descriptor(do, 64), _descriptor(k, qn),
+           _descriptor(v, qn), out, stats, lse2, delta, dq, out.stride(0), out.stride(1), out.stride(2),
+           dq.stride(0), dq.stride(1), dq.stride(2), H, Nq, Nk, nqp, n_m, n_items, scale, scale * LOG2E, D=D,
+           BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal, CONSUMER_REGS=qregs, num_warps=4)
     launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), B * H), _descriptor(q, km), _descriptor(do, km), _descriptor(k, 64),
            _descriptor(v, 64), lse2, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
            dv.stride(1), dv.stride(2), H, Nq, Nk, nqp, scale, scale * LOG2E, D=D, BLOCK_M=km, BLOCK_N=kn,
            STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, num_warps=4)
-    n_m = cdiv(Nq, qm)
-    n_items = n_m * B * H
-    programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
-    launch(_bwd_dq_kernel, (programs,), _descriptor(q, 64), _descriptor(do, 64), _descriptor(k, qn),
-           _descriptor(v, qn), lse2, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), H, Nq, Nk, nqp, n_m,
-           n_items, scale, scale * LOG2E, D=D, BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal,
-           CONSUMER_REGS=qregs, num_warps=4)
     return dq, dk, dv

@@ -101,7 +101,8 @@ def test_backward_dispatch_policy(monkeypatch):
     """Without EVERYWHERE, the backward's measured policy (see hopper.serves_backward)."""
     from elsa_vision.kernels import hopper
     monkeypatch.setattr(hopper, "EVERYWHERE", False)
-    for n, d, causal, want in [(197, 64, False, False), (577, 64, False, True), (577, 64, True, False),
+    for n, d, causal, want in [(197, 64, False, False), (257, 64, False, False), (321, 64, False, True),
+                               (577, 64, False, True), (577, 64, True, False),
                                (1041, 64, True, True), (197, 128, True, True)]:
         q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
         assert hopper.serves_backward(q, k, v, None, "native", causal) == want, (n, d, causal)
