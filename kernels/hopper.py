@@ -438,9 +438,9 @@ def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dK, dV, sk_b,
                      H, Nq, Nk, NQP, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr):
-    """Grid (cdiv(Nk, BLOCK_N), B·H): BLOCK_N = 128 or 192 keys per program, BLOCK_N / 64 consumer
-    warpgroups of 64 keys each holding their dK, dV [64, D] float32 accumulators in registers, a
-    producer warp streaming the query tiles (BLOCK_M rows of Q and dO) through a STAGES-deep ring.
+    """Grid (cdiv(Nk, BLOCK_N), B·H): BLOCK_N = 128 keys per program, two consumer warpgroups of
+    64 keys each holding their dK, dV [64, D] float32 accumulators in registers, a producer warp
+    streaming the query tiles (BLOCK_M rows of Q and dO) through a STAGES-deep ring.
     dK, dV [B, H, Nk, D] (any strides, last one 1)."""
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_N // 64
@@ -461,35 +461,19 @@ def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dK, dV, sk_b,
         mbarrier.init(do_empty.index(i), count=NUM_WG)
     fence_async_shared()
     # the consumers load a query tile's statistics one tile ahead where the registers allow: at D = 64
-    # with 240 registers (at 160, or with D = 128's accumulators, the two extra live vectors spill,
-    # and the spills cost more than the loads' latency)
-    PREFETCH: gl.constexpr = (D <= 64) & (CONSUMER_REGS >= 200)
-    # (one literal partition list per warpgroup count, as in _fwd_kernel)
-    if NUM_WG == 3:
-        gl.warp_specialize([
-            (_kv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
-                            Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                            BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
-            (_kv_consumer, (1, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
-                            Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                            BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
-            (_kv_consumer, (2, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
-                            Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                            BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
-            (_kv_loader, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty,
-                          do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
-    else:
-        gl.warp_specialize([
-            (_kv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
-                            Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                            BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
-            (_kv_consumer, (1, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
-                            Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                            BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
-            (_kv_loader, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty,
-                          do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+    # (with D = 128's accumulators the two extra live vectors spill, and the spills cost more than
+    # the loads' latency)
+    PREFETCH: gl.constexpr = D <= 64
+    gl.warp_specialize([
+        (_kv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
+                        Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
+                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
+        (_kv_consumer, (1, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
+                        Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
+                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
+        (_kv_loader, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty,
+                      do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @gluon.constexpr_function
@@ -711,16 +695,15 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
     return k.shape[2] >= (1024 if causal else 300)
 
 
-def bwd_config(d: int, nk: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+def bwd_config(d: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
     """((BLOCK_M, BLOCK_N, STAGES, consumer registers) of the dK/dV kernel, the same of the dQ
-    kernel). dK/dV: 64-row query tiles (at 128 the Sᵀ and dPᵀ accumulators spill); at D = 64 from
-    640 keys three warpgroups of 64 keys at 160 registers (336 bytes of spills, and still 9% faster
-    at 16K, 5–6% at 705–833 keys: one warpgroup's exponentials run under two others' products; at
-    577 keys, 768 keys in 192-key blocks against 640 in 128-key blocks, 2.5% slower). dQ: two
-    64-row warpgroups, key tiles of 128 at D = 64 and 64 at D = 128 (shared memory: double-buffered
-    Q and dO plus the K/V ring)."""
+    kernel). dK/dV: 64-row query tiles (at 128 the Sᵀ and dPᵀ accumulators spill), two warpgroups
+    of 64 keys at 240 registers (three at 160 registers spill, and with the statistics loaded one
+    tile ahead two are 2–20% faster at every length measured: benchmarks/results/<device>/
+    waves_ab.csv). dQ: two 64-row warpgroups, key tiles of 128 at D = 64 and 64 at D = 128 (shared
+    memory: double-buffered Q and dO plus the K/V ring)."""
     if d <= 64:
-        return ((64, 192, 2, 160) if nk >= 640 else (64, 128, 3, 240)), (128, 128, 2, 240)
+        return (64, 128, 3, 240), (128, 128, 2, 240)
     return (64, 128, 2, 240), (128, 64, 2, 240)
 
 
@@ -734,7 +717,7 @@ def backward(do, q, k, v, out, stats, scale: float, causal: bool):
         do = do.to(q.dtype).contiguous()
     if out.stride(-1) != 1:  # (the dQ kernel reads rows of out with a unit stride)
         out = out.contiguous()
-    (km, kn, kst, kregs), (qm, qn, qst, qregs) = bwd_config(D, Nk)
+    (km, kn, kst, kregs), (qm, qn, qst, qregs) = bwd_config(D)
     n_m = cdiv(Nq, qm)
     n_items = n_m * B * H
     nqp = n_m * qm  # (≥ every dK/dV query tile's end: its statistics loads are unmasked)
