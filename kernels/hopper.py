@@ -60,25 +60,44 @@ def _acc_layout(n):
 
 
 @gluon.jit
-def _item(w, n_m, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work item w → (b, h, bh, q0, n_tiles): query rows [q0, q0 + BLOCK_M) of batch·head bh, and
-    the key tiles they see. Query blocks of one head are consecutive (they share K/V in L2); with
-    CAUSAL the longest rows go first, so the triangle's short items fill the tail."""
+def _item(w, t0, n_m, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item w → (b, h, bh, q0, n_tiles, rows): query rows [q0, q0 + rows) of batch·head bh,
+    and the key tiles they see. Query blocks of one head are consecutive (they share K/V in L2);
+    with CAUSAL the longest rows go first, so the triangle's short items fill the tail.
+
+    Items from t0 on (the tail; t0 = the number of items: none) are shorter, rows = BLOCK_M − 64:
+    they re-cut the rows that items t0, t0 + 1, … of BLOCK_M rows would have covered (the rest of
+    head t0 // n_m, then every later head), so that a last round of items that would fill only
+    part of the programs spreads over all of them (see _tail). Not with CAUSAL."""
+    TAIL_M: gl.constexpr = BLOCK_M - 64
     pid_m = w % n_m
     bh = w // n_m
     if CAUSAL:
         pid_m = n_m - 1 - pid_m
     q0 = pid_m * BLOCK_M
+    # (branch-free: the tail's head and first row, blended in where w ≥ t0)
+    tail = (w >= t0).to(gl.int32)
+    u = gl.maximum(w - t0, 0)
+    first_q = (t0 % n_m) * BLOCK_M
+    c0 = gl.cdiv(Nq - first_q, TAIL_M)
+    c = gl.cdiv(Nq, TAIL_M)
+    in_first = (u < c0).to(gl.int32)
+    u2 = gl.maximum(u - c0, 0)
+    bh_t = t0 // n_m + (1 - in_first) * (1 + u2 // c)
+    q0_t = in_first * (first_q + u * TAIL_M) + (1 - in_first) * (u2 % c) * TAIL_M
+    bh = tail * bh_t + (1 - tail) * bh
+    q0 = tail * q0_t + (1 - tail) * q0
+    rows = BLOCK_M - 64 * tail
     k_end = Nk
     if CAUSAL:  # the last key any row of this block sees, + 1 (bottom-right aligned)
         k_end = gl.minimum(Nk, q0 + BLOCK_M + Nk - Nq)
     n_tiles = gl.cdiv(gl.maximum(k_end, 0), BLOCK_N)
-    return bh // H, bh % H, bh, q0, n_tiles
+    return bh // H, bh % H, bh, q0, n_tiles, rows
 
 
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-            v_ready, v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr, CAUSAL: gl.constexpr, WITH_DO: gl.constexpr):
     """The producer warp of the query-stationary kernels (the forward, the backward's dQ). Per
     item: every warpgroup's Q tile (and with WITH_DO its dO tile, on the same barrier) into buffer
@@ -91,7 +110,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_
     it = 0
     g = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, bh, q0, n_tiles = _item(w, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        b, h, bh, q0, n_tiles, rows = _item(w, t0, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
         qb = it % 2
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
         mbarrier.expect(q_ready.index(qb), NBYTES)
@@ -162,11 +181,49 @@ def _step(j, g, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready
 
 @gluon.jit
 def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
-              Stats, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              Stats, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """Warpgroup wg: per item, its 64 query rows [q0 + wg·64, +64) scanned over the item's key
     tiles, then the rows' output and statistics. Every warpgroup visits all of an item's tiles (a
-    tile past a row's diagonal scores −inf there), so that each releases every slot."""
+    tile past a row's diagonal scores −inf there), so that each releases every slot; in a tail item
+    (see _item) the last warpgroup has no rows and only waits for and releases them."""
+    qk_scale2 = qk_scale2.to(gl.float32)
+    it = 0
+    g = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, bh, q0, n_tiles, rows = _item(w, t0, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        if wg * 64 >= rows:
+            _pass(it, g, n_tiles, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, STAGES)
+        else:
+            _fold_item(wg, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+                       v_ready, v_empty, Out, Stats, so_b, so_h, so_m, Nq, Nk, qk_scale2, D, BLOCK_M, BLOCK_N,
+                       STAGES, CAUSAL)
+        g += n_tiles
+        it += 1
+
+
+@gluon.jit
+def _pass(it, g, n_tiles, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, STAGES: gl.constexpr):
+    """A warpgroup with no rows in the item: wait for its Q buffer and each of its K/V slots and
+    release them (waiting first keeps every release in the phase it belongs to)."""
+    qb = it % 2
+    mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
+    mbarrier.arrive(q_empty.index(qb))
+    for j in range(n_tiles):
+        slot = (g + j) % STAGES
+        phase = ((g + j) // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.arrive(k_empty.index(slot))
+        mbarrier.wait(v_ready.index(slot), phase)
+        mbarrier.arrive(v_empty.index(slot))
+
+
+@gluon.jit
+def _fold_item(wg: gl.constexpr, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+               k_empty, v_ready, v_empty, Out, Stats, so_b, so_h, so_m, Nq, Nk, qk_scale2, D: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Warpgroup wg's 64 rows [q0 + wg·64, +64) of one item (ring position g, Q buffer it % 2):
+    the scan over the item's key tiles, then the rows' output and statistics."""
     WG_M: gl.constexpr = 64
     NUM_WG: gl.constexpr = BLOCK_M // WG_M
     dtype: gl.constexpr = q_smem.dtype
@@ -175,56 +232,49 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_read
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    qk_scale2 = qk_scale2.to(gl.float32)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
     cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
-    it = 0
-    g = 0
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, bh, q0, n_tiles = _item(w, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
-        r0 = q0 + wg * WG_M
-        # tiles from here on need the mask: the partial last tile, or the first that reaches past
-        # the diagonal of this warpgroup's first row
-        mask_from = Nk // BLOCK_N
-        if CAUSAL:
-            mask_from = gl.minimum(mask_from, gl.maximum(r0 + 1 + Nk - Nq, 0) // BLOCK_N)
-        offs_m = r0 + gl.arange(0, WG_M, layout=ROW_S)
-        m_i = gl.full([WG_M], float("-inf"), gl.float32, ROW_S)
-        s_i = gl.zeros([WG_M], gl.float32, ROW_S)
-        acc = gl.zeros([WG_M, D], gl.float32, O_L)
-        qb = it % 2
-        mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
-        q = q_smem.index(NUM_WG * qb + wg).reshape([WG_M, D])
-        if n_tiles > 0:
-            p16 = gl.zeros([WG_M, BLOCK_N], dtype, P_L)
-            p16, acc, m_i, s_i = _step(0, g, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready,
-                                       v_empty, offs_m, offs_n, 0 >= mask_from, Nq, Nk, qk_scale2,
-                                       D, BLOCK_N, STAGES, CAUSAL, True)
-            for j in range(1, n_tiles):
-                p16, acc, m_i, s_i = _step(j, g + j, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready,
-                                           v_empty, offs_m, offs_n, j >= mask_from, Nq, Nk,
-                                           qk_scale2, D, BLOCK_N, STAGES, CAUSAL, False)
-            mbarrier.arrive(q_empty.index(qb))  # every QKᵀ of the item has read Q
-            last = (g + n_tiles - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((g + n_tiles - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p16, v_ring.index(last).reshape([BLOCK_N, D]), acc)
-            mbarrier.arrive(v_empty.index(last))
-        else:
-            mbarrier.arrive(q_empty.index(qb))
-        g += n_tiles
-        it += 1
+    r0 = q0 + wg * WG_M
+    # tiles from here on need the mask: the partial last tile, or the first that reaches past
+    # the diagonal of this warpgroup's first row
+    mask_from = Nk // BLOCK_N
+    if CAUSAL:
+        mask_from = gl.minimum(mask_from, gl.maximum(r0 + 1 + Nk - Nq, 0) // BLOCK_N)
+    offs_m = r0 + gl.arange(0, WG_M, layout=ROW_S)
+    m_i = gl.full([WG_M], float("-inf"), gl.float32, ROW_S)
+    s_i = gl.zeros([WG_M], gl.float32, ROW_S)
+    acc = gl.zeros([WG_M, D], gl.float32, O_L)
+    qb = it % 2
+    mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
+    q = q_smem.index(NUM_WG * qb + wg).reshape([WG_M, D])
+    if n_tiles > 0:
+        p16 = gl.zeros([WG_M, BLOCK_N], dtype, P_L)
+        p16, acc, m_i, s_i = _step(0, g, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready,
+                                   v_empty, offs_m, offs_n, 0 >= mask_from, Nq, Nk, qk_scale2,
+                                   D, BLOCK_N, STAGES, CAUSAL, True)
+        for j in range(1, n_tiles):
+            p16, acc, m_i, s_i = _step(j, g + j, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready,
+                                       v_empty, offs_m, offs_n, j >= mask_from, Nq, Nk,
+                                       qk_scale2, D, BLOCK_N, STAGES, CAUSAL, False)
+        mbarrier.arrive(q_empty.index(qb))  # every QKᵀ of the item has read Q
+        last = (g + n_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((g + n_tiles - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p16, v_ring.index(last).reshape([BLOCK_N, D]), acc)
+        mbarrier.arrive(v_empty.index(last))
+    else:
+        mbarrier.arrive(q_empty.index(qb))
 
-        nonempty = s_i > 0
-        inv = gl.convert_layout(1.0 / gl.where(nonempty, s_i, 1.0), ROW_O)
-        out = (acc * gl.expand_dims(inv, 1)).to(Out.dtype.element_ty)
-        rows_o = r0 + gl.arange(0, WG_M, layout=ROW_O)
-        o_ptrs = (Out + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h
-                  + gl.expand_dims(rows_o.to(gl.int64) * so_m, 1) + gl.expand_dims(cols_o, 0))
-        gl.store(o_ptrs, out, mask=gl.expand_dims(rows_o < Nq, 1))
-        row_ok = offs_m < Nq
-        st = Stats + bh.to(gl.int64) * 2 * Nq + offs_m
-        gl.store(st, gl.where(nonempty, m_i, float("inf")), mask=row_ok)
-        gl.store(st + Nq, gl.where(nonempty, s_i, 1.0), mask=row_ok)
+    nonempty = s_i > 0
+    inv = gl.convert_layout(1.0 / gl.where(nonempty, s_i, 1.0), ROW_O)
+    out = (acc * gl.expand_dims(inv, 1)).to(Out.dtype.element_ty)
+    rows_o = r0 + gl.arange(0, WG_M, layout=ROW_O)
+    o_ptrs = (Out + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h
+              + gl.expand_dims(rows_o.to(gl.int64) * so_m, 1) + gl.expand_dims(cols_o, 0))
+    gl.store(o_ptrs, out, mask=gl.expand_dims(rows_o < Nq, 1))
+    row_ok = offs_m < Nq
+    st = Stats + bh.to(gl.int64) * 2 * Nq + offs_m
+    gl.store(st, gl.where(nonempty, m_i, float("inf")), mask=row_ok)
+    gl.store(st + Nq, gl.where(nonempty, s_i, 1.0), mask=row_ok)
 
 
 @gluon.jit
@@ -255,12 +305,12 @@ def _query_stationary_buffers(q_desc, k_desc, v_desc, NUM_WG: gl.constexpr, STAG
 
 
 @gluon.jit
-def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2,
+def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2,
                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Persistent: program p takes work items p, p + programs, … (see _item), each BLOCK_M query
-    rows of one batch·head, with BLOCK_M / 64 consumer warpgroups of 64 rows and a producer warp
-    (num_warps = 4: the first warpgroup).
+    rows of one batch·head (BLOCK_M − 64 from item t0 on), with BLOCK_M / 64 consumer warpgroups of
+    64 rows and a producer warp (num_warps = 4: the first warpgroup).
 
     Out [B, H, Nq, D] (any strides, last one 1), Stats [B, H, 2, Nq] float32: (m in log2 units,
     S); (+inf, 1) for a row that sees no key."""
@@ -273,22 +323,29 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk,
     if NUM_WG == 3:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES,
+                         CAUSAL)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES,
+                         CAUSAL)),
             (_consumer, (2, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES,
+                         CAUSAL)),
             (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
-                       k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False)),
+                       k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                       False)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES,
+                         CAUSAL)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES,
+                         CAUSAL)),
             (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
-                       k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False)),
+                       k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                       False)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -488,7 +545,8 @@ def _o_rows(Out, so_b, so_h, so_m, w, wg: gl.constexpr, n_m, n_items, H, Nq, Nk,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, layout: gl.constexpr):
     """O's 64 rows of warpgroup wg in work item w ([64, D] in ``layout``; zeros past Nq, and all
     zeros for w ≥ n_items: the item after a program's last)."""
-    b, h, bh, q0, n_tiles = _item(gl.minimum(w, n_items - 1), n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    b, h, bh, q0, n_tiles, rows = _item(gl.minimum(w, n_items - 1), n_items, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N,
+                                        CAUSAL)
     rows = q0 + wg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     ok = (rows < Nq) & (w < n_items)
@@ -525,7 +583,7 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
     o_next = _o_rows(Out, so_b, so_h, so_m, gl.program_id(0), wg, n_m, n_items, H, Nq, Nk, D, BLOCK_M, BLOCK_N,
                      CAUSAL, ROWS_L)
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, bh, q0, n_tiles = _item(w, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        b, h, bh, q0, n_tiles, rows = _item(w, n_items, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)  # (no tail)
         r0 = q0 + wg * WG_M
         offs_m = r0 + gl.arange(0, WG_M, layout=ROW_S)
         # (a load of O's rows at the item's start left its latency exposed on every item)
@@ -596,7 +654,8 @@ def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Lse2, Delta, dQ,
                         Out, Stats, Lse2, Delta, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items,
                         scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
-                   k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True)),
+                   k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                   True)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -677,9 +736,25 @@ def forward(q, k, v, out, stats, scale: float, causal: bool) -> None:
     # causal items differ in length: one program per item lets the hardware balance them (a static
     # round robin over SMs aliases with the items' order); others run one persistent program per SM
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))
+    t0, n_items = (n_items, n_items) if causal else _tail(n_items, n_m, bm, Nq, B * H, programs)
     launch(_fwd_kernel, (programs,), qd, kd, vd, out, stats, out.stride(0), out.stride(1), out.stride(2), H, Nq, Nk,
-           n_m, n_items, scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
+           n_m, n_items, t0, scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
            CONSUMER_REGS=regs, num_warps=4)
+
+
+def _tail(n_items: int, n_m: int, bm: int, nq: int, bh: int, programs: int) -> tuple[int, int]:
+    """(t0, items) for the persistent forward: the items of the last round, if it would leave
+    programs idle, re-cut into items of bm − 64 rows (see _item) where those fit in one round of
+    every program: the round then takes about (bm − 64) / bm of a full one. (n_items, n_items) if
+    not: no tail."""
+    full, rest = divmod(n_items, programs)
+    if not full or not rest:
+        return n_items, n_items
+    t0 = full * programs
+    tm = bm - 64
+    first_bh, first = divmod(t0, n_m)
+    n_tail = cdiv(nq - first * bm, tm) + (bh - first_bh - 1) * cdiv(nq, tm)
+    return (t0, t0 + n_tail) if n_tail <= programs else (n_items, n_items)
 
 
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
