@@ -605,3 +605,29 @@ def test_tma_readable_layouts():
     assert not hopper._tma_readable(torch.randn(2, 3, 64, 60).to(torch.bfloat16))  # rows of 120 bytes
     assert not hopper._tma_readable(t[:, :1].expand(2, 3, 64, 64))  # heads broadcast (stride 0)
     assert hopper._tma_readable(t[:, :1])  # a size-1 dimension's stride is never stepped
+
+
+@pytest.mark.parametrize("bh,nq,bm", [(16, 4096, 192), (32, 4096, 192), (11, 2500, 192), (5, 3500, 128),
+                                      (128, 4096, 192), (16, 2048, 192), (1, 100000, 192), (3, 200, 128)])
+def test_hopper_tail_plan(bh, nq, bm):
+    """hopper._tail (the forward's last round re-cut into items of bm − 64 rows): its item count is
+    that of the rows the whole items from t0 on would cover, counted head by head; the re-cut
+    items fit one round of the programs, and no round is added. (The kernel's item map is checked
+    bit for bit against whole items on the GPU: test_hopper_gpu.py::test_forward_tail_items.)"""
+    hopper = pytest.importorskip("elsa_vision.kernels.hopper")
+    cdiv = lambda a, b: -(-a // b)
+    n_m = cdiv(nq, bm)
+    n_items = n_m * bh
+    for programs in (132, 114, 78, 16):
+        programs = min(programs, n_items)
+        t0, total = hopper._tail(n_items, n_m, bm, nq, bh, programs)
+        if t0 == total:
+            assert total == n_items
+            continue
+        assert t0 == (n_items // programs) * programs and 0 < total - t0 <= programs
+        rows = {}  # head → the rows the whole items from t0 on cover
+        for w in range(t0, n_items):
+            head, first = divmod(w, n_m)
+            rows[head] = rows.get(head, 0) + min(bm, nq - first * bm)
+        assert total - t0 == sum(cdiv(r, bm - 64) for r in rows.values())
+        assert cdiv(total, programs) == cdiv(n_items, programs)
