@@ -7,7 +7,8 @@ writes are the portable forward's, so either backward runs from either forward. 
 is how the work is laid out:
 
   * Persistent programs, one per SM, take work items (BLOCK_M query rows of one batch·head) in
-    turn; causal calls take one program per item instead, so that the hardware balances the
+    turn, a last round that would leave programs idle re-cut into shorter items (_item, _tail);
+    causal calls take one program per item instead, so that the hardware balances the
     triangle's unequal items.
   * A producer warp loads Q, K and V by TMA (4-D tensor descriptors over [B, H, N, D]: any strides
     with a unit last dimension and 16-byte aligned others are read in place; rows past N are
