@@ -775,8 +775,9 @@ def bwd_config(d: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, 
     """((BLOCK_M, BLOCK_N, STAGES, consumer registers) of the dK/dV kernel, the same of the dQ
     kernel). dK/dV: 64-row query tiles (at 128 the Sᵀ and dPᵀ accumulators spill), two warpgroups
     of 64 keys at 240 registers (three at 160 registers spill the statistics loaded one tile ahead;
-    two measured faster at every length: benchmarks/results/<device>/waves_ab.csv). dQ: two 64-row warpgroups, key tiles of 128 at D = 64 and 64 at D = 128 (shared
-    memory: double-buffered Q and dO plus the K/V ring)."""
+    two measured faster at every length: benchmarks/results/<device>/waves_ab.csv). dQ: two
+    64-row warpgroups, key tiles of 128 at D = 64 and 64 at D = 128 (shared memory:
+    double-buffered Q and dO plus the K/V ring)."""
     if d <= 64:
         return (64, 128, 3, 240), (128, 128, 2, 240)
     return (64, 128, 2, 240), (128, 64, 2, 240)
