@@ -119,7 +119,8 @@ def test_shifted_windows_compiled_in_place(packed):
         g = torch.Generator(device=DEVICE).manual_seed(batch)
         shape = (batch, ih, iw, 3, H, D) if packed else (batch, ih, iw, H, D)
         ins = [torch.randn(shape, generator=g, device=DEVICE).requires_grad_() for _ in range(1 if packed else 3)]
-        torch._dynamo.mark_dynamic(ins[0], 0) if packed else [torch._dynamo.mark_dynamic(t, 0) for t in ins]
+        for t in ins:
+            torch._dynamo.mark_dynamic(t, 0)
         out, grads = _grads(c, *ins, bias)
         ref, ref_grads = _grads(step, *ins, bias)
         assert verify.max_err(out, ref) <= 1e-6
