@@ -173,6 +173,7 @@ TUNE = {
     "pps4": dict(FWD_PROGRAMS_PER_SM=4, BWD_PROGRAMS_PER_SM=4),
     "pps16": dict(FWD_PROGRAMS_PER_SM=16, BWD_PROGRAMS_PER_SM=8),
     "pps64": dict(FWD_PROGRAMS_PER_SM=64, BWD_PROGRAMS_PER_SM=16),
+    "bwd4": dict(BWD_PROGRAMS_PER_SM=4),
     "bias-regs": dict(BIAS_IN_REGISTERS=True),
     "stages1": dict(STAGES=1),
     "stages3": dict(STAGES=3),

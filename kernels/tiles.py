@@ -235,8 +235,12 @@ _KV_FP16X3_128 = (32, 128, 8, 2)
 # windows (kernels/window.py)
 
 # Programs per SM the planners aim for (a few resident per SM hide latency; the rest is loop length).
+# The single-kernel backward holds two programs per SM (255 registers): with two per SM its runs are
+# one wave, twice as long, 7-9% faster than four per SM on Swin-T's image rows (bf16, H100; no change
+# on window rows, nor for the tiled dbias kernel that also plans with it; benchmarks/windows.py
+# --tune bwd4).
 FWD_PROGRAMS_PER_SM = 8
-BWD_PROGRAMS_PER_SM = 4
+BWD_PROGRAMS_PER_SM = 2
 # Tuning switches (benchmarks/windows.py --tune; call elsa_vision.clear_caches() after changing
 # one): keep the bias tile in registers across a run instead of re-reading it (an L1 hit) per
 # window; pipelining depth of the window loop.

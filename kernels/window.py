@@ -11,7 +11,7 @@ The bias and the mask are read in place by head and by window id: the [BW, H, N,
 timm materialises is never built, in the forward or the backward. They are read as tables whose row
 stride is a multiple of 16 so that tile loads vectorise: zero-copy when N % 16 == 0, otherwise a
 zero-padded float32 copy of the [H, N, N] / [nW, N, N] inputs (kilobytes, both in one buffer, one
-launch of _pad_tables_kernel; small half-precision calls read them in place, see PAD_TABLES_FROM).
+launch of _pad_tables_kernel; small eager half-precision calls read them in place, see PAD_TABLES_FROM).
 
 Forward. Every window is padded to N_pad = next power of two ≥ N (≥ 16) inside the tile: padded keys
 score −inf, padded query rows are never stored. ``block`` B ∈ {64, 128, 256} is the key tile:
@@ -736,23 +736,32 @@ def _padded_tables(bias, mask, n: int, nr: int, like: torch.Tensor):
     return bt, (0 if lead0 else nr * nr), (like if mask is None else buf[lb:])
 
 
-# Windows × heads of a half-precision call from which the bias and mask tables get padded to a
-# 16-multiple row stride (vectorised loads, one copy of each table per call). Below it the kernels
-# read them in place, row stride N: the copies' host time is then more than what they save the
-# GPU (measured at Swin-T's stage 3 eagerly; replayed from a CUDA graph padding wins). Float32
-# always pads: its tiled backward reads the tables in many narrow tiles, where in place measured
-# much slower (benchmarks/windows.py --tune pad,nopad).
+# Windows × heads of an eager half-precision call from which the bias and mask tables get padded to
+# a 16-multiple row stride (vectorised loads, one copy of each table per call). Below it an eager
+# call reads them in place, row stride N: such calls are paced by the host, and the copy's launch
+# costs more host time than it saves the GPU (Swin-T stages 2-4, bf16, H100: +45 µs a call eagerly).
+# Float32 always pads (its tiled backward reads the tables in many narrow tiles, where in place
+# measured much slower), and so does a call being compiled or captured into a CUDA graph: there the
+# GPU sets the pace, and in place the unvectorised table loads cost the window kernels 255
+# registers, one program fewer per SM (Swin-T stage 3 bf16 forward+backward replayed: 165 µs in
+# place, 107 padded; benchmarks/windows.py --tune pad,nopad).
 PAD_TABLES_FROM = 8192
 
 
 def _work(q: torch.Tensor, bw: int, h: int) -> Optional[int]:
-    """The ``work`` argument of :func:`_tables`."""
-    return bw * h if q.dtype in (torch.float16, torch.bfloat16) else None
+    """The ``work`` argument of :func:`_tables` for an eager call: windows × heads of a half-precision
+    call that is not being captured; None (pad) otherwise. (The custom op, what a compiled graph
+    runs, always pads: see :func:`_op_forward`.)"""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    return bw * h
 
 
 def _tables(bias, mask, n: int, like: torch.Tensor, work: Optional[int] = None):
-    """(bias table, its head stride, mask table, NR) for a half-precision call of ``work`` windows ×
-    heads (None: float32, always padded); absent inputs become a placeholder pointer."""
+    """(bias table, its head stride, mask table, NR) for a call of ``work`` windows × heads (None:
+    always padded, see :func:`_work`); absent inputs become a placeholder pointer."""
     nr = cdiv(n, 16) * 16 if work is None or work >= PAD_TABLES_FROM else n
     if nr != n and (bias is not None or mask is not None):
         return (*_padded_tables(bias, mask, n, nr, like), nr)
@@ -909,6 +918,12 @@ def _geometry(geometry: Optional[list[int]]) -> Optional[Geometry]:
     return Geometry(*geometry) if geometry is not None else None
 
 
+def _op_tables(q: torch.Tensor, bias, mask, geo: Optional[Geometry]):
+    """The op's tables: always padded (see PAD_TABLES_FROM: a compiled graph is paced by the GPU,
+    and with ``mode="reduce-overhead"`` replayed from a CUDA graph); None for an empty call."""
+    return _tables(bias, mask, _shape(q, geo)[2], q) if q.numel() else None
+
+
 def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                 mask: Optional[torch.Tensor], scale: float, precision: str, block: int,
                 windows_per_program: int, geometry: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -917,7 +932,8 @@ def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optiona
     ``geometry`` (a :class:`Geometry` as its seven ints): q/k/v and out are image rows [T,H,D]
     instead, rolled and partitioned by the kernels' addressing (see :func:`forward`)."""
     wpp = windows_per_program if windows_per_program > 0 else None
-    return forward(q, k, v, bias, mask, scale, precision, block, wpp, geo=_geometry(geometry))
+    geo = _geometry(geometry)
+    return forward(q, k, v, bias, mask, scale, precision, block, wpp, _op_tables(q, bias, mask, geo), geo)
 
 
 def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -926,8 +942,10 @@ def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  bias_grad: bool, geometry: Optional[list[int]] = None) -> list[torch.Tensor]:
     """→ [dq, dk, dv, dbias] (dq, dk, dv shaped as q, k, v: image rows with ``geometry``); dbias
     [H,N,N] is an empty tensor unless ``bias_grad``."""
+    geo = _geometry(geometry)
     dq, dk, dv, dbias = backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, bias_grad,
-                                 windows_per_program if windows_per_program > 0 else None, geo=_geometry(geometry))
+                                 windows_per_program if windows_per_program > 0 else None,
+                                 _op_tables(q, bias, mask, geo), geo=geo)
     # dbias is the [H, N, N] corner of the padded [H, NR, NR] sum: a compiled graph expects the
     # fake's strides (inductor asserts them), so the op returns it row-major
     return [dq, dk, dv, dbias.contiguous() if dbias is not None else q.new_empty(0)]

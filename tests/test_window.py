@@ -374,6 +374,22 @@ def test_padded_and_in_place_tables_agree(N, dp, monkeypatch):
     _check(q, k, v, b, m, precision=precision, backend="triton")  # (and the oracle rule, in place)
 
 
+def test_tables_padded_when_the_gpu_sets_the_pace(monkeypatch):
+    """In place only for eager half-precision calls below PAD_TABLES_FROM windows × heads: float32, a
+    call captured into a CUDA graph and the custom op (what compiled graphs run) get padded tables."""
+    from elsa_vision.kernels import window as W
+    q16 = torch.zeros(2, 1, 1, 1, dtype=torch.bfloat16)
+    assert W._work(q16, 4, 3) == 12
+    assert W._work(q16.float(), 4, 3) is None
+    if torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert W._work(q16.cuda(), 4, 3) is None
+        assert W._work(q16, 4, 3) == 12  # a CPU tensor is never captured
+    q, b, m = torch.zeros(4, 2, 49, 32, dtype=torch.bfloat16), torch.zeros(2, 49, 49), torch.zeros(2, 49, 49)
+    assert W._op_tables(q, b, m, None)[3] == 64
+    assert W._op_tables(q[:0], b, m, None) is None
+
+
 def test_tables_are_laid_out_for_the_kernel():
     """A bias that is not row-major (Swin v2's is a permuted view), padded or not, comes out with
     unit column stride and row stride NR, as the kernel reads it; so does one bias broadcast over the
