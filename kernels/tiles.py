@@ -246,6 +246,12 @@ BWD_PROGRAMS_PER_SM = 2
 # window; pipelining depth of the window loop.
 BIAS_IN_REGISTERS = False
 STAGES = 2
+# Without a mask a pipeline stage of the half-precision single-tile forward and single-kernel
+# backward holds only q, k, v (12 KB at Swin's 49 tokens, d = 32); the mask's float32 tile (16 KB)
+# is what makes a third stage cost occupancy (Swin-T image rows, bf16, H100: a third stage is 6-50%
+# slower with the mask; without it the forward at stage 1 takes 102 against 119 µs, the backward 131
+# against 166).
+OPEN_STAGES = 3
 # No register cap (ptx .maxnreg): ptxas gives most window kernels 255 registers (sm_90, Triton 3.6),
 # two 4-warp programs per SM; capping at 168 or 128 spills 150-950 bytes per thread in every
 # kernel except the bf16 forward (benchmarks/window_compile.py).
@@ -291,6 +297,15 @@ class Plan:
     bias_regs: bool       # single-tile kernels hold the head's bias tile in registers for the whole run
     stages: int           # software-pipelining depth of the backward's loops over windows
     fwd_stages: int       # and of the forward's
+    open_stages: int      # both, for a call without a mask (0: as with one; see OPEN_STAGES)
+
+    def fwd_depth(self, has_mask: bool) -> int:
+        """num_stages of the forward for a call with / without a mask table."""
+        return self.open_stages if self.open_stages and not has_mask else self.fwd_stages
+
+    def bwd_depth(self, has_mask: bool) -> int:
+        """num_stages of the backward's kernels for a call with / without a mask table."""
+        return self.open_stages if self.open_stages and not has_mask else self.stages
 
 
 # Backward tiles (query tile, key tile, warps) per precision class, from ptxas reports for sm_90 at
@@ -366,7 +381,8 @@ def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "
                 fused_bwd=fused, reads_out=not fused and cls == "half", fused_warps=4,
                 dq_m=dq_m, dq_n=dq_n, dq_warps=w1, kv_m=kv_m, kv_n=kv_n, kv_warps=w2,
                 db_m=db_m, db_n=db_n, db_warps=w3, min_windows=max(1, block // n_pad),
-                bias_regs=BIAS_IN_REGISTERS, stages=stages, fwd_stages=fwd_stages)
+                bias_regs=BIAS_IN_REGISTERS, stages=stages, fwd_stages=fwd_stages,
+                open_stages=OPEN_STAGES if fused and single and stages == fwd_stages == STAGES else 0)
 
 
 @host_cache(maxsize=1024)

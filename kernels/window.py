@@ -789,7 +789,7 @@ def _fwd_launch(q, k, v, out, has_bias: bool, has_mask: bool, sb_h: int, nr: int
          BW, H, N, nr, nW, wpp, scale, *(geo.args if geo is not None else _NO_GEO)),
         dict(D=D, D_PAD=pow2(D), BLOCK_M=pl.fwd_m, BLOCK_N=pl.fwd_n, SINGLE=pl.single, HAS_BIAS=has_bias,
              BIAS_REGS=pl.bias_regs, HAS_MASK=has_mask, PREC=PRECISION_CODES[precision], GEO=geo is not None,
-             num_warps=pl.fwd_warps, num_stages=pl.fwd_stages))
+             num_warps=pl.fwd_warps, num_stages=pl.fwd_depth(has_mask)))
 
 
 def forward(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
@@ -835,7 +835,7 @@ def _bwd_launches(q, k, v, do, dq, o_arg, has_bias: bool, has_mask: bool, sb_h: 
     rest = (BW, H, N, nr, nW)
     geo_args = geo.args if geo is not None else _NO_GEO
     common = dict(D=D, D_PAD=pow2(D), HAS_MASK=has_mask, PREC=PRECISION_CODES[precision], EXACT=q.dtype == torch.float32,
-                  GEO=geo is not None, num_stages=pl.stages)
+                  GEO=geo is not None, num_stages=pl.bwd_depth(has_mask))
     if pl.fused_bwd:
         wpp, runs = plan_runs(BW, H, 1, q.device, tiles.BWD_PROGRAMS_PER_SM, windows_per_program)
         fused = Launch(_win_bwd_fused_kernel, (runs, H), (*qkv_do, *g3, sb_h, *rest, wpp, scale, *geo_args),
