@@ -248,9 +248,9 @@ BIAS_IN_REGISTERS = False
 STAGES = 2
 # Without a mask a pipeline stage of the half-precision single-tile forward and single-kernel
 # backward holds only q, k, v (12 KB at Swin's 49 tokens, d = 32); the mask's float32 tile (16 KB)
-# is what makes a third stage cost occupancy (Swin-T image rows, bf16, H100: a third stage is 6-50%
-# slower with the mask; without it the forward at stage 1 takes 102 against 119 µs, the backward 131
-# against 166).
+# is what makes a third stage cost occupancy (Swin-T image rows, bf16, H100: with the mask a third
+# stage makes the backward 1.4-1.5x slower and the forward no faster; without it the forward at
+# stage 1 takes 102 against 118 µs, the backward 129 against 168).
 OPEN_STAGES = 3
 # No register cap (ptx .maxnreg): ptxas gives most window kernels 255 registers (sm_90, Triton 3.6),
 # two 4-warp programs per SM; capping at 168 or 128 spills 150-950 bytes per thread in every
