@@ -739,7 +739,7 @@ def _padded_tables(bias, mask, n: int, nr: int, like: torch.Tensor):
 # Windows × heads of an eager half-precision call from which the bias and mask tables get padded to
 # a 16-multiple row stride (vectorised loads, one copy of each table per call). Below it an eager
 # call reads them in place, row stride N: such calls are paced by the host, and the copy's launch
-# costs more host time than it saves the GPU (Swin-T stages 2-4, bf16, H100: +45 µs a call eagerly).
+# costs more host time than it saves the GPU (Swin-T stages 2-4, bf16, H100: 12-47 µs a call eagerly).
 # Float32 always pads (its tiled backward reads the tables in many narrow tiles, where in place
 # measured much slower), and so does a call being compiled or captured into a CUDA graph: there the
 # GPU sets the pace, and in place the unvectorised table loads cost the window kernels 255
