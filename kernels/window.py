@@ -739,12 +739,12 @@ def _padded_tables(bias, mask, n: int, nr: int, like: torch.Tensor):
 # Windows × heads of an eager half-precision call from which the bias and mask tables get padded to
 # a 16-multiple row stride (vectorised loads, one copy of each table per call). Below it an eager
 # call reads them in place, row stride N: such calls are paced by the host, and the copy's launch
-# costs more host time than it saves the GPU (Swin-T stages 2-4, bf16, H100: 12-47 µs a call eagerly).
+# costs more host time than it saves the GPU (Swin-T stages 2-4, bf16, H100: 12-47 µs a call).
 # Float32 always pads (its tiled backward reads the tables in many narrow tiles, where in place
-# measured much slower), and so does a call being compiled or captured into a CUDA graph: there the
-# GPU sets the pace, and in place the unvectorised table loads cost the window kernels 255
-# registers, one program fewer per SM (Swin-T stage 3 bf16 forward+backward replayed: 165 µs in
-# place, 107 padded; benchmarks/windows.py --tune pad,nopad).
+# measured much slower), and so do the custom op that compiled graphs run and a call being
+# captured into a CUDA graph: there the GPU sets the pace, and in place the unvectorised loads cost
+# the window kernels 255 registers, one program fewer per SM (Swin-T stage 3 bf16 forward+backward
+# replayed: 165 µs in place, 107 padded; benchmarks/windows.py --tune pad,nopad).
 PAD_TABLES_FROM = 8192
 
 
