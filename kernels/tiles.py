@@ -382,7 +382,7 @@ def make_plan(n: int, d: int, dtype: torch.dtype, block: int, precision: str = "
                 dq_m=dq_m, dq_n=dq_n, dq_warps=w1, kv_m=kv_m, kv_n=kv_n, kv_warps=w2,
                 db_m=db_m, db_n=db_n, db_warps=w3, min_windows=max(1, block // n_pad),
                 bias_regs=BIAS_IN_REGISTERS, stages=stages, fwd_stages=fwd_stages,
-                open_stages=OPEN_STAGES if fused and single and stages == fwd_stages == STAGES else 0)
+                open_stages=OPEN_STAGES if fused else 0)  # (fused: the forward is one tile too)
 
 
 @host_cache(maxsize=1024)

@@ -751,7 +751,7 @@ PAD_TABLES_FROM = 8192
 def _work(q: torch.Tensor, bw: int, h: int) -> Optional[int]:
     """The ``work`` argument of :func:`_tables` for an eager call: windows × heads of a half-precision
     call that is not being captured; None (pad) otherwise. (The custom op, what a compiled graph
-    runs, always pads: see :func:`_op_forward`.)"""
+    runs, always pads: see :func:`_op_tables`.)"""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return None
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
