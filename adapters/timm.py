@@ -57,8 +57,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from ..api import attention, shifted_window_attention, window_attention, window_attention_packed
+from ..api import attention, attention_packed, shifted_window_attention, window_attention, window_attention_packed
 from ..kernels.limits import HEAD_DIMS
 from .registry import Adapter, PatchState, bypass_reason, check_flag, hooked, is_patched, register
 
@@ -120,14 +121,19 @@ def _split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Ten
     return qkv.reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
 
 
-def _self_attention(module, state: PatchState, q, k, v, attn_mask, is_causal) -> torch.Tensor:
-    """The ELSA core of the ViT-family modules: q/k/v [B, H, N, D] → [B, H, N, D].
+def _self_attention(module, state: PatchState, q, k, v, attn_mask, is_causal, qkv=None) -> torch.Tensor:
+    """The ELSA core of the ViT-family modules: q/k/v [B, H, N, D] → [B, H, N, D]; or, with q, k, v
+    None, the packed projection ``qkv`` [B, N, 3, H, D] (its gradient then comes out of the kernels
+    in one piece: see elsa_vision.attention_packed).
 
     Scale as the original: SDPA's default 1/√D on the fused path, ``module.scale`` on the
     unfused one (they differ only if someone changed ``module.scale``)."""
     scale = None if module.fused_attn else float(module.scale)
-    return attention(q, k, v, bias=attn_mask, scale=scale, causal=bool(is_causal),
-                            precision=state.options.get("precision", "auto"), backend=_backend(state))
+    how = dict(bias=attn_mask, scale=scale, causal=bool(is_causal), precision=state.options.get("precision", "auto"),
+               backend=_backend(state))
+    if qkv is not None:
+        return attention_packed(qkv, **how)
+    return attention(q, k, v, **how)
 
 
 def _finish(module, x: torch.Tensor, gate: Optional[torch.Tensor], width: int) -> torch.Tensor:
@@ -167,9 +173,14 @@ class TimmAttention(Adapter):
             return state.delegate(x, attn_mask=attn_mask, is_causal=is_causal, reason="attn_mask with is_causal")
         B, N, C = x.shape
         gate = _gate(module, x)
-        q, k, v = _split_heads(module.qkv(x), module.num_heads)
-        q, k = module.q_norm(q), module.k_norm(k)
-        o = _self_attention(module, state, q, k, v, attn_mask, is_causal)
+        qkv = module.qkv(x)
+        if isinstance(module.q_norm, nn.Identity) and isinstance(module.k_norm, nn.Identity):
+            o = _self_attention(module, state, None, None, None, attn_mask, is_causal,
+                                qkv=qkv.reshape(B, N, 3, module.num_heads, -1))
+        else:
+            q, k, v = _split_heads(qkv, module.num_heads)
+            q, k = module.q_norm(q), module.k_norm(k)
+            o = _self_attention(module, state, q, k, v, attn_mask, is_causal)
         return _finish(module, o, gate, getattr(module, "attn_dim", module.num_heads * module.head_dim))
 
 

@@ -3,6 +3,7 @@ for timm ViT / Swin and VGGT.
 
     import elsa_vision
     out = elsa_vision.attention(q, k, v)        # q/k/v [B, H, N, D]
+    out = elsa_vision.attention_packed(qkv)     # qkv [B, N, 3, H, D]: its gradient written in one piece
     out = elsa_vision.window_attention(q, k, v, bias=rel_bias, mask=shift_mask)  # Swin windows
     out = elsa_vision.window_attention_packed(qkv, bias=rel_bias, mask=shift_mask)  # qkv [B·nW, N, 3, H, D]
     out = elsa_vision.shifted_window_attention(qkv, window_size=7, shift_size=3, bias=rel_bias, mask=shift_mask)
@@ -18,13 +19,13 @@ if not _os.path.isdir(_os.path.join(_here, "kernels")) and _os.path.isfile(_os.p
     # elsa_vision.kernels / elsa_vision.adapters); let the import system find them there too.
     __path__.append(_root)
 
-from .api import (attention, clear_caches, patch, patched, resolve_precision, shifted_window_attention, unpatch,
-                  window_attention, window_attention_packed)
+from .api import (attention, attention_packed, clear_caches, patch, patched, resolve_precision,
+                  shifted_window_attention, unpatch, window_attention, window_attention_packed)
 from .dispatch import BACKENDS, BackendFallbackWarning, NotSupportedError
 from . import verify
 
-__all__ = ["attention", "window_attention", "window_attention_packed", "shifted_window_attention", "patch", "unpatch",
-           "patched", "resolve_precision", "clear_caches", "verify", "BACKENDS", "NotSupportedError",
+__all__ = ["attention", "attention_packed", "window_attention", "window_attention_packed", "shifted_window_attention",
+           "patch", "unpatch", "patched", "resolve_precision", "clear_caches", "verify", "BACKENDS", "NotSupportedError",
            "BackendFallbackWarning"]
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""Public API of elsa_vision: attention, window_attention(_packed), shifted_window_attention, patch /
+"""Public API of elsa_vision: attention(_packed), window_attention(_packed), shifted_window_attention, patch /
 unpatch / patched."""
 from __future__ import annotations
 
@@ -90,18 +90,66 @@ def attention(
     key, kept = _kept_call("attention", (q, k, v, bias), (scale, causal, precision, backend, partitions, return_lse))
     if kept is not None:
         run, sc, prec = kept
-        out, lse = run(q, k, v, bias, sc, causal, prec, partitions, return_lse)
-        return (out, lse.detach()) if return_lse else out
-    q0, bias0 = q, bias
-    q, k, v, bias = autocast(q, k, v, bias)
-    check_qkv(q, k, v, "attention")
+        return _with_lse(run(q, k, v, bias, sc, causal, prec, partitions, return_lse), return_lse)
+    q0 = q
+    q, k, v, bias_cast = autocast(q, k, v, bias)
+    return _attention(q, k, v, None, bias_cast, bias, scale, causal, precision, backend, partitions, return_lse,
+                      "attention", key if q is q0 else None)
+
+
+def attention_packed(
+    qkv: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    precision: str = "auto",
+    backend: str = "auto",
+    return_lse: bool = False,
+):
+    """:func:`attention` on the packed projection: qkv [B, N, 3, H, D] → [B, H, N, D].
+
+    qkv is a ViT's ``qkv(x).reshape(B, N, 3, H, D)``; q, k, v are ``qkv[:, :, i].transpose(1, 2)``
+    and every other argument is as in :func:`attention`, with the same results. The difference is
+    the backward: on the Triton backend the kernels write the gradient of qkv as one tensor, where
+    q, k, v passed as views would get three gradients that autograd (or a compiled graph) then
+    stacks, a copy the size of qkv.
+    """
+    fn = "attention_packed"
+    key, kept = _kept_call(fn, (qkv, bias), (scale, causal, precision, backend, return_lse))
+    if kept is not None:
+        run, sc, prec = kept
+        return _with_lse(run(*qkv_views(qkv), bias, sc, causal, prec, None, return_lse, qkv=qkv), return_lse)
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"{fn}: qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"{fn}: qkv must be [B, N, 3, H, D], got shape {tuple(qkv.shape)}; "
+                         "reshape the projection output with .reshape(B, N, 3, H, D)")
+    qkv0 = qkv
+    qkv, bias_cast = autocast(qkv, bias)
+    return _attention(*qkv_views(qkv), qkv, bias_cast, bias, scale, causal, precision, backend, None, return_lse, fn,
+                      key if qkv is qkv0 else None)
+
+
+def _with_lse(result, return_lse: bool):
+    """An entry point's (out, lse) as the public functions return it."""
+    out, lse = result
+    return (out, lse.detach()) if return_lse else out
+
+
+def _attention(q, k, v, qkv, bias, bias_in, scale, causal, precision, backend, partitions, return_lse, fn: str,
+               key=None):
+    """The attention entry points after autocast: the checks, dispatch, the call. ``qkv``: the
+    packed tensor q, k, v are views of, or None. ``bias_in``: the bias as the caller passed it;
+    ``key``: the call's :func:`_call_key`, to keep what the checks decide (None when autocast cast q)."""
+    check_qkv(q, k, v, fn)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    scale = check_scale(scale, D, "attention")
-    bias = bias4(bias, B, H, Nq, Nk, q, "attention")
-    causal = check_flag(causal, "causal", "attention")
+    scale = check_scale(scale, D, fn)
+    bias = bias4(bias, B, H, Nq, Nk, q, fn)
+    causal = check_flag(causal, "causal", fn)
     if partitions is not None and (not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1):
-        raise ValueError(f"attention: partitions must be a positive int or None, got {partitions!r}")
+        raise ValueError(f"{fn}: partitions must be a positive int or None, got {partitions!r}")
     prec = resolve_precision(precision, q.dtype)
     p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=causal,
                 has_bias=bias is not None, precision=prec, positive_scale=scale > 0, same_lengths=Nq == Nk,
@@ -110,12 +158,11 @@ def attention(
     if Nk == 0 or Nq == 0:  # no key: every row is fully masked and returns 0
         out = _nothing_to_attend(q.shape, q, k, v)
         return (out, torch.full((B, H, Nq), float("inf"), device=q.device)) if return_lse else out
-    if B * H > MAX_GRID_YZ and B > 1:  # (thousands of VGGT frames × heads)
+    if B * H > MAX_GRID_YZ and B > 1:  # (thousands of VGGT frames × heads; views: autograd stacks qkv's gradient)
         return _in_batch_chunks(run, q, k, v, bias, scale, causal, prec, partitions, return_lse)
-    if q is q0 and bias is bias0:  # no autocast cast, no bool → additive or broadcast view to redo
+    if bias is bias_in:  # no bool → additive or broadcast view to redo
         _keep(key, (run, scale, prec))
-    out, lse = run(q, k, v, bias, scale, causal, prec, partitions, return_lse)
-    return (out, lse.detach()) if return_lse else out
+    return _with_lse(run(q, k, v, bias, scale, causal, prec, partitions, return_lse, qkv=qkv), return_lse)
 
 
 def _in_batch_chunks(run, q, k, v, bias, scale, causal, prec, partitions, return_lse):

@@ -124,11 +124,13 @@ def _triton_devices() -> tuple[str, ...]:
 
 # Entry points take (q, k, v, bias4, scale, causal, precision, partitions) and return (out, lse):
 # out [B,H,Nq,D]; lse [B,H,Nq] float32 natural-log log-sum-exp (+inf for rows that see no key), or
-# None unless the last argument (want_lse) is true.
+# None unless the argument want_lse is true. qkv: the packed [B,N,3,H,D] tensor q, k, v are views
+# of (elsa_vision.attention_packed), or None; a backend whose gradients flow through the views by
+# autograd ignores it.
 
-def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False):
+def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
     from .kernels import attention as K
-    out, lse = K.attention(q, k, v, bias, scale, causal, precision, partitions)
+    out, lse = K.attention(q, k, v, bias, scale, causal, precision, partitions, qkv)
     return out, (K.natural_lse(lse, bias is not None) if want_lse else None)
 
 
@@ -147,7 +149,7 @@ def _run_reference_attention_backward(q, k, v, out, lse, do, scale, causal, prec
     return reference.attention_backward(q, k, v, out, lse, do, scale, causal)
 
 
-def _run_eca_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False):
+def _run_eca_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
     from .kernels import eca
     out, lse = eca.attention(q, k, v, scale)
     return out, (lse if want_lse else None)
@@ -158,7 +160,7 @@ def _eca_auto(p: "Problem") -> bool:
     return eca.faster_than_reference(p.keys, p.head_dim)
 
 
-def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False):
+def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
     from .kernels import reference
     if not want_lse:
         return reference.attention(q, k, v, bias, scale, causal), None

@@ -54,6 +54,7 @@ from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3,
                      dot_nt, ds_k, ds_units, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
 from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
+from .reference import qkv_views
 from .tiles import (PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions,
                     tail_width)
 
@@ -499,7 +500,7 @@ def _dkdv_step(dk, dv, k, k_lo, v, v_lo, q_base, do_base, bias_base, Stats, Delt
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, dOut, Stats, Delta, dK, dV, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n,
+    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
@@ -564,9 +565,9 @@ def _bwd_dkdv_kernel(
         dk = dk * (65536.0 * D_PAD) * (1.0 / cq) * (1.0 / cdo) * (1.0 / cv)
         dv = dv * (1.0 / 16384.0) * (1.0 / cdo)
     dk = dk * scale
-    tl.store(dK + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], cast(dk, dK.dtype.element_ty),
+    tl.store(dK + b * sdk_b + h * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :], cast(dk, dK.dtype.element_ty),
              mask=kv_mask)
-    tl.store(dV + bh.to(tl.int64) * Nk * D + offs_n[:, None] * D + offs_d[None, :], cast(dv, dV.dtype.element_ty),
+    tl.store(dV + b * sdv_b + h * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :], cast(dv, dV.dtype.element_ty),
              mask=kv_mask)
 
 
@@ -701,7 +702,7 @@ def _dq_step(dq, q, q_lo, do, do_lo, k_base, v_base, bias_base, offs_m, offs_n, 
 def _bwd_dq_kernel(
     Q, K, V, Bias, dOut, Out, Stats, Delta, dQ, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n, so_b, so_h, so_m, so_d,
+    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n, so_b, so_h, so_m, so_d, sdq_b, sdq_h, sdq_m,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr, TAIL: tl.constexpr,
@@ -752,7 +753,7 @@ def _bwd_dq_kernel(
     if PREC == FP16X3:  # one power of two at a time: their product may leave float32's range
         dq = dq * (1.0 / f)[:, None] * (1.0 / ck) * (1.0 / cdo) * (1.0 / cv)
     dq = dq * scale
-    tl.store(dQ + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :], cast(dq, dQ.dtype.element_ty),
+    tl.store(dQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_m + offs_d[None, :], cast(dq, dQ.dtype.element_ty),
              mask=qm)
 
 
@@ -831,6 +832,12 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
     into [B,Nq,H·D], what every attention module does next, is then free of copies."""
     B, H, Nq, D = q.shape
     return torch.empty((B, Nq, H, D), device=q.device, dtype=q.dtype).transpose(1, 2)
+
+
+def new_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contiguous (dq, dk, dv) buffers shaped and typed as q, k, v: what the backward writes when
+    it is given none."""
+    return tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
 
 
 def launch_plan(q, k, bias, precision: str, partitions: Optional[int] = None,
@@ -953,13 +960,18 @@ def _merge_launch(out, ws, natural: bool) -> Launch:
 
 
 def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precision: str, bias_grad: bool,
-             config: Optional[Config] = None, kv: Optional[Config] = None, early_dp: Optional[bool] = None):
+             config: Optional[Config] = None, kv: Optional[Config] = None, early_dp: Optional[bool] = None,
+             grads: Optional[tuple] = None):
     """Returns (dq, dk, dv, dbias); dbias is None unless ``bias_grad``. Shapes as the inputs'.
     ``stats`` [B,H,2,Nq]: the forward's row statistics. ``config`` / ``kv`` / ``early_dp`` replace
-    the measured choices of bwd_config / kv_config / early_dp_default (for tuning)."""
+    the measured choices of bwd_config / kv_config / early_dp_default (for tuning). ``grads``: the
+    (dq, dk, dv) buffers to write (any strides with a unit last one, e.g. the views
+    :func:`kernels.reference.qkv_views` gives of a packed gradient); new contiguous ones otherwise."""
+    if grads is not None and any(g.stride(-1) != 1 for g in grads):
+        raise ValueError("attention backward: dq, dk, dv buffers need a unit stride along D")
     if (config is None and kv is None and early_dp is None and not bias_grad and stats.is_contiguous()
             and _hopper_serves(q, k, v, bias, precision, causal, backward=True)):
-        return (*hopper.backward(do, q, k, v, out, stats, scale, causal), None)
+        return (*hopper.backward(do, q, k, v, out, stats, scale, causal, grads or new_grads(q, k, v)), None)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = pow2(D)
@@ -967,9 +979,7 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     prec = PRECISION_CODES[precision]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
     scales = _f16_scales(q, k, v, do) if precision == "fp16x3" else delta
-    dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
-    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=k.dtype)
-    dv = torch.empty((B, H, Nk, D), device=q.device, dtype=v.dtype)
+    dq, dk, dv = grads or new_grads(q, k, v)
     bias_arg = bias if bias is not None else q
     common = dict(D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, PREC=prec,
                   EXACT=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -980,14 +990,15 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
             q, k, v, bias_arg, do, stats, delta, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
             HAS_BIAS=bias is not None, **common)
     launch(_bwd_dq_kernel, (cdiv(Nq, cfg.block_m), B * H),
-        q, k, v, bias_arg, do, out, stats, delta, dq, scales, *strides, *out.stride(), H, Nq, Nk, scale * LOG2E,
+        q, k, v, bias_arg, do, out, stats, delta, dq, scales, *strides, *out.stride(), *dq.stride()[:3], H, Nq, Nk,
+        scale * LOG2E,
         scale, HAS_BIAS=bias is not None, TAIL=tail_width(Nk, cfg.block_n, causal),
         OWN_DELTA=own_delta, **common)
     kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
     early_dp = early_dp_default(q.dtype, d_pad, precision) if early_dp is None else early_dp
     launch(_bwd_dkdv_kernel, (cdiv(Nk, kv.block_n), B * H),
-        q, k, v, bias_arg, do, stats, delta, dk, dv, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
-        HAS_BIAS=bias is not None, EARLY_DP=early_dp, TAIL=tail_width(Nq, kv.block_m),
+        q, k, v, bias_arg, do, stats, delta, dk, dv, scales, *strides, *dk.stride()[:3], *dv.stride()[:3], H, Nq, Nk,
+        scale * LOG2E, scale, HAS_BIAS=bias is not None, EARLY_DP=early_dp, TAIL=tail_width(Nq, kv.block_m),
         **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n, "num_warps": kv.num_warps,
            "num_stages": kv.num_stages})
     dbias = None
@@ -1039,12 +1050,46 @@ OP = KernelOp("attention", "attention", forward=_op_forward, backward=_op_backwa
 attention_fwd, attention_bwd = OP.fwd, OP.bwd  # torch.ops.elsa_vision.attention_fwd / _bwd
 
 
-def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int]):
+def _op_forward_packed(qkv: torch.Tensor, bias: Optional[torch.Tensor], scale: float, causal: bool, precision: str,
+                       partitions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [B,N,3,H,D] (q, k, v: its ``qkv_views``) → as ``_op_forward``."""
+    return _op_forward(*qkv_views(qkv), bias, scale, causal, precision, partitions)
+
+
+def _op_backward_packed(do: torch.Tensor, qkv: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                        stats: torch.Tensor, scale: float, causal: bool, precision: str,
+                        bias_grad: bool) -> list[torch.Tensor]:
+    """→ [dqkv [B,N,3,H,D], dbias]: the kernels write dq, dk, dv into their places in one tensor
+    (three gradients of views would be stacked by autograd: a copy the size of qkv)."""
+    dqkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+    *_, dbias = backward(do, *qkv_views(qkv), bias, out, stats, scale, causal, precision, bias_grad,
+                         grads=qkv_views(dqkv))
+    return [dqkv, dbias if dbias is not None else qkv.new_empty(0)]
+
+
+def _save_packed(inputs, outputs):
+    qkv, bias, scale, causal, precision, _ = inputs
+    return (qkv, bias, *outputs), (scale, causal, precision)
+
+
+PACKED = KernelOp("attention_packed", "attention_packed", forward=_op_forward_packed, backward=_op_backward_packed,
+                  save=_save_packed, bias_input=1)
+
+
+def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int],
+              qkv: Optional[torch.Tensor] = None):
     """(out, stats) with autograd (see :func:`kernels.ops.route`). stats [B,H,2,Nq]: the row
-    statistics (m, S) of ``forward`` (``natural_lse`` gives the lse)."""
-    how = route((q, k, v, bias))
+    statistics (m, S) of ``forward`` (``natural_lse`` gives the lse). ``qkv``: the packed
+    [B,N,3,H,D] tensor q, k, v are the ``qkv_views`` of, or None; with it, qkv's gradient is
+    written by the kernels in one piece."""
+    parts = partitions or 0
+    how = route((q, k, v, bias) if qkv is None else (qkv, bias))
     if how is COMPILED:
-        return OP.fwd(q, k, v, bias, scale, causal, precision, partitions or 0)
+        if qkv is not None:
+            return PACKED.fwd(qkv, bias, scale, causal, precision, parts)
+        return OP.fwd(q, k, v, bias, scale, causal, precision, parts)
     if how is AUTOGRAD:
-        return OP.function.apply(q, k, v, bias, scale, causal, precision, partitions or 0)
+        if qkv is not None:
+            return PACKED.function.apply(qkv, bias, scale, causal, precision, parts)
+        return OP.function.apply(q, k, v, bias, scale, causal, precision, parts)
     return forward(q, k, v, bias, scale, causal, precision, partitions or None)

@@ -783,10 +783,11 @@ def bwd_config(d: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, 
     return (64, 128, 2, 240), (128, 64, 2, 240)
 
 
-def backward(do, q, k, v, out, stats, scale: float, causal: bool):
+def backward(do, q, k, v, out, stats, scale: float, causal: bool, grads: tuple):
     """(dq, dk, dv) [B,H,N·,D] in q's dtype for a call ``supports`` accepts, from the forward's out
     and stats [B,H,2,Nq] (contiguous; any forward's: the statistics are the same). A dO that TMA
-    cannot read in place (see _tma_readable), or of another dtype, is copied first."""
+    cannot read in place (see _tma_readable), or of another dtype, is copied first. ``grads``: the
+    (dq, dk, dv) buffers to write, shaped as q, k, v, with a unit stride along D."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     if do.dtype != q.dtype or not _tma_readable(do):
@@ -799,9 +800,7 @@ def backward(do, q, k, v, out, stats, scale: float, causal: bool):
     nqp = n_m * qm  # (≥ every dK/dV query tile's end: its statistics loads are unmasked)
     stats_bwd = torch.empty((2, B * H, nqp), device=q.device, dtype=torch.float32)
     lse2, delta = stats_bwd[0], stats_bwd[1]
-    dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
-    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
-    dv = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
+    dq, dk, dv = grads
     # dQ first: it writes the rows' lse2 and delta, which the dK/dV kernel reads
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
     launch(_bwd_dq_kernel, (programs,), _descriptor(q, 64), _descriptor(do, 64), _descriptor(k, qn),

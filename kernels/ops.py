@@ -7,6 +7,10 @@ functions that launch its kernels):
     forward(q, k, v, bias, *rest)  → (out, stats)             stats: float32 row statistics, no gradient
     backward(do, *saved, *args, bias_grad, *tail) → [dq, dk, dv, dbias]   dbias an empty tensor unless bias_grad
 
+or, for a packed family (``bias_input=1``), forward(qkv, bias, *rest) and a backward returning
+[dqkv, dbias]: the projection's gradient written by the kernels in one piece, where three gradients
+of q, k, v views would be stacked by autograd (a copy the size of qkv).
+
 ``save(inputs, outputs)`` says which tensors the backward reads (``saved``) and which non-tensor
 arguments it takes (``args``; optionally a third element, ``tail``: arguments after ``bias_grad``,
 where a family adds a defaulted argument to its backward op — a graph compiled and cached by an
@@ -88,7 +92,8 @@ class KernelOp:
 
     ``what``: the public function's name, for error messages. ``bias_input``: the position of the
     bias among the forward's inputs (its gradient is computed only when it requires one); the
-    inputs before it are q, k, v, whose gradients the backward always returns."""
+    inputs before it (q, k, v, or a packed qkv) are those whose gradients the backward always
+    returns, in order, before the bias's."""
 
     def __init__(self, name: str, what: str, *, forward: Callable, backward: Callable,
                  save: Callable[[tuple, tuple], tuple], bias_input: int = 3):
@@ -114,11 +119,8 @@ class KernelOp:
         function on the eager path) from what ``_setup`` stored."""
         saved = ctx.saved_tensors
         bias_grad = self._bias_grad(ctx, saved)
-        dq, dk, dv, dbias = backward(dout, *saved, *ctx.args, bias_grad, *ctx.tail)
-        return self._grads(ctx, dq, dk, dv, dbias, bias_grad)
-
-    def _grads(self, ctx, dq, dk, dv, dbias, bias_grad: bool) -> tuple:
-        return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (ctx.n_inputs - self.bias_input - 1)
+        *grads, dbias = backward(dout, *saved, *ctx.args, bias_grad, *ctx.tail)
+        return (*grads, dbias if bias_grad else None) + (None,) * (ctx.n_inputs - self.bias_input - 1)
 
     def _bias_grad(self, ctx, saved) -> bool:
         return bool(saved[self.bias_input] is not None and ctx.needs_input_grad[self.bias_input])

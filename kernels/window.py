@@ -951,17 +951,58 @@ def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return [dq, dk, dv, dbias.contiguous() if dbias is not None else q.new_empty(0)]
 
 
+def _reads_out(q: torch.Tensor, geometry: Optional[list[int]], block: int, precision: str) -> bool:
+    """Whether the backward of a call on q (window rows, or image rows with ``geometry``) reads out."""
+    n, d = (geometry[3] * geometry[4], q.shape[2]) if geometry is not None else q.shape[2:]
+    return make_plan(n, d, q.dtype, block, precision).reads_out
+
+
 def _save(inputs, outputs):
     q, k, v, bias, mask, scale, precision, block, wpp, *geometry = inputs
     geometry = geometry[0] if geometry else None
     out, stats = outputs
-    n, d = (geometry[3] * geometry[4], q.shape[2]) if geometry is not None else q.shape[2:]
-    keep_out = make_plan(n, d, q.dtype, block, precision).reads_out
+    keep_out = _reads_out(q, geometry, block, precision)
     return (q, k, v, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp), (geometry,)
 
 
 OP = KernelOp("window", "window_attention", forward=_op_forward, backward=_op_backward, save=_save)
 window_fwd, window_bwd = OP.fwd, OP.bwd  # torch.ops.elsa_vision.window_fwd / _bwd
+
+
+def _op_forward_packed(qkv: torch.Tensor, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], scale: float,
+                       precision: str, block: int, windows_per_program: int,
+                       geometry: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [BW,N,3,H,D] (image rows [T,3,H,D] with ``geometry``; q, k, v: its ``qkv_views``) → as
+    ``_op_forward``."""
+    return _op_forward(*qkv_views(qkv, _geometry(geometry)), bias, mask, scale, precision, block, windows_per_program,
+                       geometry)
+
+
+def _op_backward_packed(do: torch.Tensor, qkv: torch.Tensor, bias: Optional[torch.Tensor],
+                        mask: Optional[torch.Tensor], out: Optional[torch.Tensor], stats: torch.Tensor, scale: float,
+                        precision: str, block: int, windows_per_program: int, bias_grad: bool,
+                        geometry: Optional[list[int]] = None) -> list[torch.Tensor]:
+    """→ [dqkv (shaped as qkv), dbias]: the kernels write dq, dk, dv into their places in one tensor,
+    as _PackedWindowAttention does eagerly (three gradients of views would be stacked by autograd)."""
+    geo = _geometry(geometry)
+    q, k, v = qkv_views(qkv, geo)
+    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    wpp = windows_per_program if windows_per_program > 0 else None
+    *_, dbias = backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, bias_grad, wpp,
+                         _op_tables(q, bias, mask, geo), qkv_views(dqkv, geo), geo)
+    return [dqkv, dbias.contiguous() if dbias is not None else qkv.new_empty(0)]
+
+
+def _save_packed(inputs, outputs):
+    qkv, bias, mask, scale, precision, block, wpp, *geometry = inputs
+    geometry = geometry[0] if geometry else None
+    out, stats = outputs
+    keep_out = _reads_out(qkv_views(qkv, _geometry(geometry))[0], geometry, block, precision)
+    return (qkv, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp), (geometry,)
+
+
+PACKED = KernelOp("window_packed", "window_attention", forward=_op_forward_packed, backward=_op_backward_packed,
+                  save=_save_packed, bias_input=1)
 
 
 def _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp, geo):
@@ -1022,15 +1063,16 @@ class _PackedWindowAttention(torch.autograd.Function):
         return dqkv, dbias, None, None, None, None, None, None
 
 
-def _compiled(q, k, v, bias, mask, scale: float, precision: str, block: int, wpp: int,
+def _compiled(q, k, v, qkv, bias, mask, scale: float, precision: str, block: int, wpp: int,
               geo: Optional[Geometry]) -> torch.Tensor:
-    """The call as torch.compile traces it: the window custom op, with ``geo`` on image rows (the
-    kernels roll and partition them by their addressing, as on the eager path: no copies of q, k,
-    v, out or their gradients around the op; a packed qkv's three gradients are stacked by autograd,
-    one copy, where the eager path writes them in place)."""
+    """The call as torch.compile traces it: the window custom op (its packed form when ``qkv`` is
+    given: the gradient of qkv comes out of the kernels in one piece), with ``geo`` on image rows
+    (the kernels roll and partition them by their addressing, as on the eager path: no copies of q,
+    k, v, out or their gradients around the op)."""
+    op, inputs = (OP, (q, k, v)) if qkv is None else (PACKED, (qkv,))
     if geo is None:
-        return OP.fwd(q, k, v, bias, mask, scale, precision, block, wpp)[0]
-    return OP.fwd(q, k, v, bias, mask, scale, precision, block, wpp, list(geo))[0]
+        return op.fwd(*inputs, bias, mask, scale, precision, block, wpp)[0]
+    return op.fwd(*inputs, bias, mask, scale, precision, block, wpp, list(geo))[0]
 
 
 def window_attention(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
@@ -1045,9 +1087,8 @@ def window_attention(q, k, v, bias, mask, scale: float, precision: str, block: i
     [T, 3, H, D]) whose shifted windows the kernels read in place; returns image rows [T, H, D]."""
     how = route((qkv, bias) if qkv is not None else (q, k, v, bias))
     if how is COMPILED:
-        if qkv is not None:
-            q, k, v = qkv_views(qkv, geo)
-        return _compiled(q, k, v, bias, mask, scale, precision, int(block or 0), int(windows_per_program or 0), geo)
+        return _compiled(q, k, v, qkv, bias, mask, scale, precision, int(block or 0), int(windows_per_program or 0),
+                         geo)
     block, wpp = int(block or 0), int(windows_per_program or 0) or None
     if how is not AUTOGRAD:
         views = qkv_views(qkv, geo) if qkv is not None else (q, k, v)

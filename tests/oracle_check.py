@@ -132,7 +132,8 @@ def elsa_forward_calls(gm) -> int:
         if node.op != "call_function":
             continue
         target = str(node.target)
-        if target.startswith("elsa_vision.") and target.split(".")[1] in ("attention_fwd", "window_fwd"):
+        if target.startswith("elsa_vision.") and target.split(".")[1] in ("attention_fwd", "attention_packed_fwd", "window_fwd",
+                                                                         "window_packed_fwd"):
             n += 1
         elif "triton_kernel_wrapper" in target:
             fn = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])

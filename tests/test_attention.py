@@ -396,6 +396,51 @@ def test_custom_ops_fake_matches_real(bias_shape):
                              stats, 0.25, False, "ieee", bias is not None)
 
 
+@pytest.mark.parametrize("dtype,causal,with_bias", [(torch.float32, False, False), (torch.float32, True, True),
+                                                     (torch.bfloat16, False, True)])
+def test_packed_call_is_the_view_call(dtype, causal, with_bias):
+    """attention_packed(qkv) gives what attention() gives on qkv's q, k, v views, bitwise (the same
+    kernels at the same strides), and qkv's gradient as one contiguous tensor holding the three
+    gradients; within the oracle rule of the float64 reference."""
+    B, N, H, D = 2, 45, 2, 32
+    packed = rand(B, N, 3, H, D, dtype=dtype).requires_grad_()
+    views = packed.detach().clone().requires_grad_()
+    bias = rand(H, N, N, seed=5).requires_grad_() if with_bias else None
+    kw = dict(bias=bias, causal=causal)
+    out = elsa_vision.attention_packed(packed, **kw)
+    ref = elsa_vision.attention(*views.permute(2, 0, 3, 1, 4).unbind(0), **kw)
+    do = rand(*out.shape, dtype=dtype, seed=9)
+    grads = torch.autograd.grad(out, [packed] + ([bias] if with_bias else []), do)
+    ref_grads = torch.autograd.grad(ref, [views] + ([bias] if with_bias else []), do)
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert grads[0].shape == packed.shape and grads[0].is_contiguous()
+    oracle = elsa_vision.attention_packed(packed.detach().double().requires_grad_(), causal=causal, backend="reference",
+                                          bias=None if bias is None else bias.detach().double())
+    assert verify.max_err(out, oracle) <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_packed_custom_ops_fake_matches_real():
+    """The packed ops' fakes: what compile plans is what they return (qkv's gradient in qkv's shape)."""
+    from elsa_vision.kernels import attention as K
+    qkv = torch.randn(2, 37, 3, 2, 16, device=DEVICE)
+    bias = torch.randn(2, 1, 1, 37, device=DEVICE)
+    args = (qkv, bias, 0.25, True, "ieee", 0)
+    assert_fake_matches_real(torch.ops.elsa_vision.attention_packed_fwd.default, *args)
+    out, stats = K.PACKED.fwd(*args)
+    assert_fake_matches_real(torch.ops.elsa_vision.attention_packed_bwd.default, torch.randn_like(out), qkv, bias,
+                             out, stats, 0.25, True, "ieee", True)
+
+
+@pytest.mark.parametrize("make,err,msg", [
+    (lambda: [1.0], TypeError, "qkv must be a torch.Tensor"),
+    (lambda: torch.randn(2, 5, 2, 2, 16), ValueError, r"\[B, N, 3, H, D\]"),
+    (lambda: torch.randn(2, 5, 3, 16), ValueError, r"reshape the projection output"),
+])
+def test_packed_input_errors(make, err, msg):
+    with pytest.raises(err, match=msg):
+        elsa_vision.attention_packed(make())
+
+
 def test_inference_matches_the_autograd_path():
     """Without a gradient to record, the Triton launcher skips the autograd Function: same output."""
     g = torch.Generator().manual_seed(1)

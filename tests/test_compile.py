@@ -129,6 +129,45 @@ def test_shifted_windows_compiled_in_place(packed):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("which", ["attention", "window", "shifted"])
+def test_packed_gradient_comes_out_whole(which):
+    """A packed call (attention_packed, window_attention_packed, shifted windows on a packed qkv)
+    compiled: the backward graph takes qkv's gradient from the op as one tensor — no stack or cat
+    of three gradients (a copy the size of qkv) — and the gradients are eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    joins = []
+
+    def count_joins(gm, example_inputs):
+        joins.append(sum(1 for n in gm.graph.nodes
+                         if n.op == "call_function" and str(n.target).split(".")[1:2] in (["stack"], ["cat"])))
+        return make_boxed_func(gm)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    H, D = 2, 16
+    if which == "attention":
+        qkv = torch.randn(2, 37, 3, H, D, generator=g, device=DEVICE)
+        step = lambda t: elsa_vision.attention_packed(t, causal=True)  # noqa: E731
+    else:
+        bias = torch.randn(H, 16, 16, generator=g, device=DEVICE)
+        if which == "window":
+            qkv = torch.randn(6, 16, 3, H, D, generator=g, device=DEVICE)
+            step = lambda t: elsa_vision.window_attention_packed(t, bias=bias)  # noqa: E731
+        else:
+            qkv = torch.randn(2, 8, 8, 3, H, D, generator=g, device=DEVICE)
+            mask = torch.where(torch.rand(4, 16, 16, generator=g, device=DEVICE) < 0.3, -100.0, 0.0)
+            step = lambda t: elsa_vision.shifted_window_attention(t, window_size=4, shift_size=2,  # noqa: E731
+                                                                  bias=bias, mask=mask)
+    qkv.requires_grad_()
+    torch._dynamo.reset()
+    c = torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm),
+                                                                 bw_compiler=count_joins))
+    out, (grad,) = _grads(c, qkv)
+    ref, (ref_grad,) = _grads(step, qkv)
+    assert verify.max_err(out, ref) <= 1e-6 and verify.max_err(grad, ref_grad) <= 1e-5
+    assert joins == [0]
+    torch._dynamo.reset()
+
+
 def test_vggt_standin_aggregator_fullgraph():
     """A patched VGGT stand-in compiles in one graph (frame and global attention, the fused norm +
     RoPE of inference), with ELSA's ops in it, and returns what eager returns."""

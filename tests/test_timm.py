@@ -595,13 +595,15 @@ def test_deepcopy_of_patched_model_is_independent():
 
 def test_precision_option_reaches_attention(monkeypatch):
     seen = []
-    real = elsa_vision.attention
 
-    def spy(*a, **k):
-        seen.append(k.get("precision"))
-        return real(*a, **k)
+    def spy(real):
+        def call(*a, **k):
+            seen.append(k.get("precision"))
+            return real(*a, **k)
+        return call
 
-    monkeypatch.setattr(ta, "attention", spy)  # (the name the adapter calls)
+    for name in ("attention", "attention_packed"):  # (the names the adapter calls)
+        monkeypatch.setattr(ta, name, spy(getattr(elsa_vision, name)))
     m = _tiny_vit().eval()
     elsa_vision.patch(m, precision="ieee")
     with torch.no_grad():

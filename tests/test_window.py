@@ -452,6 +452,13 @@ def test_custom_ops_fake_matches_real(N):
     out, stats = W.window_fwd(*args)
     assert_fake_matches_real(torch.ops.elsa_vision.window_bwd.default, torch.randn_like(out), q, k, v, bias, m, out,
                              stats, 32 ** -0.5, "ieee", 0, 0, True)
+    # the packed op: qkv [BW, N, 3, H, D] in, its gradient in one piece out
+    qkv = torch.randn(q.shape[0], N, 3, 2, 32, device=dev)
+    args = (qkv, bias, m, 32 ** -0.5, "ieee", 0, 0)
+    assert_fake_matches_real(torch.ops.elsa_vision.window_packed_fwd.default, *args)
+    out, stats = W.PACKED.fwd(*args)
+    assert_fake_matches_real(torch.ops.elsa_vision.window_packed_bwd.default, torch.randn_like(out), qkv, bias, m,
+                             out, stats, 32 ** -0.5, "ieee", 0, 0, True)
 
 
 # ---------------------------------------------------------------------------------------------
