@@ -500,11 +500,11 @@ def _dkdv_step(dk, dv, k, k_lo, v, v_lo, q_base, do_base, bias_base, Stats, Delt
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, dOut, Stats, Delta, dK, dV, Scales,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
+    sdo_b, sdo_h, sdo_m, sdo_d, sb_b, sb_h, sb_m, sb_n, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, dk_off, dv_off,
     H, Nq, Nk, qk_scale2, scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
-    EARLY_DP: tl.constexpr, TAIL: tl.constexpr,
+    EARLY_DP: tl.constexpr, TAIL: tl.constexpr, ONE_BUFFER: tl.constexpr,
 ):
     """One key tile per program; loops over the query tiles that can see it (TAIL < BLOCK_M: the
     partial last one TAIL rows wide). Everything is formed transposed — Sᵀ = k·qᵀ [BLOCK_N, BLOCK_M]
@@ -516,7 +516,11 @@ def _bwd_dkdv_kernel(
     fp16x3 (PREC 4): k, v, q, dO are split at their heads' scales; Pᵀ goes in as Pᵀ·2^14. dSᵀ's
     column i (query i) is scaled by t_i = 2^min(−floor(log2 r_i), 10) ≈ S_i (see ds_units) and q's
     row i by 1/t_i after the split (exact in float16 down to its subnormals), so the scalings cancel
-    in dK; the cap keeps q's rows at least 2^-10 of their scaled range. EARLY_DP: see early_dp_default."""
+    in dK; the cap keeps q's rows at least 2^-10 of their scaled range. EARLY_DP: see early_dp_default.
+    ONE_BUFFER: dK and dV lie in one tensor, passed as dK (the packed gradient of a qkv projection),
+    at element offsets dk_off and dv_off; dV is not written. (Two pointers into one tensor would
+    each be taken as written, and torch.compile's functional form of the launch would then copy
+    the tensor for each.)"""
     qk_scale2, scale = tl.cast(qk_scale2, tl.float32), tl.cast(scale, tl.float32)  # inductor passes float64
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -565,10 +569,11 @@ def _bwd_dkdv_kernel(
         dk = dk * (65536.0 * D_PAD) * (1.0 / cq) * (1.0 / cdo) * (1.0 / cv)
         dv = dv * (1.0 / 16384.0) * (1.0 / cdo)
     dk = dk * scale
-    tl.store(dK + b * sdk_b + h * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :], cast(dk, dK.dtype.element_ty),
-             mask=kv_mask)
-    tl.store(dV + b * sdv_b + h * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :], cast(dv, dV.dtype.element_ty),
-             mask=kv_mask)
+    dv_base = dK if ONE_BUFFER else dV
+    tl.store(dK + dk_off + b * sdk_b + h * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :],
+             cast(dk, dK.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_base + dv_off + b * sdv_b + h * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :],
+             cast(dv, dK.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -961,17 +966,18 @@ def _merge_launch(out, ws, natural: bool) -> Launch:
 
 def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precision: str, bias_grad: bool,
              config: Optional[Config] = None, kv: Optional[Config] = None, early_dp: Optional[bool] = None,
-             grads: Optional[tuple] = None):
+             dqkv: Optional[torch.Tensor] = None):
     """Returns (dq, dk, dv, dbias); dbias is None unless ``bias_grad``. Shapes as the inputs'.
     ``stats`` [B,H,2,Nq]: the forward's row statistics. ``config`` / ``kv`` / ``early_dp`` replace
-    the measured choices of bwd_config / kv_config / early_dp_default (for tuning). ``grads``: the
-    (dq, dk, dv) buffers to write (any strides with a unit last one, e.g. the views
-    :func:`kernels.reference.qkv_views` gives of a packed gradient); new contiguous ones otherwise."""
-    if grads is not None and any(g.stride(-1) != 1 for g in grads):
-        raise ValueError("attention backward: dq, dk, dv buffers need a unit stride along D")
+    the measured choices of bwd_config / kv_config / early_dp_default (for tuning). ``dqkv``: a
+    packed [B,N,3,H,D] gradient to write dq, dk, dv into (then returned as its ``qkv_views``; the
+    kernels get the tensor itself and offsets into it, not views of it); new tensors otherwise."""
+    if dqkv is not None and dqkv.stride(-1) != 1:
+        raise ValueError("attention backward: the packed gradient needs a unit stride along D")
     if (config is None and kv is None and early_dp is None and not bias_grad and stats.is_contiguous()
             and _hopper_serves(q, k, v, bias, precision, causal, backward=True)):
-        return (*hopper.backward(do, q, k, v, out, stats, scale, causal, grads or new_grads(q, k, v)), None)
+        grads = new_grads(q, k, v) if dqkv is None else qkv_views(dqkv)
+        return (*hopper.backward(do, q, k, v, out, stats, scale, causal, grads), None)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = pow2(D)
@@ -979,7 +985,13 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     prec = PRECISION_CODES[precision]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
     scales = _f16_scales(q, k, v, do) if precision == "fp16x3" else delta
-    dq, dk, dv = grads or new_grads(q, k, v)
+    if dqkv is None:
+        dq, dk, dv = new_grads(q, k, v)
+        dq_arg, dk_arg, dv_arg, offsets = dq, dk, dv, (0, 0)
+    else:  # one tensor: q's part at offset 0, k's and v's one and two [H, D] blocks further (dV unused: q)
+        dq, dk, dv = qkv_views(dqkv)
+        dq_arg, dk_arg, dv_arg, offsets = dqkv, dqkv, q, (dqkv.stride(2), 2 * dqkv.stride(2))
+    g_strides = (*dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
     bias_arg = bias if bias is not None else q
     common = dict(D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, PREC=prec,
                   EXACT=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -990,15 +1002,15 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
             q, k, v, bias_arg, do, stats, delta, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
             HAS_BIAS=bias is not None, **common)
     launch(_bwd_dq_kernel, (cdiv(Nq, cfg.block_m), B * H),
-        q, k, v, bias_arg, do, out, stats, delta, dq, scales, *strides, *out.stride(), *dq.stride()[:3], H, Nq, Nk,
-        scale * LOG2E,
-        scale, HAS_BIAS=bias is not None, TAIL=tail_width(Nk, cfg.block_n, causal),
+        q, k, v, bias_arg, do, out, stats, delta, dq_arg, scales, *strides, *out.stride(), *g_strides[:3], H, Nq, Nk,
+        scale * LOG2E, scale, HAS_BIAS=bias is not None, TAIL=tail_width(Nk, cfg.block_n, causal),
         OWN_DELTA=own_delta, **common)
     kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
     early_dp = early_dp_default(q.dtype, d_pad, precision) if early_dp is None else early_dp
     launch(_bwd_dkdv_kernel, (cdiv(Nk, kv.block_n), B * H),
-        q, k, v, bias_arg, do, stats, delta, dk, dv, scales, *strides, *dk.stride()[:3], *dv.stride()[:3], H, Nq, Nk,
-        scale * LOG2E, scale, HAS_BIAS=bias is not None, EARLY_DP=early_dp, TAIL=tail_width(Nq, kv.block_m),
+        q, k, v, bias_arg, do, stats, delta, dk_arg, dv_arg, scales, *strides, *g_strides[3:], *offsets, H, Nq, Nk,
+        scale * LOG2E, scale, HAS_BIAS=bias is not None, EARLY_DP=early_dp, ONE_BUFFER=dqkv is not None,
+        TAIL=tail_width(Nq, kv.block_m),
         **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n, "num_warps": kv.num_warps,
            "num_stages": kv.num_stages})
     dbias = None
@@ -1062,8 +1074,7 @@ def _op_backward_packed(do: torch.Tensor, qkv: torch.Tensor, bias: Optional[torc
     """→ [dqkv [B,N,3,H,D], dbias]: the kernels write dq, dk, dv into their places in one tensor
     (three gradients of views would be stacked by autograd: a copy the size of qkv)."""
     dqkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
-    *_, dbias = backward(do, *qkv_views(qkv), bias, out, stats, scale, causal, precision, bias_grad,
-                         grads=qkv_views(dqkv))
+    *_, dbias = backward(do, *qkv_views(qkv), bias, out, stats, scale, causal, precision, bias_grad, dqkv=dqkv)
     return [dqkv, dbias if dbias is not None else qkv.new_empty(0)]
 
 

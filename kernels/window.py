@@ -343,15 +343,17 @@ def _win_fwd_kernel(
 def _win_bwd_fused_kernel(
     Q, K, V, Bias, Mask, dOut, Stats, dQ, dK, dV, dBiasPart,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-    sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, sb_h,
+    sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, g_k, g_v, sb_h,
     BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    PREC: tl.constexpr, EXACT: tl.constexpr, GEO: tl.constexpr,
+    PREC: tl.constexpr, EXACT: tl.constexpr, GEO: tl.constexpr, ONE_BUFFER: tl.constexpr,
 ):
     """N ≤ BLOCK: a program owns whole windows (all queries, all keys: one [BLOCK, BLOCK] tile) of one
     head for a run of windows. Writes dq, dk, dv and its partial bias gradient dBiasPart[run, h]
-    (float32 [NR, NR]). dq/dk/dv share the strides sg_* (unit stride along D)."""
+    (float32 [NR, NR]). dq/dk/dv share the strides sg_* (unit stride along D). ONE_BUFFER: the
+    three lie in one tensor (a packed qkv's gradient), passed as dQ, dk and dv at element offsets
+    g_k and g_v from it; dK and dV are not written (see attention.py's _bwd_dkdv_kernel)."""
     scale = tl.cast(scale, tl.float32)  # inductor passes float64
     h = tl.program_id(1).to(tl.int64)
     run = tl.program_id(0)
@@ -391,8 +393,8 @@ def _win_bwd_fused_kernel(
         dk = dot(tl.trans(cast(ds, q.dtype)), q, PREC) * scale
         g_ptrs = rr * sg_b + h * sg_h + tok[:, None] * sg_n + offs_d[None, :]
         tl.store(dQ + g_ptrs, cast(dq, dQ.dtype.element_ty), mask=io_mask)
-        tl.store(dK + g_ptrs, cast(dk, dK.dtype.element_ty), mask=io_mask)
-        tl.store(dV + g_ptrs, cast(dv, dV.dtype.element_ty), mask=io_mask)
+        tl.store((dQ if ONE_BUFFER else dK) + g_k + g_ptrs, cast(dk, dQ.dtype.element_ty), mask=io_mask)
+        tl.store((dQ if ONE_BUFFER else dV) + g_v + g_ptrs, cast(dv, dQ.dtype.element_ty), mask=io_mask)
         if BIAS_GRAD:
             dbias += ds
     if BIAS_GRAD:
@@ -501,13 +503,15 @@ def _win_bwd_dq_kernel(
 def _win_bwd_dkdv_kernel(
     Q, K, V, Bias, Mask, dOut, Stats, Delta, dK, dV, dBiasPart,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-    sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, sb_h,
+    sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, g_k, g_v, sb_h,
     BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
-    BIAS_GRAD: tl.constexpr, GEO: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, GEO: tl.constexpr, ONE_BUFFER: tl.constexpr,
 ):
     """One key tile [BLOCK_N] of one head for a run of windows, looping over the query tiles.
+    dk and dv are written at element offsets g_k and g_v from dK and dV (ONE_BUFFER: both from dK,
+    one tensor holding them; dV is not written).
     BIAS_GRAD (only when N ≤ BLOCK_M: one query tile holds every row): the program's dS column strip
     [NR, BLOCK_N] is also summed over its run into dBiasPart[run, h] — the bias gradient without a
     kernel of its own that would recompute P and dP."""
@@ -579,8 +583,10 @@ def _win_bwd_dkdv_kernel(
         dk = dk * scale
         g_base = rr * sg_b + h * sg_h
         kv_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
-        tl.store(dK + g_base + tok_n[:, None] * sg_n + offs_d[None, :], cast(dk, dK.dtype.element_ty), mask=kv_mask)
-        tl.store(dV + g_base + tok_n[:, None] * sg_n + offs_d[None, :], cast(dv, dV.dtype.element_ty), mask=kv_mask)
+        tl.store(dK + g_k + g_base + tok_n[:, None] * sg_n + offs_d[None, :], cast(dk, dK.dtype.element_ty),
+                 mask=kv_mask)
+        tl.store((dK if ONE_BUFFER else dV) + g_v + g_base + tok_n[:, None] * sg_n + offs_d[None, :],
+                 cast(dv, dK.dtype.element_ty), mask=kv_mask)
     if BIAS_GRAD:
         run = tl.program_id(0) // n_nt
         tl.store(dBiasPart + (run.to(tl.int64) * H + h) * mask_stride + offs_m0[:, None] * NR + offs_n[None, :],
@@ -827,20 +833,22 @@ class _BwdLaunches(NamedTuple):
 
 def _bwd_launches(q, k, v, do, dq, o_arg, has_bias: bool, has_mask: bool, sb_h: int, nr: int, nW: int,
                   scale: float, precision: str, block: int, bias_grad: bool, windows_per_program: Optional[int],
-                  geo: Optional[Geometry]) -> _BwdLaunches:
+                  geo: Optional[Geometry], offsets: Optional[tuple[int, int]]) -> _BwdLaunches:
+    """``offsets``: (g_k, g_v) of a packed gradient (dk and dv written into dq's tensor), or None."""
     BW, H, N, D = _shape(q, geo)
     pl = make_plan(N, D, q.dtype, block, precision)
     qkv_do = (*_rows4(q, geo), *_rows4(k, geo), *_rows4(v, geo), *_rows4(do, geo))
     g3 = _rows4(dq, geo)[:3]  # dq, dk, dv share one layout
+    g_kv = offsets or (0, 0)
     rest = (BW, H, N, nr, nW)
     geo_args = geo.args if geo is not None else _NO_GEO
     common = dict(D=D, D_PAD=pow2(D), HAS_MASK=has_mask, PREC=PRECISION_CODES[precision], EXACT=q.dtype == torch.float32,
                   GEO=geo is not None, num_stages=pl.bwd_depth(has_mask))
     if pl.fused_bwd:
         wpp, runs = plan_runs(BW, H, 1, q.device, tiles.BWD_PROGRAMS_PER_SM, windows_per_program)
-        fused = Launch(_win_bwd_fused_kernel, (runs, H), (*qkv_do, *g3, sb_h, *rest, wpp, scale, *geo_args),
+        fused = Launch(_win_bwd_fused_kernel, (runs, H), (*qkv_do, *g3, *g_kv, sb_h, *rest, wpp, scale, *geo_args),
                        dict(BLOCK=pl.n_pad, HAS_BIAS=has_bias, BIAS_REGS=pl.bias_regs, BIAS_GRAD=bias_grad,
-                            num_warps=pl.fused_warps, **common))
+                            ONE_BUFFER=offsets is not None, num_warps=pl.fused_warps, **common))
         return _BwdLaunches(fused, None, None, None, runs if bias_grad else 0)
     n_mt = cdiv(N, pl.dq_m)
     wpp, runs = plan_runs(BW, n_mt * H, 1, q.device, tiles.FWD_PROGRAMS_PER_SM, windows_per_program)
@@ -851,9 +859,10 @@ def _bwd_launches(q, k, v, do, dq, o_arg, has_bias: bool, has_mask: bool, sb_h: 
     n_nt = cdiv(N, pl.kv_n)
     wpp, runs = plan_runs(BW, n_nt * H, 1, q.device, tiles.FWD_PROGRAMS_PER_SM, windows_per_program)
     db_in_kv = bias_grad and nr <= pl.kv_m  # one query tile covers the [NR, NR] bias table's rows
-    kv_l = Launch(_win_bwd_dkdv_kernel, (runs * n_nt, H), (*qkv_do, *g3, sb_h, *rest, wpp, scale, *geo_args),
+    kv_l = Launch(_win_bwd_dkdv_kernel, (runs * n_nt, H),
+                  (*qkv_do, *g3, *g_kv, sb_h, *rest, wpp, scale, *geo_args),
                   dict(BLOCK_M=pl.kv_m, BLOCK_N=pl.kv_n, HAS_BIAS=has_bias, BIAS_GRAD=db_in_kv,
-                       num_warps=pl.kv_warps, **common))
+                       ONE_BUFFER=offsets is not None, num_warps=pl.kv_warps, **common))
     if not bias_grad or db_in_kv:
         return _BwdLaunches(None, dq_l, kv_l, None, runs if db_in_kv else 0)
     n_tiles = cdiv(N, pl.db_m) * cdiv(N, pl.db_n)
@@ -864,20 +873,26 @@ def _bwd_launches(q, k, v, do, dq, o_arg, has_bias: bool, has_mask: bool, sb_h: 
 
 
 def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, block: int = 0,
-             bias_grad: bool = False, windows_per_program: Optional[int] = None, tables=None, grads=None,
+             bias_grad: bool = False, windows_per_program: Optional[int] = None, tables=None, dqkv=None,
              geo: Optional[Geometry] = None):
     """Returns (dq, dk, dv, dbias); dbias [H,N,N] in bias.dtype, or None unless ``bias_grad``.
-    ``out`` is read only when ``make_plan(...).reads_out`` (may be None otherwise). ``grads``: the
-    (dq, dk, dv) [BW,H,N,D] buffers to write, sharing one set of strides with unit stride along D
-    (the views :func:`qkv_views` gives of a packed gradient); new [BW,N,H,D]-layout ones otherwise.
+    ``out`` is read only when ``make_plan(...).reads_out`` (may be None otherwise). ``dqkv``: a
+    packed gradient [BW,N,3,H,D] (image rows [T,3,H,D] with ``geo``) to write dq, dk, dv into, then
+    returned as its :func:`qkv_views` (the kernels get the tensor itself and offsets into it, not
+    views of it); new [BW,N,H,D]-layout tensors otherwise.
     ``geo``: every [BW,H,N,D] tensor above is image rows [T, H, D] instead (see :func:`forward`)."""
     BW, H, N, D = _shape(q, geo)
     nW = geo.nW if geo is not None else mask.shape[0] if mask is not None else 1
-    if grads is None:
-        grads = (_out_empty(q, geo), _out_empty(k, geo), _out_empty(v, geo))
-    elif not (grads[0].stride() == grads[1].stride() == grads[2].stride()) or grads[0].stride(-1) != 1:
-        raise ValueError("window backward: dq, dk, dv must share strides, with unit stride along D")
-    dq, dk, dv = grads
+    if dqkv is None:
+        dq, dk, dv = _out_empty(q, geo), _out_empty(k, geo), _out_empty(v, geo)
+        offsets, dq_t, dk_t, dv_t = None, dq, dk, dv
+    else:
+        if dqkv.stride(-1) != 1:
+            raise ValueError("window backward: the packed gradient needs a unit stride along D")
+        dq, dk, dv = qkv_views(dqkv, geo)
+        off = dk.storage_offset() - dq.storage_offset()
+        # dk, dv reached from dq's tensor (or, in the dk/dv kernel, from its dK): the unused pointers get q
+        offsets, dq_t, dk_t, dv_t = (off, 2 * off), dqkv, q, q
     if dq.numel() == 0:
         dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if bias_grad else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
@@ -885,18 +900,21 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q, _work(q, BW, H))
     reads_out = make_plan(N, D, q.dtype, block, precision).reads_out
     o_arg = out if reads_out else q  # float32 forms delta from P and dP
-    key = ("bwd", q.dtype, q.device, q.shape, q.stride(), k.stride(), v.stride(), do.stride(), dq.stride(),
+    key = ("bwd", q.dtype, q.device, q.shape, q.stride(), k.stride(), v.stride(), do.stride(), dq.stride(), offsets,
            reads_out and out.stride(), has_bias, has_mask, sb_h, nr, nW, scale, precision, block, bias_grad,
            windows_per_program, geo)
     go = prepared(key, _bwd_launches, q, k, v, do, dq, o_arg, has_bias, has_mask, sb_h, nr, nW, scale, precision,
-                   block, bias_grad, windows_per_program, geo)
+                   block, bias_grad, windows_per_program, geo, offsets)
     dparts = torch.empty((go.parts, H, nr, nr), device=q.device, dtype=torch.float32) if go.parts else None
     if go.fused is not None:
-        go.fused(q, k, v, bt, mt, do, stats, dq, dk, dv, stats if dparts is None else dparts)
+        go.fused(q, k, v, bt, mt, do, stats, dq_t, dk_t, dv_t, stats if dparts is None else dparts)
     else:
         delta = torch.empty((BW, H, N), device=q.device, dtype=torch.float32)
-        go.dq(q, k, v, bt, mt, do, o_arg, stats, delta, dq)
-        go.dkdv(q, k, v, bt, mt, do, stats, delta, dk, dv, dparts if go.dbias is None and dparts is not None else delta)
+        go.dq(q, k, v, bt, mt, do, o_arg, stats, delta, dq_t)
+        if offsets is not None:  # the dk/dv kernel reaches both from its dK
+            dk_t, dv_t = dqkv, q
+        go.dkdv(q, k, v, bt, mt, do, stats, delta, dk_t, dv_t,
+                dparts if go.dbias is None and dparts is not None else delta)
         if go.dbias is not None:
             go.dbias(q, k, v, bt, mt, do, stats, delta, dparts)
     dbias = None
@@ -989,7 +1007,7 @@ def _op_backward_packed(do: torch.Tensor, qkv: torch.Tensor, bias: Optional[torc
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     wpp = windows_per_program if windows_per_program > 0 else None
     *_, dbias = backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, bias_grad, wpp,
-                         _op_tables(q, bias, mask, geo), qkv_views(dqkv, geo), geo)
+                         _op_tables(q, bias, mask, geo), dqkv, geo)
     return [dqkv, dbias.contiguous() if dbias is not None else qkv.new_empty(0)]
 
 
@@ -1017,13 +1035,13 @@ def _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp, geo):
     return out, (bias, mask, out if keep_out else None, stats)
 
 
-def _backward_ctx(ctx, dout, q, k, v, saved, bias_input: int, grads=None):
+def _backward_ctx(ctx, dout, q, k, v, saved, bias_input: int, dqkv=None):
     """The backward of both autograd Functions → (dq, dk, dv, dbias); ``bias_input``: the bias's
     position among the Function's inputs."""
     check_first_order("window_attention")
     bias, mask, out, stats = saved
     bias_grad = bool(bias is not None and ctx.needs_input_grad[bias_input])
-    return backward(dout, q, k, v, bias, mask, out, stats, *ctx.args, bias_grad, ctx.wpp, ctx.tables, grads,
+    return backward(dout, q, k, v, bias, mask, out, stats, *ctx.args, bias_grad, ctx.wpp, ctx.tables, dqkv,
                     ctx.geo)
 
 
@@ -1059,7 +1077,7 @@ class _PackedWindowAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qkv, *saved = ctx.saved_tensors
         dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        _, _, _, dbias = _backward_ctx(ctx, dout, *qkv_views(qkv, ctx.geo), saved, 1, qkv_views(dqkv, ctx.geo))
+        _, _, _, dbias = _backward_ctx(ctx, dout, *qkv_views(qkv, ctx.geo), saved, 1, dqkv)
         return dqkv, dbias, None, None, None, None, None, None
 
 
