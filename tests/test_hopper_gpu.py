@@ -254,3 +254,20 @@ def test_backward_graph_capture():
             t.copy_(torch.randn_like(t))
 
     assert_graph_replay_matches_eager(step, refill)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_gradient(d, monkeypatch):
+    """attention_packed through the Gluon kernels: qkv's gradient written into one tensor (the
+    backward kernels get its q, k, v parts) equals the view call's three gradients, bitwise."""
+    from elsa_vision.kernels import hopper
+    calls = []
+    real = hopper.backward
+    monkeypatch.setattr(hopper, "backward", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator(device="cuda").manual_seed(d)
+    packed = torch.randn(2, 577, 3, 4, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    views = packed.detach().clone().requires_grad_()
+    do = torch.randn(2, 4, 577, d, device="cuda", generator=g).to(torch.bfloat16)
+    (grad,) = torch.autograd.grad(elsa_vision.attention_packed(packed), packed, do)
+    (ref,) = torch.autograd.grad(elsa_vision.attention(*views.permute(2, 0, 3, 1, 4).unbind(0)), views, do)
+    assert calls == [1, 1] and grad.is_contiguous() and torch.equal(grad, ref)
