@@ -116,12 +116,12 @@ def attention_packed(
     stacks, a copy the size of qkv.
     """
     fn = "attention_packed"
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"{fn}: qkv must be a torch.Tensor, got {type(qkv).__name__}")
     key, kept = _kept_call(fn, (qkv, bias), (scale, causal, precision, backend, return_lse))
     if kept is not None:
         run, sc, prec = kept
         return _with_lse(run(*qkv_views(qkv), bias, sc, causal, prec, None, return_lse, qkv=qkv), return_lse)
-    if not isinstance(qkv, torch.Tensor):
-        raise TypeError(f"{fn}: qkv must be a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"{fn}: qkv must be [B, N, 3, H, D], got shape {tuple(qkv.shape)}; "
                          "reshape the projection output with .reshape(B, N, 3, H, D)")

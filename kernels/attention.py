@@ -573,7 +573,7 @@ def _bwd_dkdv_kernel(
     tl.store(dK + dk_off + b * sdk_b + h * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :],
              cast(dk, dK.dtype.element_ty), mask=kv_mask)
     tl.store(dv_base + dv_off + b * sdv_b + h * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :],
-             cast(dv, dK.dtype.element_ty), mask=kv_mask)
+             cast(dv, dK.dtype.element_ty), mask=kv_mask)  # (q, k, v, so their gradients, share a dtype)
 
 
 @triton.jit

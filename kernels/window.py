@@ -393,6 +393,7 @@ def _win_bwd_fused_kernel(
         dk = dot(tl.trans(cast(ds, q.dtype)), q, PREC) * scale
         g_ptrs = rr * sg_b + h * sg_h + tok[:, None] * sg_n + offs_d[None, :]
         tl.store(dQ + g_ptrs, cast(dq, dQ.dtype.element_ty), mask=io_mask)
+        # (q, k, v, so their gradients, share a dtype: dQ's)
         tl.store((dQ if ONE_BUFFER else dK) + g_k + g_ptrs, cast(dk, dQ.dtype.element_ty), mask=io_mask)
         tl.store((dQ if ONE_BUFFER else dV) + g_v + g_ptrs, cast(dv, dQ.dtype.element_ty), mask=io_mask)
         if BIAS_GRAD:
@@ -885,14 +886,15 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
     nW = geo.nW if geo is not None else mask.shape[0] if mask is not None else 1
     if dqkv is None:
         dq, dk, dv = _out_empty(q, geo), _out_empty(k, geo), _out_empty(v, geo)
-        offsets, dq_t, dk_t, dv_t = None, dq, dk, dv
+        # (the pointers each kernel writes: the single-kernel backward's three, the dK/dV kernel's two)
+        offsets, fused_ptrs, kv_ptrs = None, (dq, dk, dv), (dk, dv)
     else:
         if dqkv.stride(-1) != 1:
             raise ValueError("window backward: the packed gradient needs a unit stride along D")
         dq, dk, dv = qkv_views(dqkv, geo)
         off = dk.storage_offset() - dq.storage_offset()
-        # dk, dv reached from dq's tensor (or, in the dk/dv kernel, from its dK): the unused pointers get q
-        offsets, dq_t, dk_t, dv_t = (off, 2 * off), dqkv, q, q
+        # dk, dv reached from the one tensor at these offsets; the unused pointer arguments get q
+        offsets, fused_ptrs, kv_ptrs = (off, 2 * off), (dqkv, q, q), (dqkv, q)
     if dq.numel() == 0:
         dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if bias_grad else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
@@ -907,13 +909,11 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
                    block, bias_grad, windows_per_program, geo, offsets)
     dparts = torch.empty((go.parts, H, nr, nr), device=q.device, dtype=torch.float32) if go.parts else None
     if go.fused is not None:
-        go.fused(q, k, v, bt, mt, do, stats, dq_t, dk_t, dv_t, stats if dparts is None else dparts)
+        go.fused(q, k, v, bt, mt, do, stats, *fused_ptrs, stats if dparts is None else dparts)
     else:
         delta = torch.empty((BW, H, N), device=q.device, dtype=torch.float32)
-        go.dq(q, k, v, bt, mt, do, o_arg, stats, delta, dq_t)
-        if offsets is not None:  # the dk/dv kernel reaches both from its dK
-            dk_t, dv_t = dqkv, q
-        go.dkdv(q, k, v, bt, mt, do, stats, delta, dk_t, dv_t,
+        go.dq(q, k, v, bt, mt, do, o_arg, stats, delta, fused_ptrs[0])
+        go.dkdv(q, k, v, bt, mt, do, stats, delta, *kv_ptrs,
                 dparts if go.dbias is None and dparts is not None else delta)
         if go.dbias is not None:
             go.dbias(q, k, v, bt, mt, do, stats, delta, dparts)

@@ -414,9 +414,13 @@ def test_packed_call_is_the_view_call(dtype, causal, with_bias):
     ref_grads = torch.autograd.grad(ref, [views] + ([bias] if with_bias else []), do)
     assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     assert grads[0].shape == packed.shape and grads[0].is_contiguous()
-    oracle = elsa_vision.attention_packed(packed.detach().double().requires_grad_(), causal=causal, backend="reference",
+    p64 = packed.detach().double().requires_grad_()
+    oracle = elsa_vision.attention_packed(p64, causal=causal, backend="reference",
                                           bias=None if bias is None else bias.detach().double())
-    assert verify.max_err(out, oracle) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    (oracle_grad,) = torch.autograd.grad(oracle, p64, do.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert verify.max_err(out, oracle) <= tol
+    assert verify.max_err(grads[0], oracle_grad) <= 2 * tol * max(1.0, oracle_grad.abs().max().item())
 
 
 def test_packed_custom_ops_fake_matches_real():

@@ -146,29 +146,32 @@ def test_packed_gradient_comes_out_whole(which):
     H, D = 2, 16
     if which == "attention":
         qkv = torch.randn(2, 37, 3, H, D, generator=g, device=DEVICE)
-        step = lambda t: elsa_vision.attention_packed(t, causal=True)  # noqa: E731
+        bias = torch.randn(H, 37, 37, generator=g, device=DEVICE)
+        step = lambda t, b: elsa_vision.attention_packed(t, bias=b, causal=True)  # noqa: E731
     else:
         bias = torch.randn(H, 16, 16, generator=g, device=DEVICE)
         if which == "window":
             qkv = torch.randn(6, 16, 3, H, D, generator=g, device=DEVICE)
-            step = lambda t: elsa_vision.window_attention_packed(t, bias=bias)  # noqa: E731
+            step = lambda t, b: elsa_vision.window_attention_packed(t, bias=b)  # noqa: E731
         else:
             qkv = torch.randn(2, 8, 8, 3, H, D, generator=g, device=DEVICE)
             mask = torch.where(torch.rand(4, 16, 16, generator=g, device=DEVICE) < 0.3, -100.0, 0.0)
-            step = lambda t: elsa_vision.shifted_window_attention(t, window_size=4, shift_size=2,  # noqa: E731
-                                                                  bias=bias, mask=mask)
+            step = lambda t, b: elsa_vision.shifted_window_attention(t, window_size=4, shift_size=2,  # noqa: E731
+                                                                     bias=b, mask=mask)
     qkv.requires_grad_()
+    bias.requires_grad_()
     torch._dynamo.reset()
     c = torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm),
                                                                  bw_compiler=count_joins))
-    out, (grad,) = _grads(c, qkv)
-    ref, (ref_grad,) = _grads(step, qkv)
-    assert verify.max_err(out, ref) <= 1e-6 and verify.max_err(grad, ref_grad) <= 1e-5
+    out, grads = _grads(c, qkv, bias)
+    ref, ref_grads = _grads(step, qkv, bias)
+    assert verify.max_err(out, ref) <= 1e-6 and all(verify.max_err(a, b) <= 1e-5 for a, b in zip(grads, ref_grads))
     assert joins == [0]
     if GPU:  # inductor: the kernels write into the one gradient tensor it allocates, not into views of it
         torch._dynamo.reset()
-        out, (grad,) = _grads(torch.compile(step, fullgraph=True), qkv)
-        assert verify.max_err(out, ref) <= 1e-6 and verify.max_err(grad, ref_grad) <= 1e-5
+        out, grads = _grads(torch.compile(step, fullgraph=True), qkv, bias)
+        assert verify.max_err(out, ref) <= 1e-6 and all(verify.max_err(a, b) <= 1e-5
+                                                        for a, b in zip(grads, ref_grads))
     torch._dynamo.reset()
 
 
