@@ -155,7 +155,7 @@ def _attention(q, k, v, qkv, bias, bias_in, scale, causal, precision, backend, p
                 has_bias=bias is not None, precision=prec, positive_scale=scale > 0, same_lengths=Nq == Nk,
                 keys=Nk if causal and q.device.type == "cpu" else 0)  # (what ECA's auto rule weighs)
     run = select(p, backend).run["attention"]  # before the shortcut below: an unfit call raises either way
-    if Nk == 0 or Nq == 0:  # no key: every row is fully masked and returns 0
+    if Nk == 0 or Nq == 0 or B * H == 0:  # no key: every row is fully masked and returns 0 (no row: empty)
         out = _nothing_to_attend(q.shape, q, k, v)
         return (out, torch.full((B, H, Nq), float("inf"), device=q.device)) if return_lse else out
     if B * H > MAX_GRID_YZ and B > 1:  # (thousands of VGGT frames × heads; views: autograd stacks qkv's gradient)

@@ -199,6 +199,19 @@ def test_empty_keys():
     assert out.shape == (1, 2, 5, 32) and not out.any()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_or_heads(backend):
+    """No batch element or no head: an empty output (and gradients), not a launch of no programs."""
+    for B, H in ((0, 2), (2, 0)):
+        q, k, v = (t.requires_grad_() for t in qkv(B, H, 5, 7, 32))
+        out, lse = elsa_vision.attention(q, k, v, backend=backend, return_lse=True)
+        out.sum().backward()
+        assert out.shape == (B, H, 5, 32) and lse.shape == (B, H, 5) and q.grad.shape == q.shape
+    packed = rand(0, 5, 3, 2, 32).requires_grad_()
+    elsa_vision.attention_packed(packed, backend=backend).sum().backward()
+    assert packed.grad.shape == packed.shape
+
+
 # ------------------------------------------------------------------ backward
 
 @pytest.mark.parametrize("nq,nk,d", [(1, 1, 32), (7, 7, 64), (197, 197, 64), (257, 100, 32), (50, 257, 80)])
