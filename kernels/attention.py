@@ -1093,14 +1093,10 @@ def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partiti
     statistics (m, S) of ``forward`` (``natural_lse`` gives the lse). ``qkv``: the packed
     [B,N,3,H,D] tensor q, k, v are the ``qkv_views`` of, or None; with it, qkv's gradient is
     written by the kernels in one piece."""
-    parts = partitions or 0
-    how = route((q, k, v, bias) if qkv is None else (qkv, bias))
+    op, inputs = (OP, (q, k, v)) if qkv is None else (PACKED, (qkv,))
+    how = route((*inputs, bias))
     if how is COMPILED:
-        if qkv is not None:
-            return PACKED.fwd(qkv, bias, scale, causal, precision, parts)
-        return OP.fwd(q, k, v, bias, scale, causal, precision, parts)
+        return op.fwd(*inputs, bias, scale, causal, precision, partitions or 0)
     if how is AUTOGRAD:
-        if qkv is not None:
-            return PACKED.function.apply(qkv, bias, scale, causal, precision, parts)
-        return OP.function.apply(q, k, v, bias, scale, causal, precision, parts)
+        return op.function.apply(*inputs, bias, scale, causal, precision, partitions or 0)
     return forward(q, k, v, bias, scale, causal, precision, partitions or None)

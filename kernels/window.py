@@ -900,7 +900,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
     has_bias, has_mask = bias is not None, mask is not None
     bt, sb_h, mt, nr = tables or _tables(bias, mask, N, q, _work(q, BW, H))
-    reads_out = make_plan(N, D, q.dtype, block, precision).reads_out
+    reads_out = _reads_out(q, geo, block, precision)
     o_arg = out if reads_out else q  # float32 forms delta from P and dP
     key = ("bwd", q.dtype, q.device, q.shape, q.stride(), k.stride(), v.stride(), do.stride(), dq.stride(), offsets,
            reads_out and out.stride(), has_bias, has_mask, sb_h, nr, nW, scale, precision, block, bias_grad,
@@ -960,18 +960,25 @@ def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  bias_grad: bool, geometry: Optional[list[int]] = None) -> list[torch.Tensor]:
     """→ [dq, dk, dv, dbias] (dq, dk, dv shaped as q, k, v: image rows with ``geometry``); dbias
     [H,N,N] is an empty tensor unless ``bias_grad``."""
-    geo = _geometry(geometry)
+    return _op_grads(do, q, k, v, bias, mask, out, stats, scale, precision, block, windows_per_program, bias_grad,
+                     _geometry(geometry))
+
+
+def _op_grads(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, block: int,
+              windows_per_program: int, bias_grad: bool, geo: Optional[Geometry], dqkv=None) -> list[torch.Tensor]:
+    """The backward ops' body: [dq, dk, dv, dbias] by :func:`backward` on padded tables (see
+    :func:`_op_tables`), written into ``dqkv`` when given; dbias an empty tensor unless ``bias_grad``."""
     dq, dk, dv, dbias = backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, bias_grad,
                                  windows_per_program if windows_per_program > 0 else None,
-                                 _op_tables(q, bias, mask, geo), geo=geo)
+                                 _op_tables(q, bias, mask, geo), dqkv, geo)
     # dbias is the [H, N, N] corner of the padded [H, NR, NR] sum: a compiled graph expects the
     # fake's strides (inductor asserts them), so the op returns it row-major
     return [dq, dk, dv, dbias.contiguous() if dbias is not None else q.new_empty(0)]
 
 
-def _reads_out(q: torch.Tensor, geometry: Optional[list[int]], block: int, precision: str) -> bool:
-    """Whether the backward of a call on q (window rows, or image rows with ``geometry``) reads out."""
-    n, d = (geometry[3] * geometry[4], q.shape[2]) if geometry is not None else q.shape[2:]
+def _reads_out(q: torch.Tensor, geo: Optional[Geometry], block: int, precision: str) -> bool:
+    """Whether the backward of a call on q (window rows, or image rows with ``geo``) reads out."""
+    _, _, n, d = _shape(q, geo)
     return make_plan(n, d, q.dtype, block, precision).reads_out
 
 
@@ -979,7 +986,7 @@ def _save(inputs, outputs):
     q, k, v, bias, mask, scale, precision, block, wpp, *geometry = inputs
     geometry = geometry[0] if geometry else None
     out, stats = outputs
-    keep_out = _reads_out(q, geometry, block, precision)
+    keep_out = _reads_out(q, _geometry(geometry), block, precision)
     return (q, k, v, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp), (geometry,)
 
 
@@ -1003,19 +1010,18 @@ def _op_backward_packed(do: torch.Tensor, qkv: torch.Tensor, bias: Optional[torc
     """→ [dqkv (shaped as qkv), dbias]: the kernels write dq, dk, dv into their places in one tensor,
     as _PackedWindowAttention does eagerly (three gradients of views would be stacked by autograd)."""
     geo = _geometry(geometry)
-    q, k, v = qkv_views(qkv, geo)
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-    wpp = windows_per_program if windows_per_program > 0 else None
-    *_, dbias = backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, bias_grad, wpp,
-                         _op_tables(q, bias, mask, geo), dqkv, geo)
-    return [dqkv, dbias.contiguous() if dbias is not None else qkv.new_empty(0)]
+    *_, dbias = _op_grads(do, *qkv_views(qkv, geo), bias, mask, out, stats, scale, precision, block,
+                          windows_per_program, bias_grad, geo, dqkv)
+    return [dqkv, dbias]
 
 
 def _save_packed(inputs, outputs):
     qkv, bias, mask, scale, precision, block, wpp, *geometry = inputs
     geometry = geometry[0] if geometry else None
     out, stats = outputs
-    keep_out = _reads_out(qkv_views(qkv, _geometry(geometry))[0], geometry, block, precision)
+    geo = _geometry(geometry)
+    keep_out = _reads_out(qkv_views(qkv, geo)[0], geo, block, precision)
     return (qkv, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp), (geometry,)
 
 
@@ -1025,10 +1031,10 @@ PACKED = KernelOp("window_packed", "window_attention", forward=_op_forward_packe
 
 def _forward_ctx(ctx, q, k, v, bias, mask, scale, precision, block, wpp, geo):
     """The forward of both autograd Functions; what the backward needs goes in ``ctx``."""
-    BW, H, N, D = _shape(q, geo)
+    BW, H, N, _ = _shape(q, geo)
     tables = _tables(bias, mask, N, q, _work(q, BW, H)) if q.numel() else None
     out, stats = forward(q, k, v, bias, mask, scale, precision, block, wpp, tables, geo)
-    keep_out = make_plan(N, D, q.dtype, block, precision).reads_out
+    keep_out = _reads_out(q, geo, block, precision)
     ctx.args = (scale, precision, block)
     ctx.wpp, ctx.geo = wpp, geo
     ctx.tables = tables  # the padded bias / mask copies (small), reused by the backward
