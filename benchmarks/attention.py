@@ -3,7 +3,8 @@
     python benchmarks/attention.py              # full sweep → benchmarks/results/<device>/attention.{csv,png}
     python benchmarks/attention.py --quick      # N 4K/16K, d 64
     python benchmarks/attention.py --hopper     # Gluon (sm_90) vs portable forward and backward vs cuDNN/flash,
-                                                # bf16 → attention_hopper.{csv,png} (sets kernels/hopper.py's policies)
+                                                # bf16 → attention_hopper.{csv,png} (sets kernels/hopper.py's policies;
+                                                # --dtype fp32: fp16x3 vs mem-efficient → attention_hopper_fp32)
     python benchmarks/attention.py --decode     # few queries against long keys (KV-cache shapes)
                                                 # → attention_decode.{csv,png}
     python benchmarks/attention.py --tune fwd   # tile-shape sweep for the kernel config tables
@@ -368,20 +369,24 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
-def hopper_sweep(passes=("fwd", "fwd+bwd")) -> list[dict]:
+def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
     """bf16, B·H·N² ≈ 2^25·16 per point, CUDA-graph replays, interleaved: kernels/hopper.py's Gluon
     forward (every shape it supports) against the portable Triton forward, cuDNN and flash; and
     forward + backward: the Gluon forward and backward, the Gluon forward with the portable
     backward ("elsa-gluon-fwd"), the portable pair, cuDNN and flash. These rows set the policies
-    of ``hopper.serves`` and ``hopper.serves_backward``."""
+    of ``hopper.serves`` and ``hopper.serves_backward``. ``dtype="fp32"``: float32 in ``fp16x3`` at
+    d = 64 (the Gluon forward; the backward is the portable one in both ELSA variants) against
+    SDPA's mem-efficient backend, the fastest exact float32 one."""
     from elsa_vision.kernels import hopper
+    fp32 = dtype == "fp32"
+    precision = "fp16x3" if fp32 else "auto"
 
     def elsa(q, k, v, do, causal, fwd, bwd):
         def f():
             before = hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD
             hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD = fwd, fwd, bwd
             try:
-                out = elsa_vision.attention(q, k, v, causal=causal)
+                out = elsa_vision.attention(q, k, v, causal=causal, precision=precision)
                 return out if do is None else torch.autograd.grad(out, (q, k, v), do)
             finally:
                 hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD = before
@@ -392,17 +397,18 @@ def hopper_sweep(passes=("fwd", "fwd+bwd")) -> list[dict]:
         return fwd if do is None else (lambda: torch.autograd.grad(fwd(), (q, k, v), do))
 
     rows = []
-    for ps, d, causal, n in itertools.product(passes, (64, 128), (False, True),
+    for ps, d, causal, n in itertools.product(passes, (64,) if fp32 else (64, 128), (False, True),
                                               (197, 577, 1041, 2048, 4096, 8192, 16384)):
         bwd = ps != "fwd"
         bh = min(3072, max(16, (1 << 29) // (n * n)))
-        q, k, v = make(1, bh, n, n, d, torch.bfloat16, bwd)
+        q, k, v = make(1, bh, n, n, d, DT[dtype], bwd)
         do = torch.randn_like(q) if bwd else None
         variants = {"elsa-gluon": (True, True), "elsa-gluon-fwd": (True, False), "elsa-portable": (False, False)}
-        if not bwd:
+        if not bwd or fp32:
             del variants["elsa-gluon-fwd"]
         fns = {label: elsa(q, k, v, do, causal, *how) for label, how in variants.items()}
-        fns.update({f"sdpa-{s}": sdpa(s, q, k, v, do, causal) for s in ("cudnn", "flash")})
+        fns.update({f"sdpa-{s}": sdpa(s, q, k, v, do, causal)
+                    for s in (("mem_efficient",) if fp32 else ("cudnn", "flash"))})
         if bwd:
             errs = {label: grad_error(fn(), q, k, v, do, causal) for label, fn in fns.items()}
         else:
@@ -411,7 +417,7 @@ def hopper_sweep(passes=("fwd", "fwd+bwd")) -> list[dict]:
         flops = 4.0 * bh * n * n * d * (0.5 if causal else 1.0) * (3.5 if bwd else 1.0)
         best = min(r.ms for label, r in res.items() if label.startswith("sdpa") and r.ms)
         for label, r in res.items():
-            rows.append({"case": "hopper", "pass": ps, "dtype": "bf16", "B": 1, "H": bh, "Nq": n, "Nk": n, "d": d,
+            rows.append({"case": "hopper", "pass": ps, "dtype": dtype, "B": 1, "H": bh, "Nq": n, "Nk": n, "d": d,
                          "causal": causal, "variant": label, "ms": r.ms,
                          "tflops": flops / (r.ms * 1e-3) / 1e12 if r.ms else None,
                          "speedup_vs_best_sdpa": best / r.ms if r.ms else None,
@@ -492,15 +498,18 @@ def plot_training(rows, path):
 def plot_hopper(rows, path):
     import matplotlib.pyplot as plt
     passes = sorted({r["pass"] for r in rows}, key=len)
-    fig, axes = plt.subplots(len(passes), 4, figsize=(20, 4.6 * len(passes)), squeeze=False)
+    dims = sorted({r["d"] for r in rows})
+    dtype = rows[0]["dtype"]
+    fig, axes = plt.subplots(len(passes), 2 * len(dims), figsize=(10 * len(dims), 4.6 * len(passes)), squeeze=False)
     for row_axes, ps in zip(axes, passes):
-        for ax, (d, causal) in zip(row_axes, itertools.product((64, 128), (False, True))):
-            for var in ("elsa-gluon", "elsa-gluon-fwd", "elsa-portable", "sdpa-cudnn", "sdpa-flash"):
+        for ax, (d, causal) in zip(row_axes, itertools.product(dims, (False, True))):
+            for var in ("elsa-gluon", "elsa-gluon-fwd", "elsa-portable", "sdpa-cudnn", "sdpa-flash",
+                        "sdpa-mem_efficient"):
                 pts = sorted((r["Nq"], r["tflops"]) for r in rows if r["pass"] == ps and r["d"] == d
                              and r["causal"] == causal and r["variant"] == var and r["tflops"])
                 if pts:
                     ax.plot(*zip(*pts), marker="o", ls="-" if var.startswith("elsa") else "--", label=var)
-            style_axes(ax, "tokens N", "TF/s", f"bf16 {ps}, d={d}{', causal' if causal else ''}", ylog=False)
+            style_axes(ax, "tokens N", "TF/s", f"{dtype} {ps}, d={d}{', causal' if causal else ''}", ylog=False)
     m = metadata()
     fig.suptitle(f"Gluon vs portable kernels — {m['device']}, torch {m['torch']}, triton {m['triton']}, {m['date']}")
     fig.tight_layout()
@@ -519,6 +528,8 @@ def main(argv=None):
     ap.add_argument("--hopper", action="store_true",
                     help="the Gluon (sm_90) forward and backward against the portable ones")
     ap.add_argument("--passes", default="fwd,fwd+bwd", help="with --hopper: fwd, fwd+bwd or both (comma-separated)")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                    help="with --hopper: bf16, or float32 in fp16x3 against mem-efficient (→ attention_hopper_fp32)")
     ap.add_argument("--decode", action="store_true", help="few queries against long keys (KV-cache shapes)")
     ap.add_argument("--train", action="store_true",
                     help="half-precision forward + backward at ViT, VGGT and long-row shapes (TRAIN_SHAPES)")
@@ -531,8 +542,9 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     if a.hopper:
         passes = tuple(a.passes.split(","))
-        save(hopper_sweep(passes), outdir, "attention_hopper" + ("" if passes == ("fwd", "fwd+bwd") else
-                                                                  "_" + "_".join(p.replace("+", "") for p in passes)),
+        save(hopper_sweep(passes, a.dtype), outdir,
+             "attention_hopper" + ("_fp32" if a.dtype == "fp32" else "")
+             + ("" if passes == ("fwd", "fwd+bwd") else "_" + "_".join(p.replace("+", "") for p in passes)),
              plot_hopper)
         return
     if a.train:

@@ -904,7 +904,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
     split = n_part > 1
     if not split and summaries is None and config is None and _hopper_serves(q, k, v, bias, precision, causal):
-        hopper.forward(q, k, v, out, stats, scale, causal)
+        hopper.forward(q, k, v, out, stats, scale, causal, _f16_scales(q, k, v) if precision == "fp16x3" else None)
         return out, stats
     if split:  # one allocation for the three summaries (ws first: the large one, aligned)
         buf = torch.empty(B * H * n_part * Nq * (d_pad + 2), device=q.device, dtype=torch.float32)

@@ -33,17 +33,22 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import LOG2E
+from .common import LOG2E, split_f16
 from .launch import CHECKED, cdiv, launch, sm_count
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
+# float32 in fp16x3 (the forward only): its tiles are twice as many float16 buffers, which fit the
+# shared memory at D = 64
+SPLIT_HEAD_DIMS = (64,)
 # Gluon is experimental: its API is the one of the Triton versions this file was checked against.
 # ELSA_HOPPER=0 (or ENABLED = False) keeps every call on the portable kernels; EVERYWHERE = True
 # sends every call the kernel supports here, whatever the measured policy of ``serves`` says.
@@ -99,15 +104,19 @@ def _item(w, t0, n_m, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
             v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WITH_DO: gl.constexpr):
+            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WITH_DO: gl.constexpr, PARTS: gl.constexpr):
     """The producer warp of the query-stationary kernels (the forward, the backward's dQ). Per
     item: every warpgroup's Q tile (and with WITH_DO its dO tile, on the same barrier) into buffer
     it % 2 (once the warpgroups have released that buffer's previous item), then the item's K and V
     tiles into their rings, whose positions run on across items. Every ring slot and Q buffer is
-    released by all warpgroups (the empty barriers count one arrival per warpgroup)."""
+    released by all warpgroups (the empty barriers count one arrival per warpgroup).
+
+    PARTS = 2 (fp16x3): q, k and v are float16 [B, H, 2N, D] tensors, a row's hi part at row r and
+    its lo part at row N + r (see _split_kernel); each tile is two tiles, hi then lo, in
+    consecutive buffers on one barrier."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     NUM_WG: gl.constexpr = BLOCK_M // WG_M
-    NBYTES: gl.constexpr = (2 if WITH_DO else 1) * NUM_WG * q_desc.block_type.nbytes
+    NBYTES: gl.constexpr = (2 if WITH_DO else PARTS) * NUM_WG * q_desc.block_type.nbytes
     it = 0
     g = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -116,8 +125,9 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
         mbarrier.expect(q_ready.index(qb), NBYTES)
         for i in gl.static_range(NUM_WG):
-            tma.async_copy_global_to_shared(q_desc, [b, h, q0 + i * WG_M, 0], q_ready.index(qb),
-                                            q_smem.index(NUM_WG * qb + i))
+            for part in gl.static_range(PARTS):
+                tma.async_copy_global_to_shared(q_desc, [b, h, q0 + i * WG_M + part * Nq, 0], q_ready.index(qb),
+                                                q_smem.index(PARTS * (NUM_WG * qb + i) + part))
             if WITH_DO:
                 tma.async_copy_global_to_shared(do_desc, [b, h, q0 + i * WG_M, 0], q_ready.index(qb),
                                                 do_smem.index(NUM_WG * qb + i))
@@ -125,39 +135,85 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_
             slot = g % STAGES
             free = ((g // STAGES) & 1) ^ 1  # parity of the release of this slot's previous tile
             mbarrier.wait(k_empty.index(slot), free, pred=g >= STAGES)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, h, j * BLOCK_N, 0], k_ready.index(slot), k_ring.index(slot))
+            mbarrier.expect(k_ready.index(slot), PARTS * k_desc.block_type.nbytes)
+            for part in gl.static_range(PARTS):
+                tma.async_copy_global_to_shared(k_desc, [b, h, j * BLOCK_N + part * Nk, 0], k_ready.index(slot),
+                                                k_ring.index(PARTS * slot + part))
             mbarrier.wait(v_empty.index(slot), free, pred=g >= STAGES)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, h, j * BLOCK_N, 0], v_ready.index(slot), v_ring.index(slot))
+            mbarrier.expect(v_ready.index(slot), PARTS * v_desc.block_type.nbytes)
+            for part in gl.static_range(PARTS):
+                tma.async_copy_global_to_shared(v_desc, [b, h, j * BLOCK_N + part * Nk, 0], v_ready.index(slot),
+                                                v_ring.index(PARTS * slot + part))
             g += 1
         it += 1
 
 
 @gluon.jit
-def _step(j, g, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, offs_m, offs_n, masked,
-          Nq, Nk, qk_scale2, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-          FIRST: gl.constexpr):
-    """Fold key tile j (ring position g) into the state: QKᵀ_j is issued, then P·V_(j−1) (p16: tile
-    j−1's probabilities; acc already rescaled to tile j−1's max), and tile j's softmax runs while
-    P·V_(j−1) is in flight. Returns tile j's probabilities and the state, acc rescaled to tile j's
-    max. Nothing is in flight across calls: ptxas serialises every wgmma of a loop whose in-flight
-    accumulators cross its back edge."""
-    dtype: gl.constexpr = q.dtype
+def _scores(q, q_lo, k_ring, i, BLOCK_N: gl.constexpr, D: gl.constexpr, PARTS: gl.constexpr):
+    """Q·Kᵀ of the K tile in ring buffers i (hi) and i + 1 (lo, PARTS = 2), issued asynchronously:
+    with PARTS = 2 the three products of the float16 split (common.dot3's order: the small cross
+    terms first, lo·lo dropped) on one accumulator. → the accumulator's token."""
+    WG_M: gl.constexpr = q.shape[0]
     S_L: gl.constexpr = _acc_layout(BLOCK_N)
+    k = k_ring.index(i).reshape([BLOCK_N, D]).permute((1, 0))
+    if PARTS == 2:
+        k_lo = k_ring.index(i + 1).reshape([BLOCK_N, D]).permute((1, 0))
+        tok = warpgroup_mma(q, k_lo, gl.zeros([WG_M, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
+        tok = warpgroup_mma(q_lo, k, tok, is_async=True)
+        return warpgroup_mma(q, k, tok, is_async=True)
+    else:
+        return warpgroup_mma(q, k, gl.zeros([WG_M, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _pv(p16, p_lo, v_ring, i, acc, BLOCK_N: gl.constexpr, D: gl.constexpr, PARTS: gl.constexpr):
+    """P·V of the V tile in ring buffers i (and i + 1, its lo part, PARTS = 2: then p16 and p_lo are
+    P·2^14's float16 parts), issued asynchronously. → the token of acc + P·V, or with PARTS = 2 of
+    the tile's P·V alone, which _fold adds to acc: the tensor cores' accumulation into a running
+    sum many tiles larger truncates the small cross terms (2⁻¹¹ of the sum) and made the error
+    grow with the number of key tiles (30× the portable forward's at 4K keys)."""
+    v = v_ring.index(i).reshape([BLOCK_N, D])
+    if PARTS == 2:
+        O_L: gl.constexpr = acc.type.layout
+        zero = gl.zeros([p16.shape[0], D], gl.float32, O_L)
+        tok = warpgroup_mma(p16, v_ring.index(i + 1).reshape([BLOCK_N, D]), zero, use_acc=False, is_async=True)
+        tok = warpgroup_mma(p_lo, v, tok, is_async=True)
+        return warpgroup_mma(p16, v, tok, is_async=True)
+    else:
+        return warpgroup_mma(p16, v, acc, is_async=True)
+
+
+@gluon.jit
+def _fold(acc, tok, PARTS: gl.constexpr):
+    """The running W after _pv's products (token tok) have retired."""
+    if PARTS == 2:
+        return acc + warpgroup_mma_wait(num_outstanding=0, deps=[tok])
+    else:
+        return warpgroup_mma_wait(num_outstanding=0, deps=[tok])
+
+
+@gluon.jit
+def _step(j, g, p16, p_lo, acc, m_i, s_i, q, q_lo, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, offs_m,
+          offs_n, masked, Nq, Nk, qk_scale2, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          CAUSAL: gl.constexpr, FIRST: gl.constexpr, PARTS: gl.constexpr):
+    """Fold key tile j (ring position g) into the state: QKᵀ_j is issued, then P·V_(j−1) (p16, p_lo:
+    tile j−1's probabilities; acc already rescaled to tile j−1's max), and tile j's softmax runs
+    while P·V_(j−1) is in flight. Returns tile j's probabilities and the state, acc rescaled to
+    tile j's max. Nothing is in flight across calls: ptxas serialises every wgmma of a loop whose
+    in-flight accumulators cross its back edge. PARTS = 2 (fp16x3): the products are split three
+    ways (_scores, _pv) and P goes in as P·2^14's float16 (hi, lo) parts; else p_lo is p16."""
     O_L: gl.constexpr = acc.type.layout
     P_L: gl.constexpr = p16.type.layout
-    WG_M: gl.constexpr = p16.shape[0]
     slot = g % STAGES
     mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
     if not FIRST:
         prev = (g + STAGES - 1) % STAGES
         mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-    s_tok = warpgroup_mma(q, k_ring.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
-                          gl.zeros([WG_M, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
+    s_tok = _scores(q, q_lo, k_ring, PARTS * slot, BLOCK_N, D, PARTS)
     if not FIRST:
-        pv = warpgroup_mma(p16, v_ring.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])  # QKᵀ_j; P·V_(j−1) stays in flight
+        pv = _pv(p16, p_lo, v_ring, PARTS * prev, acc, BLOCK_N, D, PARTS)
+        # QKᵀ_j's products retired; P·V_(j−1)'s (one per part pairing) stay in flight
+        s = warpgroup_mma_wait(num_outstanding=1 if PARTS == 1 else 3, deps=[s_tok])
     else:
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(slot))  # QKᵀ_j has read its K slot
@@ -173,17 +229,25 @@ def _step(j, g, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready
     alpha = gl.exp2(m_i - m_use)
     s_i = s_i * alpha + gl.sum(p, axis=1)
     if not FIRST:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[pv])
+        acc = _fold(acc, pv, PARTS)
         mbarrier.arrive(v_empty.index(prev))  # P·V_(j−1) has read its V slot
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L), assert_trivial=True), 1)
-    p16 = gl.convert_layout(p.to(dtype), P_L, assert_trivial=True)
-    return p16, acc, m_new, s_i
+    if PARTS == 2:  # P·2^14 < 2^15: float16's range, as the portable fp16x3 fold (common.pv)
+        p = p * 16384.0
+        p_hi = p.to(gl.float16)
+        p16 = gl.convert_layout(p_hi, P_L, assert_trivial=True)
+        p_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.float16), P_L, assert_trivial=True)
+    else:
+        p16 = gl.convert_layout(p.to(p16.dtype), P_L, assert_trivial=True)
+        p_lo = p16
+    return p16, p_lo, acc, m_new, s_i
 
 
 @gluon.jit
 def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
-              Stats, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              PARTS: gl.constexpr):
     """Warpgroup wg: per item, its 64 query rows [q0 + wg·64, +64) scanned over the item's key
     tiles, then the rows' output and statistics. Every warpgroup visits all of an item's tiles (a
     tile past a row's diagonal scores −inf there), so that each releases every slot; in a tail item
@@ -197,8 +261,8 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_read
             _pass(it, g, n_tiles, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, STAGES)
         else:
             _fold_item(wg, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-                       v_ready, v_empty, Out, Stats, so_b, so_h, so_m, Nq, Nk, qk_scale2, D, BLOCK_M, BLOCK_N,
-                       STAGES, CAUSAL)
+                       v_ready, v_empty, Out, Stats, Scales, so_b, so_h, so_m, Nq, Nk, qk_scale2, D, BLOCK_M,
+                       BLOCK_N, STAGES, CAUSAL, PARTS)
         g += n_tiles
         it += 1
 
@@ -221,10 +285,14 @@ def _pass(it, g, n_tiles, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, 
 
 @gluon.jit
 def _fold_item(wg: gl.constexpr, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
-               k_empty, v_ready, v_empty, Out, Stats, so_b, so_h, so_m, Nq, Nk, qk_scale2, D: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+               k_empty, v_ready, v_empty, Out, Stats, Scales, so_b, so_h, so_m, Nq, Nk, qk_scale2, D: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+               PARTS: gl.constexpr):
     """Warpgroup wg's 64 rows [q0 + wg·64, +64) of one item (ring position g, Q buffer it % 2):
-    the scan over the item's key tiles, then the rows' output and statistics."""
+    the scan over the item's key tiles, then the rows' output and statistics. PARTS = 2 (fp16x3):
+    q, k, v arrive scaled by the head's powers of two in Scales [BH, 2 + D] (c_q, c_k, then c_v per
+    column; see attention._f16_scales_kernel), undone in the logits' scale and on the output's
+    columns, as in the portable forward."""
     WG_M: gl.constexpr = 64
     NUM_WG: gl.constexpr = BLOCK_M // WG_M
     dtype: gl.constexpr = q_smem.dtype
@@ -245,26 +313,32 @@ def _fold_item(wg: gl.constexpr, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v
     m_i = gl.full([WG_M], float("-inf"), gl.float32, ROW_S)
     s_i = gl.zeros([WG_M], gl.float32, ROW_S)
     acc = gl.zeros([WG_M, D], gl.float32, O_L)
+    if PARTS == 2:
+        cs = Scales + bh.to(gl.int64) * (2 + D)
+        qk_scale2 = qk_scale2 / (gl.load(cs) * gl.load(cs + 1))  # powers of two: exact
     qb = it % 2
     mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
-    q = q_smem.index(NUM_WG * qb + wg).reshape([WG_M, D])
+    q = q_smem.index(PARTS * (NUM_WG * qb + wg)).reshape([WG_M, D])
+    q_lo = q_smem.index(PARTS * (NUM_WG * qb + wg) + PARTS - 1).reshape([WG_M, D])
     if n_tiles > 0:
         p16 = gl.zeros([WG_M, BLOCK_N], dtype, P_L)
-        p16, acc, m_i, s_i = _step(0, g, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready,
-                                   v_empty, offs_m, offs_n, 0 >= mask_from, Nq, Nk, qk_scale2,
-                                   D, BLOCK_N, STAGES, CAUSAL, True)
+        p16, p_lo, acc, m_i, s_i = _step(0, g, p16, p16, acc, m_i, s_i, q, q_lo, k_ring, v_ring, k_ready, k_empty,
+                                         v_ready, v_empty, offs_m, offs_n, 0 >= mask_from, Nq, Nk, qk_scale2,
+                                         D, BLOCK_N, STAGES, CAUSAL, True, PARTS)
         for j in range(1, n_tiles):
-            p16, acc, m_i, s_i = _step(j, g + j, p16, acc, m_i, s_i, q, k_ring, v_ring, k_ready, k_empty, v_ready,
-                                       v_empty, offs_m, offs_n, j >= mask_from, Nq, Nk,
-                                       qk_scale2, D, BLOCK_N, STAGES, CAUSAL, False)
+            p16, p_lo, acc, m_i, s_i = _step(j, g + j, p16, p_lo, acc, m_i, s_i, q, q_lo, k_ring, v_ring, k_ready,
+                                             k_empty, v_ready, v_empty, offs_m, offs_n, j >= mask_from, Nq, Nk,
+                                             qk_scale2, D, BLOCK_N, STAGES, CAUSAL, False, PARTS)
         mbarrier.arrive(q_empty.index(qb))  # every QKᵀ of the item has read Q
         last = (g + n_tiles - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((g + n_tiles - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p16, v_ring.index(last).reshape([BLOCK_N, D]), acc)
+        acc = _fold(acc, _pv(p16, p_lo, v_ring, PARTS * last, acc, BLOCK_N, D, PARTS), PARTS)
         mbarrier.arrive(v_empty.index(last))
     else:
         mbarrier.arrive(q_empty.index(qb))
 
+    if PARTS == 2:  # acc in units of 2^14·c_v (per column)
+        acc = acc * gl.expand_dims((1.0 / 16384.0) / gl.load(cs + 2 + cols_o), 0)
     nonempty = s_i > 0
     inv = gl.convert_layout(1.0 / gl.where(nonempty, s_i, 1.0), ROW_O)
     out = (acc * gl.expand_dims(inv, 1)).to(Out.dtype.element_ty)
@@ -279,14 +353,16 @@ def _fold_item(wg: gl.constexpr, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v
 
 
 @gluon.jit
-def _query_stationary_buffers(q_desc, k_desc, v_desc, NUM_WG: gl.constexpr, STAGES: gl.constexpr):
+def _query_stationary_buffers(q_desc, k_desc, v_desc, NUM_WG: gl.constexpr, STAGES: gl.constexpr,
+                              PARTS: gl.constexpr):
     """Shared memory of the query-stationary kernels (the forward, the backward's dQ): two Q buffers
-    of NUM_WG warpgroup tiles, the K and V rings, and their ready / empty barriers (an empty barrier
-    counts one arrival per warpgroup), initialised and fenced."""
+    of NUM_WG warpgroup tiles, the K and V rings (each tile PARTS buffers: see _loader), and their
+    ready / empty barriers (an empty barrier counts one arrival per warpgroup), initialised and
+    fenced."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG] + q_desc.block_type.shape, q_desc.layout)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG * PARTS] + q_desc.block_type.shape, q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -306,47 +382,48 @@ def _query_stationary_buffers(q_desc, k_desc, v_desc, NUM_WG: gl.constexpr, STAG
 
 
 @gluon.jit
-def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2,
-                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0,
+                qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr):
     """Persistent: program p takes work items p, p + programs, … (see _item), each BLOCK_M query
     rows of one batch·head (BLOCK_M − 64 from item t0 on), with BLOCK_M / 64 consumer warpgroups of
     64 rows and a producer warp (num_warps = 4: the first warpgroup).
 
     Out [B, H, Nq, D] (any strides, last one 1), Stats [B, H, 2, Nq] float32: (m in log2 units,
-    S); (+inf, 1) for a row that sees no key."""
+    S); (+inf, 1) for a row that sees no key. PARTS = 2: float32 attention in fp16x3, from the
+    float16 parts of q, k, v (see _loader) and their scales, Scales [BH, 2 + D]; else Scales is unused."""
     NUM_WG: gl.constexpr = BLOCK_M // 64
     q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = _query_stationary_buffers(
-        q_desc, k_desc, v_desc, NUM_WG, STAGES)
+        q_desc, k_desc, v_desc, NUM_WG, STAGES, PARTS)
 
     # one literal partition list per warpgroup count: Gluon 3.6 builds it at compile time and takes
     # neither a comprehension nor the consumers' arguments grouped into tuples
     if NUM_WG == 3:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES,
-                         CAUSAL)),
+                         Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N,
+                         STAGES, CAUSAL, PARTS)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES,
-                         CAUSAL)),
+                         Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N,
+                         STAGES, CAUSAL, PARTS)),
             (_consumer, (2, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES,
-                         CAUSAL)),
+                         Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N,
+                         STAGES, CAUSAL, PARTS)),
             (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                        k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                       False)),
+                       False, PARTS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES,
-                         CAUSAL)),
+                         Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N,
+                         STAGES, CAUSAL, PARTS)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES,
-                         CAUSAL)),
+                         Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N,
+                         STAGES, CAUSAL, PARTS)),
             (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                        k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                       False)),
+                       False, PARTS)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -645,7 +722,7 @@ def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Lse2, Delta, dQ,
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_M // 64
     q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = _query_stationary_buffers(
-        q_desc, k_desc, v_desc, NUM_WG, STAGES)
+        q_desc, k_desc, v_desc, NUM_WG, STAGES, 1)
     do_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG] + do_desc.block_type.shape, do_desc.layout)
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
@@ -656,7 +733,7 @@ def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Lse2, Delta, dQ,
                         scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                    k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                   True)),
+                   True, 1)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -687,13 +764,25 @@ def _tma_readable(t: torch.Tensor) -> bool:
             and not any(s * t.element_size() % 16 or (s == 0 and n > 1) for s, n in zip(t.stride()[:-1], t.shape)))
 
 
+def _half(q: torch.Tensor, precision: str) -> bool:
+    return precision == "native" and q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS
+
+
+def _split(q: torch.Tensor, precision: str) -> bool:
+    return precision == "fp16x3" and q.dtype == torch.float32 and q.shape[-1] in SPLIT_HEAD_DIMS
+
+
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str) -> bool:
-    """Whether the kernels here can take the call (forward and backward): sm_90, half precision, no
-    bias, D ∈ HEAD_DIMS, q/k/v of one dtype that TMA reads in place."""
-    if not ENABLED or bias is not None or precision != "native" or q.dtype not in DTYPES or q.shape[-1] not in HEAD_DIMS:
+    """Whether the forward here can take the call: sm_90, no bias, and either half precision at
+    D ∈ HEAD_DIMS with q/k/v of one dtype that TMA reads in place, or float32 in ``fp16x3`` at
+    D ∈ SPLIT_HEAD_DIMS (any strides: a pass splits q, k, v into float16 parts first). The backward
+    takes the half-precision calls only (``serves_backward``)."""
+    if not ENABLED or bias is not None or not (_half(q, precision) or _split(q, precision)):
         return False
     if not q.is_cuda or _capability(q.device.index or 0) != (9, 0):
         return False
+    if q.dtype == torch.float32:
+        return k.dtype == v.dtype == q.dtype
     return all(t.dtype == q.dtype and _tma_readable(t) for t in (q, k, v))
 
 
@@ -704,33 +793,96 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     keys, causal from 4096. Below, a block of 128 or 192 rows is mostly padding or the diagonal's
     masked tile, and the portable kernel's 64-row tiles are ahead (VGGT's 1041-token frames among
     them; the Gluon kernel leads from 1536 tokens; README, "Short rows in the portable forward").
+    ``fp16x3`` (benchmarks/results/<device>/attention_hopper_fp32.csv): from 768 keys, causal from
+    2048; at 577 keys the two forwards tie, and below (and at causal 1041) the portable one is ahead.
     ``EVERYWHERE`` (tests, benchmarks) takes every call it supports."""
     if not supports(q, k, v, bias, precision):
         return False
     if EVERYWHERE:
         return True
     nk = k.shape[2]
+    if q.dtype == torch.float32:
+        return nk >= (2048 if causal else 768)
     if q.shape[-1] == 128:
         return not causal or nk >= 2048
     return nk >= (4096 if causal else 1280)
 
 
-def config(d: int, nq: int) -> tuple[int, int, int, int]:
+def config(d: int, nq: int, split: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, consumer registers): BLOCK_M / 64 consumer warpgroups. At D = 64
     a third warpgroup (192 rows, 160 registers each) keeps the tensor cores busier while the
     others run their softmax; at D = 128 its accumulators would not fit, and for short rows its
-    last block is mostly padding."""
+    last block is mostly padding. ``split`` (fp16x3, D = 64): every tile is a hi and a lo buffer,
+    and SPLIT_CONFIG is what fits the shared memory and measured fastest."""
+    if split:
+        return SPLIT_CONFIG
     if d <= 64:
         return (192, 128, 3, 160) if nq > 256 else (128, 128, 3, 232)
     return 128, 128, 2, 232
 
 
-def forward(q, k, v, out, stats, scale: float, causal: bool) -> None:
-    """Fill out [B,H,Nq,D] and stats [B,H,2,Nq] (attention.forward's contract) for inputs that
-    ``supports`` accepts."""
+# (192 rows at 160 registers with 64-key tiles in 3 stages: 4% faster at 1041 keys, 10–12% slower from 4K)
+SPLIT_CONFIG = (128, 128, 2, 232)
+
+
+@triton.jit
+def _split_kernel(Q, K, V, Scales, Parts, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+                  H, BH, Nq, Nk, D: tl.constexpr, BLOCK: tl.constexpr):
+    """fp16x3's operands for the Gluon forward: program (t, bh, which) splits rows [t·BLOCK, +BLOCK)
+    of head bh of q, k or v (which = 0, 1, 2), scaled by the head's c_q or c_k or by v's column
+    scales c_v (Scales [BH, 2 + D], attention._f16_scales_kernel), into float16 (hi, lo) parts
+    (common.split_f16, as the portable forward splits them in its loop). Parts: q's [B·H, 2·Nq, D],
+    then k's and v's [B·H, 2·Nk, D], contiguous, one buffer: row r's hi part at row r of its head,
+    its lo part at row N + r."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    which = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    bh64 = bh.to(tl.int64)
+    BH = tl.cast(BH, tl.int64)
+    if which == 0:
+        base, s_n, s_d, n, dst = Q + b * sq_b + h * sq_h, sq_m, sq_d, Nq, Parts + bh64 * 2 * Nq * D
+    elif which == 1:
+        base, s_n, s_d, n, dst = K + b * sk_b + h * sk_h, sk_n, sk_d, Nk, Parts + (BH * Nq + bh64 * Nk) * 2 * D
+    else:
+        base, s_n, s_d, n, dst = V + b * sv_b + h * sv_h, sv_n, sv_d, Nk, Parts + (BH * (Nq + Nk) + bh64 * Nk) * 2 * D
+    if t * BLOCK < n:
+        rows = t * BLOCK + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, D)
+        ok = rows[:, None] < n
+        c = tl.load(Scales + bh64 * (2 + D) + tl.where(which == 2, 2 + offs_d, which))  # (c_q, c_k: one per head)
+        x = tl.load(base + rows[:, None].to(tl.int64) * s_n + offs_d[None, :] * s_d, mask=ok, other=0.0)
+        hi, lo = split_f16(x * c[None, :])
+        at = dst + rows[:, None].to(tl.int64) * D + offs_d[None, :]
+        tl.store(at, hi, mask=ok)
+        tl.store(at + n * D, lo, mask=ok)
+
+
+def split(q, k, v, scales) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float16 parts of fp16x3's q, k, v (see _split_kernel) as [B, H, 2N, D] tensors of one new
+    buffer: extra memory the size of q, k and v in float32, for the call's duration."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    bm, bn, stages, regs = config(D, Nq)
+    BH = B * H
+    buf = torch.empty(2 * BH * (Nq + 2 * Nk) * D, device=q.device, dtype=torch.float16)
+    block = 64
+    launch(_split_kernel, (cdiv(max(Nq, Nk), block), BH, 3), q, k, v, scales, buf, *q.stride(), *k.stride(),
+           *v.stride(), H, BH, Nq, Nk, D=D, BLOCK=block, num_warps=4)
+    nq, nk = 2 * BH * Nq * D, 2 * BH * Nk * D
+    return (buf[:nq].view(B, H, 2 * Nq, D), buf[nq:nq + nk].view(B, H, 2 * Nk, D),
+            buf[nq + nk:].view(B, H, 2 * Nk, D))
+
+
+def forward(q, k, v, out, stats, scale: float, causal: bool, scales=None) -> None:
+    """Fill out [B,H,Nq,D] and stats [B,H,2,Nq] (attention.forward's contract) for inputs that
+    ``supports`` accepts; float32 (fp16x3) takes ``scales``, attention._f16_scales's [B·H, 2 + D]."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    parts = 2 if q.dtype == torch.float32 else 1
+    bm, bn, stages, regs = config(D, Nq, parts == 2)
+    if parts == 2:
+        q, k, v = split(q, k, v, scales)
     qd, kd, vd = _descriptor(q, 64), _descriptor(k, bn), _descriptor(v, bn)
     n_m = cdiv(Nq, bm)
     n_items = n_m * B * H
@@ -738,9 +890,9 @@ def forward(q, k, v, out, stats, scale: float, causal: bool) -> None:
     # round robin over SMs aliases with the items' order); others run one persistent program per SM
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))
     t0, n_items = (n_items, n_items) if causal else _tail(n_items, n_m, bm, Nq, B * H, programs)
-    launch(_fwd_kernel, (programs,), qd, kd, vd, out, stats, out.stride(0), out.stride(1), out.stride(2), H, Nq, Nk,
-           n_m, n_items, t0, scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
-           CONSUMER_REGS=regs, num_warps=4)
+    launch(_fwd_kernel, (programs,), qd, kd, vd, out, stats, stats if scales is None else scales, out.stride(0),
+           out.stride(1), out.stride(2), H, Nq, Nk, n_m, n_items, t0, scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn,
+           STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts, num_warps=4)
 
 
 def _tail(n_items: int, n_m: int, bm: int, nq: int, bh: int, programs: int) -> tuple[int, int]:
@@ -764,7 +916,7 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
     + backward, CUDA-graph replays; thresh_ab.csv for the short rows): every call at D = 128; at
     D = 64 from 300 keys, causal from 1024. Below, the portable backward's 32-row tiles waste less
     on padding and on the diagonal. ``EVERYWHERE`` takes every call it supports."""
-    if not (BACKWARD and supports(q, k, v, bias, precision)):
+    if not (BACKWARD and _half(q, precision) and supports(q, k, v, bias, precision)):
         return False
     if EVERYWHERE or q.shape[-1] == 128:
         return True

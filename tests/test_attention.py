@@ -82,6 +82,33 @@ def test_fp16x3_outlier_feature():
     assert (out[..., 0].double() - ref[..., 0]).abs().amax() / ref[..., 0].abs().amax() < 1e-6
 
 
+@pytest.mark.parametrize("magnitude", [(1.0, 1.0, 1.0), (1e-3, 30.0, 1e-6), (1e4, 1e-12, 1e20)])
+def test_fp16x3_split_pass(magnitude):
+    """The Gluon forward's fp16x3 operands (kernels/hopper.split, a plain Triton kernel): for q, k
+    (one scale per head) and v (one per feature column), strided inputs included, the float16
+    parts hold x·c to split_f16's bound, |hi + lo − x·c| ≤ 2⁻²²·|x·c| + 2⁻²⁵, with the largest |x·c|
+    of a head (column) in [2^13, 2^14)."""
+    hopper = pytest.importorskip("elsa_vision.kernels.hopper")
+    from elsa_vision.kernels import attention as K
+    B, H, Nq, Nk, D = 2, 3, 37, 70, 64
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    q = torch.randn(B, Nq, H, D, generator=g, device=DEVICE).transpose(1, 2) * magnitude[0]
+    k = torch.randn(B, H, Nk, D, generator=g, device=DEVICE) * magnitude[1]
+    v = torch.randn(B, H, Nk, D, generator=g, device=DEVICE) * magnitude[2]
+    v[0, 1, :, 5] *= 1e6  # an outlier column keeps its own scale
+    scales = K._f16_scales(q, k, v).view(B, H, 2 + D)
+    parts = hopper.split(q, k, v, scales.view(B * H, -1))
+    for x, p, c, dims in ((q, parts[0], scales[..., :1, None], (2, 3)), (k, parts[1], scales[..., 1:2, None], (2, 3)),
+                          (v, parts[2], scales[..., None, 2:], (2,))):
+        n = x.shape[2]
+        assert p.dtype == torch.float16 and p.shape == (B, H, 2 * n, D)
+        xc = x.double() * c.double()
+        top = xc.abs().amax(dim=dims)
+        assert ((top >= 2 ** 13) & (top < 2 ** 14)).all()
+        err = (p[:, :, :n].double() + p[:, :, n:].double() - xc).abs()
+        assert (err <= 2 ** -22 * xc.abs() + 2 ** -25).all(), err.max()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("nq,nk,d", [(7, 7, 32), (197, 197, 64), (33, 90, 80)])
 def test_half(dtype, nq, nk, d):

@@ -42,6 +42,51 @@ def test_forward_backward(n, d, causal, dtype):
     check_case(q, k, v, causal=causal, backend="triton", grads=n > 1, seed=n)
 
 
+# (one key at |v| ~ 1e5 is left out: torch's output is v itself, so the rule's bound is 1e-6 absolute,
+# under the 2⁻²² relative precision of fp16x3's split of v, as on the portable forward)
+@pytest.mark.parametrize("n,magnitude", [(n, m) for n in (1, 197, 1041, 4097)
+                                         for m in ((1.0, 1.0, 1.0), (1e-3, 30.0, 1e-6), (40.0, 1e-4, 1e5))
+                                         if n > 1 or m[2] <= 1.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp16x3_forward(n, causal, magnitude):
+    """float32 in fp16x3 on the Gluon forward (q, k, v split into float16 parts by hopper.split,
+    three products per tile pair) under the oracle rule with float32's relative-L2 bound, at
+    magnitudes far from float16's range; at two lengths the gradients too (the portable fp16x3
+    backward, from this forward's statistics)."""
+    q, k, v = (t * m for t, m in zip(qkv(2, 3, n, n, 64, torch.float32, seed=n), magnitude))
+    from elsa_vision.kernels import hopper
+    assert hopper.supports(q, k, v, None, "fp16x3") and not hopper.serves_backward(q, k, v, None, "fp16x3", causal)
+    check_case(q, k, v, causal=causal, precision="fp16x3", backend="triton", seed=n,
+               grads=n in (197, 1041) and magnitude[0] == 1.0)
+
+
+@pytest.mark.parametrize("nq,nk,causal", [(300, 1000, True), (1000, 300, True), (129, 255, False), (64, 1, False)])
+def test_fp16x3_cross_lengths_and_strides(nq, nk, causal):
+    """fp16x3 with Nq ≠ Nk (bottom-right causal; rows that see no key return 0) and q read through
+    a token-major view (the split pass takes any strides)."""
+    g = torch.Generator(device="cuda").manual_seed(nq)
+    q = torch.randn(2, nq, 4, 64, device="cuda", generator=g).transpose(1, 2)
+    k, v = (torch.randn(2, 4, nk, 64, device="cuda", generator=g) for _ in range(2))
+    out = elsa_vision.attention(q, k, v, causal=causal, precision="fp16x3", backend="triton")
+    ref = verify.oracle(q.double(), k.double(), v.double(), causal=causal)
+    same = torch_same_dtype(q, k, v, causal=causal)
+    assert_close_to_oracle(out, ref.nan_to_num(0.0), same.nan_to_num(0.0), rel_l2=2e-6)
+
+
+def test_fp16x3_long_rows_sampled_and_deterministic():
+    """fp16x3 at 16K keys (sampled rows) within float32's relative-L2 bound, and bitwise the same on
+    a repeated call."""
+    from elsa_vision.kernels import attention as K
+    q, k, v = qkv(1, 4, 16384, 16384, 64, torch.float32, seed=6)
+    out, stats = K.forward(q, k, v, None, 0.125, False, "fp16x3")
+    out2, stats2 = K.forward(q, k, v, None, 0.125, False, "fp16x3")
+    assert torch.equal(out, out2) and torch.equal(stats, stats2)
+    idx = torch.linspace(0, 16383, 64, device="cuda").long()
+    qs = q[:, :, idx]
+    ref = verify.oracle(qs, k, v, scale=0.125)
+    assert_close_to_oracle(out[:, :, idx], ref, torch_same_dtype(qs, k, v, scale=0.125), rel_l2=2e-6)
+
+
 @pytest.mark.parametrize("nq,nk", [(300, 1000), (1000, 300), (129, 255), (1, 77), (64, 1)])
 def test_cross_lengths_causal(nq, nk):
     """Bottom-right causal with Nq ≠ Nk: rows that see no key (Nq > Nk) return 0 with (+inf, 1)
@@ -88,30 +133,34 @@ def test_long_rows_sampled(d, causal):
     assert_close_to_oracle(out[:, :, idx], ref, same)
 
 
-@pytest.mark.parametrize("B,H,n,d", [(1, 16, 4096, 64), (1, 11, 2500, 64), (1, 5, 3500, 128)])
-def test_forward_tail_items(B, H, n, d, monkeypatch):
+@pytest.mark.parametrize("B,H,n,d,dtype", [(1, 16, 4096, 64, torch.bfloat16), (1, 11, 2500, 64, torch.bfloat16),
+                                           (1, 5, 3500, 128, torch.bfloat16), (1, 11, 2500, 64, torch.float32)])
+def test_forward_tail_items(B, H, n, d, dtype, monkeypatch):
     """A last round re-cut into shorter items (hopper._tail; from mid-head in the second and third
-    cases, 64-row items at d = 128) gives the same output and statistics, bit for bit, as whole
-    items, and the tail rows are within the oracle rule."""
-    from elsa_vision.kernels import hopper
+    cases, 64-row items at d = 128; fp16x3 in the fourth) gives the same output and statistics,
+    bit for bit, as whole items, and the tail rows are within the oracle rule."""
+    from elsa_vision.kernels import attention as K, hopper
     from elsa_vision.kernels.launch import cdiv, sm_count
-    bm = hopper.config(d, n)[0]
+    split = dtype == torch.float32
+    bm = hopper.config(d, n, split)[0]
     n_items = cdiv(n, bm) * B * H
     programs = min(n_items, sm_count(0))
     t0, total = hopper._tail(n_items, cdiv(n, bm), bm, n, B * H, programs)
     if t0 == total:
         pytest.skip(f"no tail with {programs} programs")
-    q, k, v = qkv(B, H, n, n, d, torch.bfloat16, seed=n)
+    q, k, v = qkv(B, H, n, n, d, dtype, seed=n)
+    scales = K._f16_scales(q, k, v) if split else None
     out, stats = torch.empty_like(q), torch.empty(B, H, 2, n, device="cuda")
-    hopper.forward(q, k, v, out, stats, d ** -0.5, False)
+    hopper.forward(q, k, v, out, stats, d ** -0.5, False, scales)
     monkeypatch.setattr(hopper, "_tail", lambda n_items, *args: (n_items, n_items))
     out_w, stats_w = torch.empty_like(q), torch.empty(B, H, 2, n, device="cuda")
-    hopper.forward(q, k, v, out_w, stats_w, d ** -0.5, False)
+    hopper.forward(q, k, v, out_w, stats_w, d ** -0.5, False, scales)
     assert torch.equal(out, out_w) and torch.equal(stats, stats_w)
     first_bh = t0 // cdiv(n, bm)  # the heads the tail covers
     qs, ks, vs = (t[:, first_bh:] for t in (q, k, v))
     ref = verify.oracle(qs, ks, vs, scale=d ** -0.5)
-    assert_close_to_oracle(out[:, first_bh:], ref, torch_same_dtype(qs, ks, vs, scale=d ** -0.5))
+    assert_close_to_oracle(out[:, first_bh:], ref, torch_same_dtype(qs, ks, vs, scale=d ** -0.5),
+                           rel_l2=2e-6 if split else None)
 
 
 def test_deterministic():
@@ -139,7 +188,7 @@ def test_backward_dispatch_policy(monkeypatch):
 
 def test_dispatch_policy(monkeypatch):
     """Without EVERYWHERE, the measured policy: D = 128 (causal from 2048 keys), D = 64 from 1280
-    keys (causal from 4096); shorter rows stay on the portable forward."""
+    keys (causal from 4096); shorter rows stay on the portable forward. float32 in fp16x3 likewise."""
     from elsa_vision.kernels import hopper
     monkeypatch.setattr(hopper, "EVERYWHERE", False)
     for n, d, causal, want in [(577, 64, False, False), (1041, 64, False, False), (1536, 64, False, True),
@@ -148,6 +197,13 @@ def test_dispatch_policy(monkeypatch):
                                (2048, 128, True, True)]:
         q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
         assert hopper.serves(q, k, v, None, "native", causal) == want, (n, d, causal)
+    # float32 in fp16x3 (d = 64 only): from 768 keys, causal from 2048; never another precision
+    for n, d, causal, precision, want in [(577, 64, False, "fp16x3", False), (1041, 64, False, "fp16x3", True),
+                                          (1041, 64, True, "fp16x3", False), (2048, 64, True, "fp16x3", True),
+                                          (4096, 128, False, "fp16x3", False), (4096, 64, False, "tf32x3", False),
+                                          (4096, 64, False, "ieee", False)]:
+        q, k, v = qkv(1, 1, n, n, d, torch.float32)
+        assert hopper.serves(q, k, v, None, precision, causal) == want, (n, d, causal, precision)
 
 
 def _grads(q, k, v, do, causal, gluon_backward):
