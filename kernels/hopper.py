@@ -861,7 +861,7 @@ def _split_kernel(Q, K, V, Scales, Parts, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk
 
 def split(q, k, v, scales) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The float16 parts of fp16x3's q, k, v (see _split_kernel) as [B, H, 2N, D] tensors of one new
-    buffer: extra memory the size of q, k and v in float32, for the call's duration."""
+    buffer, the size of q, k and v in float32 (``forward`` bounds it by SPLIT_CHUNK_BYTES)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     BH = B * H
@@ -874,15 +874,59 @@ def split(q, k, v, scales) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             buf[nq + nk:].view(B, H, 2 * Nk, D))
 
 
+# fp16x3: the split parts of at most this many bytes exist at a time (batch·heads in chunks), so
+# that a long call's extra memory stays bounded (lean VGGT runs at thousands of frames in float32)
+SPLIT_CHUNK_BYTES = 1 << 28
+
+
+def _chunks(B: int, H: int, per: int):
+    """(batch slice, head slice) pairs covering [B, H] in pieces of at most ``per`` batch·heads,
+    each piece's [B', H', …] rows of a contiguous [B, H, …] tensor contiguous: whole batch
+    elements, or heads of one element. The pieces are of one size (a divisor of B or of H): each
+    size is a kernel specialisation of its own (Triton specialises integer arguments), compiled on
+    its first call."""
+    if per >= B * H:
+        yield slice(None), slice(None)
+    elif per >= H:
+        nb = _divisor(B, per // H)
+        for b0 in range(0, B, nb):
+            yield slice(b0, b0 + nb), slice(None)
+    else:
+        nh = _divisor(H, per)
+        for b in range(B):
+            for h0 in range(0, H, nh):
+                yield slice(b, b + 1), slice(h0, h0 + nh)
+
+
+def _divisor(n: int, cap: int) -> int:
+    """The largest divisor of n that is at most cap (≥ 1)."""
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
 def forward(q, k, v, out, stats, scale: float, causal: bool, scales=None) -> None:
-    """Fill out [B,H,Nq,D] and stats [B,H,2,Nq] (attention.forward's contract) for inputs that
-    ``supports`` accepts; float32 (fp16x3) takes ``scales``, attention._f16_scales's [B·H, 2 + D]."""
+    """Fill out [B,H,Nq,D] and stats [B,H,2,Nq] (attention.forward's contract; stats contiguous)
+    for inputs that ``supports`` accepts; float32 (fp16x3) takes ``scales``, attention._f16_scales's
+    [B·H, 2 + D], and runs in chunks of batch·heads whose float16 parts fit SPLIT_CHUNK_BYTES."""
+    if q.dtype != torch.float32:
+        return _forward(q, k, v, out, stats, scale, causal, None)
+    B, H, Nq, D = q.shape
+    per = max(1, SPLIT_CHUNK_BYTES // (4 * (Nq + 2 * k.shape[2]) * D))  # (two float16 parts per element)
+    rows = scales.view(B, H, -1)
+    for bs, hs in _chunks(B, H, per):
+        qc, kc, vc = q[bs, hs], k[bs, hs], v[bs, hs]
+        sc = rows[bs, hs].reshape(-1, rows.shape[-1])
+        _forward(*split(qc, kc, vc, sc), out[bs, hs], stats[bs, hs], scale, causal, sc)
+
+
+def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
+    """One launch of the forward kernel; q, k, v are fp16x3's float16 parts (``split``) when
+    ``scales`` is given, Nq and Nk then half their rows."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    parts = 2 if q.dtype == torch.float32 else 1
-    bm, bn, stages, regs = config(D, Nq, parts == 2)
+    parts = 1 if scales is None else 2
     if parts == 2:
-        q, k, v = split(q, k, v, scales)
+        Nq, Nk = Nq // 2, Nk // 2
+    bm, bn, stages, regs = config(D, Nq, parts == 2)
     qd, kd, vd = _descriptor(q, 64), _descriptor(k, bn), _descriptor(v, bn)
     n_m = cdiv(Nq, bm)
     n_items = n_m * B * H

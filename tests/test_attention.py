@@ -109,6 +109,23 @@ def test_fp16x3_split_pass(magnitude):
         assert (err <= 2 ** -22 * xc.abs() + 2 ** -25).all(), err.max()
 
 
+@pytest.mark.parametrize("B,H,per", [(1, 16, 5), (3, 5, 2), (3, 5, 10), (3, 5, 15), (4, 2, 7), (2, 3, 100),
+                                     (100, 16, 335), (1, 11, 4)])
+def test_fp16x3_split_chunks_cover_once(B, H, per):
+    """The Gluon fp16x3 forward's chunks of batch·heads (hopper._chunks): every (b, h) exactly once,
+    at most ``per`` in a chunk, each chunk whole batch elements or heads of one element, all chunks
+    of one shape (one kernel specialisation)."""
+    hopper = pytest.importorskip("elsa_vision.kernels.hopper")
+    seen = torch.zeros(B, H, dtype=torch.int64)
+    shapes = set()
+    for bs, hs in hopper._chunks(B, H, per):
+        part = seen[bs, hs]
+        assert part.numel() <= per and (part.shape[0] == 1 or part.shape[1] == H)
+        shapes.add(tuple(part.shape))
+        seen[bs, hs] += 1
+    assert (seen == 1).all() and len(shapes) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("nq,nk,d", [(7, 7, 32), (197, 197, 64), (33, 90, 80)])
 def test_half(dtype, nq, nk, d):

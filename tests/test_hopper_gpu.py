@@ -87,6 +87,19 @@ def test_fp16x3_long_rows_sampled_and_deterministic():
     assert_close_to_oracle(out[:, :, idx], ref, torch_same_dtype(qs, k, v, scale=0.125), rel_l2=2e-6)
 
 
+@pytest.mark.parametrize("per", [2, 10])
+def test_fp16x3_chunked_split_is_bitwise_whole(per, monkeypatch):
+    """fp16x3's float16 parts bounded by SPLIT_CHUNK_BYTES (``per`` batch·heads at a time: heads of
+    one batch element, or two whole elements) give the output and statistics of one launch, bit for
+    bit (rows compute the same whatever item holds them)."""
+    from elsa_vision.kernels import attention as K, hopper
+    q, k, v = qkv(3, 5, 1100, 1300, 64, torch.float32, seed=per)
+    whole = K.forward(q, k, v, None, 0.125, False, "fp16x3")
+    monkeypatch.setattr(hopper, "SPLIT_CHUNK_BYTES", per * 4 * (1100 + 2 * 1300) * 64)
+    chunked = K.forward(q, k, v, None, 0.125, False, "fp16x3")
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
 @pytest.mark.parametrize("nq,nk", [(300, 1000), (1000, 300), (129, 255), (1, 77), (64, 1)])
 def test_cross_lengths_causal(nq, nk):
     """Bottom-right causal with Nq ≠ Nk: rows that see no key (Nq > Nk) return 0 with (+inf, 1)
