@@ -903,7 +903,10 @@ def forward(q, k, v, bias, scale: float, causal: bool, precision: str, partition
     out = _out_like(q)
     stats = torch.empty((B, H, 2, Nq), device=q.device, dtype=torch.float32)
     split = n_part > 1
-    if not split and summaries is None and config is None and _hopper_serves(q, k, v, bias, precision, causal):
+    # (a split the planner chose for the portable kernel's waves does not bind the persistent Hopper
+    # forward, as long as its own work items fill the GPU)
+    if (summaries is None and config is None and _hopper_serves(q, k, v, bias, precision, causal)
+            and (not split or (partitions is None and hopper.fills(q)))):
         hopper.forward(q, k, v, out, stats, scale, causal, _f16_scales(q, k, v) if precision == "fp16x3" else None)
         return out, stats
     if split:  # one allocation for the three summaries (ws first: the large one, aligned)
@@ -1058,7 +1061,7 @@ def _save(inputs, outputs):
     return (q, k, v, bias, *outputs), (scale, causal, precision)
 
 
-OP = KernelOp("attention", "attention", forward=_op_forward, backward=_op_backward, save=_save)
+OP = KernelOp("attention", "attention", forward=_op_forward, backward=_op_backward, save=_save, host_ops=True)
 attention_fwd, attention_bwd = OP.fwd, OP.bwd  # torch.ops.elsa_vision.attention_fwd / _bwd
 
 
@@ -1084,7 +1087,17 @@ def _save_packed(inputs, outputs):
 
 
 PACKED = KernelOp("attention_packed", "attention_packed", forward=_op_forward_packed, backward=_op_backward_packed,
-                  save=_save_packed, bias_input=1)
+                  save=_save_packed, bias_input=1, host_ops=True)
+
+
+def _hopper_in_graph(q, k, v, bias, precision: str, causal: bool) -> bool:
+    """Whether a traced call takes the host ops (kernels/ops.py) rather than the traced kernels: the
+    Hopper forward would serve it (``hopper.serves``, decided on the traced tensors' sizes, dtypes,
+    strides and device). Its kernels are Gluon's, which inductor cannot launch, and the calls it
+    serves are long (≥ 768 keys): the host's microseconds a call are small beside them. The host
+    code decides again per call on the real tensors (a call it turns down runs the portable
+    kernels)."""
+    return hopper is not None and hopper.serves(q, k, v, bias, precision, causal, traced=True)
 
 
 def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int],
@@ -1096,7 +1109,8 @@ def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partiti
     op, inputs = (OP, (q, k, v)) if qkv is None else (PACKED, (qkv,))
     how = route((*inputs, bias))
     if how is COMPILED:
-        return op.fwd(*inputs, bias, scale, causal, precision, partitions or 0)
+        fwd = op.host_fwd if not partitions and _hopper_in_graph(q, k, v, bias, precision, causal) else op.fwd
+        return fwd(*inputs, bias, scale, causal, precision, partitions or 0)
     if how is AUTOGRAD:
         return op.function.apply(*inputs, bias, scale, causal, precision, partitions or 0)
     return forward(q, k, v, bias, scale, causal, precision, partitions or None)

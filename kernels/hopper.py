@@ -752,15 +752,24 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return d
 
 
-@functools.lru_cache(maxsize=16)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+_SM90: dict = {}
 
 
-def _tma_readable(t: torch.Tensor) -> bool:
+@torch.compiler.assume_constant_result  # (torch.compile reads it once, as a constant of the graph)
+def _sm90(index: int) -> bool:
+    """Whether CUDA device ``index`` is sm_90 (asked once per device)."""
+    hit = _SM90.get(index)
+    if hit is None:
+        hit = _SM90[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return hit
+
+
+def _tma_readable(t: torch.Tensor, traced: bool = False) -> bool:
     """What a TMA descriptor reads in place: a unit last stride, 16-byte aligned base and strides,
-    and no broadcast (zero-stride) dimension."""
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+    and no broadcast (zero-stride) dimension. ``traced`` (torch.compile's tensors, which have no
+    address, and whose storage offset it does not trace): the strides only (the host code checks
+    the address per call)."""
+    return (t.stride(-1) == 1 and (traced or t.data_ptr() % 16 == 0)
             and not any(s * t.element_size() % 16 or (s == 0 and n > 1) for s, n in zip(t.stride()[:-1], t.shape)))
 
 
@@ -772,21 +781,22 @@ def _split(q: torch.Tensor, precision: str) -> bool:
     return precision == "fp16x3" and q.dtype == torch.float32 and q.shape[-1] in SPLIT_HEAD_DIMS
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str) -> bool:
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, traced: bool = False) -> bool:
     """Whether the forward here can take the call: sm_90, no bias, and either half precision at
     D ∈ HEAD_DIMS with q/k/v of one dtype that TMA reads in place, or float32 in ``fp16x3`` at
     D ∈ SPLIT_HEAD_DIMS (any strides: a pass splits q, k, v into float16 parts first). The backward
-    takes the half-precision calls only (``serves_backward``)."""
+    takes the half-precision calls only (``serves_backward``). ``traced``: see _tma_readable."""
     if not ENABLED or bias is not None or not (_half(q, precision) or _split(q, precision)):
         return False
-    if not q.is_cuda or _capability(q.device.index or 0) != (9, 0):
+    if not q.is_cuda or not _sm90(q.device.index or 0):
         return False
     if q.dtype == torch.float32:
         return k.dtype == v.dtype == q.dtype
-    return all(t.dtype == q.dtype and _tma_readable(t) for t in (q, k, v))
+    return all(t.dtype == q.dtype and _tma_readable(t, traced) for t in (q, k, v))
 
 
-def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool,
+           traced: bool = False) -> bool:
     """Whether this forward takes the call: ``supports`` it, and it measured faster than the
     portable forward there (benchmarks/results/<device>/attention_hopper.csv, bf16, CUDA-graph
     replays): at D = 128 every non-causal call and causal ones from 2048 keys; at D = 64 from 1280
@@ -795,8 +805,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     them; the Gluon kernel leads from 1536 tokens; README, "Short rows in the portable forward").
     ``fp16x3`` (benchmarks/results/<device>/attention_hopper_fp32.csv): from 768 keys, causal from
     2048; at 577 keys the two forwards tie, and below (and at causal 1041) the portable one is ahead.
-    ``EVERYWHERE`` (tests, benchmarks) takes every call it supports."""
-    if not supports(q, k, v, bias, precision):
+    ``EVERYWHERE`` (tests, benchmarks) takes every call it supports. ``traced``: see _tma_readable."""
+    if not supports(q, k, v, bias, precision, traced):
         return False
     if EVERYWHERE:
         return True
@@ -872,6 +882,12 @@ def split(q, k, v, scales) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     nq, nk = 2 * BH * Nq * D, 2 * BH * Nk * D
     return (buf[:nq].view(B, H, 2 * Nq, D), buf[nq:nq + nk].view(B, H, 2 * Nk, D),
             buf[nq + nk:].view(B, H, 2 * Nk, D))
+
+
+def fills(q: torch.Tensor) -> bool:
+    """Whether the forward's work items for q [B, H, Nq, D] take every SM at least once."""
+    B, H, Nq, D = q.shape
+    return cdiv(Nq, config(D, Nq, q.dtype == torch.float32)[0]) * B * H >= sm_count(q.device.index or 0)
 
 
 # fp16x3: the split parts of at most this many bytes exist at a time (batch·heads in chunks), so

@@ -27,7 +27,13 @@ earlier version calls the op without it, and must still bind). From these, :clas
   backward op's own backward (no double backward);
 - :attr:`KernelOp.function`: an ``autograd.Function`` running the same ``forward`` / ``backward``
   directly. The custom op's dispatch costs tens of microseconds a call, as much as the kernels of a
-  ViT-sized problem; eager calls need none of it.
+  ViT-sized problem; eager calls need none of it;
+- with ``host_ops=True``, ``elsa_vision::<name>_host_fwd`` / ``_host_bwd``: the same functions as
+  opaque custom ops (fake: the body on fake tensors, launching nothing; autograd as above) that a
+  compiled graph calls as they are, so that the host code runs per call and picks its kernels
+  then. For calls whose fastest kernels inductor cannot launch (Gluon's: inductor re-emits a
+  traced kernel as a plain Triton one) and that are long enough for the host's microseconds not
+  to matter; the family decides which op a traced call takes.
 
 :func:`route` is the chooser every family's entry point uses: the custom op while torch.compile
 traces, the bare kernels when no gradient is wanted, the autograd Function otherwise.
@@ -64,12 +70,12 @@ def _within(mode: Callable, fn: Callable) -> Callable:
     return body
 
 
-def register(name: str, fn: Callable, mutates: Sequence[str] = ()):
+def register(name: str, fn: Callable, mutates: Sequence[str] = (), opaque: bool = False):
     """``fn`` (a host launcher with type annotations) as the custom op ``name``: a triton_op whose
-    launches torch.compile traces; under the CPU interpreter (whose kernels wrap_triton cannot
-    trace) an opaque custom op, with ``fn`` on fake tensors, launching nothing, as its fake.
-    ``mutates``: the arguments ``fn`` writes into."""
-    if INTERPRET:
+    launches torch.compile traces; with ``opaque``, or under the CPU interpreter (whose kernels
+    wrap_triton cannot trace), an opaque custom op, with ``fn`` on fake tensors, launching nothing,
+    as its fake. ``mutates``: the arguments ``fn`` writes into."""
+    if INTERPRET or opaque:
         op = torch.library.custom_op(name, fn, mutates_args=tuple(mutates))
         op.register_fake(_within(allocations_only, fn))
         return op
@@ -96,14 +102,21 @@ class KernelOp:
     returns, in order, before the bias's."""
 
     def __init__(self, name: str, what: str, *, forward: Callable, backward: Callable,
-                 save: Callable[[tuple, tuple], tuple], bias_input: int = 3):
+                 save: Callable[[tuple, tuple], tuple], bias_input: int = 3, host_ops: bool = False):
         self.what, self.bias_input = what, bias_input
         self.forward, self.backward, self.save = forward, backward, save
-        self.fwd, self.bwd = (register(f"elsa_vision::{name}_{part}", fn) for part, fn in (("fwd", forward),
-                                                                                             ("bwd", backward)))
-        self.fwd.register_autograd(self._op_backward, setup_context=self._setup)
-        self.bwd.register_autograd(self._op_double_backward, setup_context=lambda ctx, inputs, output: None)
+        self.fwd, self.bwd = self._pair(name, self._op_backward, opaque=False)
+        self.host_fwd, self.host_bwd = self._pair(name + "_host", self._host_op_backward, opaque=True) if host_ops \
+            else (None, None)
         self.function = self._eager_function()
+
+    def _pair(self, name: str, op_backward: Callable, opaque: bool) -> tuple:
+        """The forward and backward ops ``elsa_vision::<name>_fwd`` / ``_bwd``, autograd registered."""
+        fwd, bwd = (register(f"elsa_vision::{name}_{part}", fn, opaque=opaque)
+                    for part, fn in (("fwd", self.forward), ("bwd", self.backward)))
+        fwd.register_autograd(op_backward, setup_context=self._setup)
+        bwd.register_autograd(self._op_double_backward, setup_context=lambda ctx, inputs, output: None)
+        return fwd, bwd
 
     # -- the custom ops' autograd
 
@@ -127,6 +140,9 @@ class KernelOp:
 
     def _op_backward(self, ctx, dout, _dstats):  # (the statistics take no gradient)
         return self._backward(self.bwd, ctx, dout)
+
+    def _host_op_backward(self, ctx, dout, _dstats):
+        return self._backward(self.host_bwd, ctx, dout)
 
     def _op_double_backward(self, ctx, *grads):
         raise double_backward_error(self.what)

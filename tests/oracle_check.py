@@ -124,7 +124,7 @@ def assert_fake_matches_real(op, *args):
 
 def elsa_forward_calls(gm) -> int:
     """How many ELSA attention forwards a traced graph calls: the forward ops themselves where they
-    are opaque custom ops (the CPU interpreter), or the launches of the forward kernels that
+    are opaque custom ops (the CPU interpreter, the host ops of calls the Hopper kernels take), or the launches of the forward kernels that
     torch.compile traced them into (triton_ops on the GPU)."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     n = 0
@@ -132,8 +132,9 @@ def elsa_forward_calls(gm) -> int:
         if node.op != "call_function":
             continue
         target = str(node.target)
-        if target.startswith("elsa_vision.") and target.split(".")[1] in ("attention_fwd", "attention_packed_fwd", "window_fwd",
-                                                                         "window_packed_fwd"):
+        if target.startswith("elsa_vision.") and target.split(".")[1] in (
+                "attention_fwd", "attention_packed_fwd", "window_fwd", "window_packed_fwd", "attention_host_fwd",
+                "attention_packed_host_fwd"):
             n += 1
         elif "triton_kernel_wrapper" in target:
             fn = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])

@@ -129,6 +129,35 @@ def test_shifted_windows_compiled_in_place(packed):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_host_ops_for_the_hopper_calls(packed, monkeypatch):
+    """A traced call the Hopper kernels would take (kernels.attention._hopper_in_graph; forced here)
+    goes into the graph as the opaque host op (one graph, the op in it), whose body picks the
+    kernels per call; outputs and gradients are eager's, bit for bit (the same host code runs)."""
+    from elsa_vision.kernels import attention as K
+    from oracle_check import elsa_forward_calls
+    monkeypatch.setattr(K, "_hopper_in_graph", lambda *args: True)
+    names = []
+
+    def backend(gm, example_inputs):
+        names.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        assert elsa_forward_calls(gm) == 1
+        return gm.forward
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    if packed:
+        ins = [torch.randn(2, 40, 3, 2, 16, generator=g, device=DEVICE).requires_grad_()]
+        step = lambda t: elsa_vision.attention_packed(t, causal=True)  # noqa: E731
+    else:
+        ins = _qkv(2, 2, 40, 16)
+        step = lambda q, k, v: elsa_vision.attention(q, k, v, causal=True)  # noqa: E731
+    torch._dynamo.reset()
+    out, grads = _grads(torch.compile(step, fullgraph=True, backend=backend), *ins)
+    ref, ref_grads = _grads(step, *ins)
+    assert any("_host_fwd" in n for n in names)
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("which", ["attention", "window", "shifted"])
 def test_packed_gradient_comes_out_whole(which):
     """A packed call (attention_packed, window_attention_packed, shifted windows on a packed qkv)

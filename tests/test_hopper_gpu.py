@@ -100,6 +100,27 @@ def test_fp16x3_chunked_split_is_bitwise_whole(per, monkeypatch):
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
 
 
+def test_fp16x3_not_held_back_by_a_portable_split(monkeypatch):
+    """A float32 call the portable planner splits along its keys (to balance its waves) still takes
+    the Hopper forward when the forward's items fill the GPU; an explicit ``partitions`` does not."""
+    from elsa_vision.kernels import attention as K, hopper
+    for B, H, n in [(1, 5, 8192), (1, 9, 4096), (1, 3, 8192)]:  # (split in two on 132 SMs)
+        q, k, v = qkv(B, H, n, n, 64, torch.float32, seed=12)
+        if K.launch_plan(q, k, None, "fp16x3")[1] > 1 and hopper.fills(q):
+            break
+    else:
+        pytest.skip("no candidate shape is split by the portable planner on this GPU")
+    calls = []
+    real = hopper.forward
+    monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(1) or real(*a))
+    out, _ = K.forward(q, k, v, None, 0.125, False, "fp16x3")
+    assert calls == [1]
+    K.forward(q, k, v, None, 0.125, False, "fp16x3", partitions=2)
+    assert calls == [1]
+    ref = verify.oracle(q, k, v, scale=0.125)
+    assert_close_to_oracle(out, ref, torch_same_dtype(q, k, v, scale=0.125), rel_l2=2e-6)
+
+
 @pytest.mark.parametrize("nq,nk", [(300, 1000), (1000, 300), (129, 255), (1, 77), (64, 1)])
 def test_cross_lengths_causal(nq, nk):
     """Bottom-right causal with Nq ≠ Nk: rows that see no key (Nq > Nk) return 0 with (+inf, 1)
@@ -340,3 +361,31 @@ def test_packed_gradient(d, monkeypatch):
     (grad,) = torch.autograd.grad(elsa_vision.attention_packed(packed), packed, do)
     (ref,) = torch.autograd.grad(elsa_vision.attention(*views.permute(2, 0, 3, 1, 4).unbind(0)), views, do)
     assert calls == [1, 1] and grad.is_contiguous() and torch.equal(grad, ref)
+
+
+@pytest.mark.parametrize("dtype,n", [(torch.float32, 2048), (torch.bfloat16, 2048)])
+def test_compiled_calls_take_the_hopper_kernels(dtype, n, monkeypatch):
+    """torch.compile (inductor, one graph) of a call the Hopper kernels serve: the graph calls the
+    host op, whose host code launches the Gluon forward (and in bf16 the Gluon backward) per call;
+    outputs and gradients are the eager call's, bit for bit."""
+    from elsa_vision.kernels import hopper
+    monkeypatch.setattr(hopper, "EVERYWHERE", False)  # the measured policy takes these lengths
+    q, k, v = (t.requires_grad_() for t in qkv(2, 8, n, n, 64, dtype, seed=11))
+    do = torch.randn_like(q)
+
+    def step(q, k, v):
+        return elsa_vision.attention(q, k, v)
+
+    want = step(q, k, v)
+    want_grads = torch.autograd.grad(want, (q, k, v), do)
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(hopper, name)
+        monkeypatch.setattr(hopper, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    torch._dynamo.reset()
+    c = torch.compile(step, fullgraph=True)
+    out = c(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert calls == (["forward", "backward"] if dtype == torch.bfloat16 else ["forward"])
+    assert torch.equal(out, want) and all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    torch._dynamo.reset()
