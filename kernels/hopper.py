@@ -22,6 +22,12 @@ is how the work is laid out:
 Tiles with no visible key are never loaded (causal: the triangle's dead tiles; keys past Nk); the
 mask is applied only where a tile straddles the diagonal or the end of the keys.
 
+float32 in fp16x3 takes the same forward (PARTS = 2): a plain Triton pass (_split_kernel) writes
+q, k and v, scaled by attention._f16_scales_kernel's powers of two, as float16 (hi, lo) parts;
+each tile is then two shared-memory buffers, QKᵀ and P·V three products each (common.dot3's
+terms), and each tile's P·V is added to the running W outside the tensor cores (see _pv). The
+parts are made for chunks of batch·heads at a time (forward, SPLIT_CHUNK_BYTES).
+
 The backward (deterministic: no atomics) is two kernels: dQ with the queries stationary (the
 forward's items and producer warp), which also forms the rows' statistics, then dK/dV with the keys
 stationary (each warpgroup owns 64 keys, the query tiles stream past); see the section "backward"
