@@ -3,7 +3,7 @@
     python benchmarks/attention.py              # full sweep → benchmarks/results/<device>/attention.{csv,png}
     python benchmarks/attention.py --quick      # N 4K/16K, d 64
     python benchmarks/attention.py --hopper     # Gluon (sm_90) vs portable forward and backward vs cuDNN/flash,
-                                                # bf16 → attention_hopper.{csv,png} (sets kernels/hopper.py's policies;
+                                                # bf16 → attention_hopper.{csv,png} (kernels/hopper.py's policies;
                                                 # --dtype fp32: fp16x3 vs mem-efficient → attention_hopper_fp32)
     python benchmarks/attention.py --decode     # few queries against long keys (KV-cache shapes)
                                                 # → attention_decode.{csv,png}

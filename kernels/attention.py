@@ -881,7 +881,8 @@ def _f16_scales(q, k, v, do=None):
 
 def _hopper_serves(q, k, v, bias, precision: str, causal: bool, backward: bool = False) -> bool:
     """Whether kernels/hopper.py's forward (``backward``: its backward) takes this call (its
-    ``serves`` / ``serves_backward``, on an untraced call: torch.compile traces the portable kernels)."""
+    ``serves`` / ``serves_backward``, on an untraced call: torch.compile traces the portable kernels,
+    and the calls the Hopper kernels serve reach this host code through the host ops)."""
     if hopper is None or tracing():
         return False
     return (hopper.serves_backward if backward else hopper.serves)(q, k, v, bias, precision, causal)
@@ -1096,7 +1097,8 @@ def _hopper_in_graph(q, k, v, bias, precision: str, causal: bool) -> bool:
     strides and device). Its kernels are Gluon's, which inductor cannot launch, and the calls it
     serves are long (≥ 768 keys): the host's microseconds a call are small beside them. The host
     code decides again per call on the real tensors (a call it turns down runs the portable
-    kernels)."""
+    kernels; an explicit ``partitions`` is applied there as eagerly, so compiled and eager calls
+    take the same kernels)."""
     return hopper is not None and hopper.serves(q, k, v, bias, precision, causal, traced=True)
 
 
@@ -1109,7 +1111,7 @@ def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partiti
     op, inputs = (OP, (q, k, v)) if qkv is None else (PACKED, (qkv,))
     how = route((*inputs, bias))
     if how is COMPILED:
-        fwd = op.host_fwd if not partitions and _hopper_in_graph(q, k, v, bias, precision, causal) else op.fwd
+        fwd = op.host_fwd if _hopper_in_graph(q, k, v, bias, precision, causal) else op.fwd
         return fwd(*inputs, bias, scale, causal, precision, partitions or 0)
     if how is AUTOGRAD:
         return op.function.apply(*inputs, bias, scale, causal, precision, partitions or 0)

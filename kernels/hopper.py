@@ -1,8 +1,8 @@
-"""ELSA's half-precision forward and backward on Hopper (sm_90), written in Gluon: TMA, warp
-specialisation, wgmma.
+"""ELSA's half-precision forward and backward, and its float32 (fp16x3) forward, on Hopper (sm_90),
+written in Gluon: TMA, warp specialisation, wgmma.
 
 The scan is attention.py's (the monoid (m, S, W) folded key tile by key tile, log2 units, P
-rounded to the value dtype for the product while S sums it unrounded), and the statistics it
+rounded to the value dtype for the product while S sums it unrounded; fp16x3: see below), and the statistics it
 writes are the portable forward's, so either backward runs from either forward. What differs
 is how the work is laid out:
 
@@ -12,7 +12,8 @@ is how the work is laid out:
     triangle's unequal items.
   * A producer warp loads Q, K and V by TMA (4-D tensor descriptors over [B, H, N, D]: any strides
     with a unit last dimension and 16-byte aligned others are read in place; rows past N are
-    zero-filled) into a ring of STAGES slots, running ahead across items. K and V have barriers of
+    zero-filled, or with fp16x3 read from the lo half: keys there are masked and query rows there
+    never stored) into a ring of STAGES slots, running ahead across items. K and V have barriers of
     their own: a K slot is released as soon as its QKᵀ has retired.
   * BLOCK_M / 64 consumer warpgroups of 64 rows each: per key tile a warpgroup issues QKᵀ_j and
     P·V_(j−1) asynchronously and runs tile j's softmax while P·V_(j−1) is in flight
@@ -53,7 +54,7 @@ from .launch import CHECKED, cdiv, launch, sm_count
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 # float32 in fp16x3 (the forward only): its tiles are twice as many float16 buffers, which fit the
-# shared memory at D = 64
+# shared memory at D = 64 (a power of two: the kernels read Scales' rows as 2 + D long, 2 + D_PAD)
 SPLIT_HEAD_DIMS = (64,)
 # Gluon is experimental: its API is the one of the Triton versions this file was checked against.
 # ELSA_HOPPER=0 (or ENABLED = False) keeps every call on the portable kernels; EVERYWHERE = True
@@ -344,7 +345,7 @@ def _fold_item(wg: gl.constexpr, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v
         mbarrier.arrive(q_empty.index(qb))
 
     if PARTS == 2:  # acc in units of 2^14·c_v (per column)
-        acc = acc * gl.expand_dims((1.0 / 16384.0) / gl.load(cs + 2 + cols_o), 0)
+        acc = acc * (1.0 / 16384.0) * gl.expand_dims(1.0 / gl.load(cs + 2 + cols_o), 0)  # (one at a time: normal)
     nonempty = s_i > 0
     inv = gl.convert_layout(1.0 / gl.where(nonempty, s_i, 1.0), ROW_O)
     out = (acc * gl.expand_dims(inv, 1)).to(Out.dtype.element_ty)
@@ -810,7 +811,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     masked tile, and the portable kernel's 64-row tiles are ahead (VGGT's 1041-token frames among
     them; the Gluon kernel leads from 1536 tokens; README, "Short rows in the portable forward").
     ``fp16x3`` (benchmarks/results/<device>/attention_hopper_fp32.csv): from 768 keys, causal from
-    2048; at 577 keys the two forwards tie, and below (and at causal 1041) the portable one is ahead.
+    2048; at 577 keys the portable forward is ahead (5%, causal 23%), and so it is below and at
+    causal 1041.
     ``EVERYWHERE`` (tests, benchmarks) takes every call it supports. ``traced``: see _tma_readable."""
     if not supports(q, k, v, bias, precision, traced):
         return False
@@ -891,38 +893,41 @@ def split(q, k, v, scales) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def fills(q: torch.Tensor) -> bool:
-    """Whether the forward's work items for q [B, H, Nq, D] take every SM at least once."""
+    """Whether the forward's work items for q [B, H, Nq, D] take every SM at least once (with
+    ``EVERYWHERE``: always, so that tests and benchmarks reach the kernel at every shape)."""
+    if EVERYWHERE:
+        return True
     B, H, Nq, D = q.shape
     return cdiv(Nq, config(D, Nq, q.dtype == torch.float32)[0]) * B * H >= sm_count(q.device.index or 0)
 
 
-# fp16x3: the split parts of at most this many bytes exist at a time (batch·heads in chunks), so
-# that a long call's extra memory stays bounded (lean VGGT runs at thousands of frames in float32)
+# fp16x3: the split parts of at most this many bytes exist at a time (batch·heads in chunks), or
+# one batch·head's where that is more (its keys' parts are needed whole: 0.8 GB at VGGT's 1000
+# frames, 1.04M tokens), so that a long call's extra memory stays bounded
 SPLIT_CHUNK_BYTES = 1 << 28
 
 
 def _chunks(B: int, H: int, per: int):
     """(batch slice, head slice) pairs covering [B, H] in pieces of at most ``per`` batch·heads,
     each piece's [B', H', …] rows of a contiguous [B, H, …] tensor contiguous: whole batch
-    elements, or heads of one element. The pieces are of one size (a divisor of B or of H): each
-    size is a kernel specialisation of its own (Triton specialises integer arguments), compiled on
-    its first call."""
+    elements, or heads of one element. As few pieces as that allows, of balanced sizes (at most
+    two sizes: a last piece may be smaller)."""
     if per >= B * H:
         yield slice(None), slice(None)
     elif per >= H:
-        nb = _divisor(B, per // H)
+        nb = _balanced(B, per // H)
         for b0 in range(0, B, nb):
             yield slice(b0, b0 + nb), slice(None)
     else:
-        nh = _divisor(H, per)
+        nh = _balanced(H, per)
         for b in range(B):
             for h0 in range(0, H, nh):
                 yield slice(b, b + 1), slice(h0, h0 + nh)
 
 
-def _divisor(n: int, cap: int) -> int:
-    """The largest divisor of n that is at most cap (≥ 1)."""
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+def _balanced(n: int, cap: int) -> int:
+    """The piece size that covers n in the fewest pieces of at most cap, as equal as they can be."""
+    return cdiv(n, cdiv(n, cap))
 
 
 def forward(q, k, v, out, stats, scale: float, causal: bool, scales=None) -> None:

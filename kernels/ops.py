@@ -19,7 +19,8 @@ earlier version calls the op without it, and must still bind). From these, :clas
 - ``elsa_vision::<name>_fwd`` and ``elsa_vision::<name>_bwd`` as ``torch.library.triton_op``s:
   torch.compile traces their bodies, with every launch made through ``wrap_triton``
   (``launch.traceable``), so inductor sees the Triton kernels and launches them itself from its
-  generated code — none of this package's Python runs per call in a compiled graph. The same body
+  generated code — none of this package's Python runs per call in a compiled graph (the host ops
+  below excepted). The same body
   run on fake tensors is the ops' fake (meta) implementation: it allocates exactly what the real
   call does, strides included. (Under the CPU interpreter, whose kernels wrap_triton cannot trace,
   the ops are opaque custom ops with the same body, launching nothing, as their fake.);

@@ -124,8 +124,8 @@ def assert_fake_matches_real(op, *args):
 
 def elsa_forward_calls(gm) -> int:
     """How many ELSA attention forwards a traced graph calls: the forward ops themselves where they
-    are opaque custom ops (the CPU interpreter, the host ops of calls the Hopper kernels take), or the launches of the forward kernels that
-    torch.compile traced them into (triton_ops on the GPU)."""
+    are opaque custom ops (the CPU interpreter; the host ops of calls the Hopper kernels take), or
+    the launches of the forward kernels that torch.compile traced them into (triton_ops on the GPU)."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     n = 0
     for node in gm.graph.nodes:

@@ -86,8 +86,9 @@ def test_fp16x3_outlier_feature():
 def test_fp16x3_split_pass(magnitude):
     """The Gluon forward's fp16x3 operands (kernels/hopper.split, a plain Triton kernel): for q, k
     (one scale per head) and v (one per feature column), strided inputs included, the float16
-    parts hold x·c to split_f16's bound, |hi + lo − x·c| ≤ 2⁻²²·|x·c| + 2⁻²⁵, with the largest |x·c|
-    of a head (column) in [2^13, 2^14)."""
+    parts are split_f16's (hi the nearest float16 of x·c at row r, lo that of the rest at row N + r),
+    hold x·c to its bound, |hi + lo − x·c| ≤ 2⁻²²·|x·c| + 2⁻²⁵, with the largest |x·c| of a head
+    (column) in [2^13, 2^14)."""
     hopper = pytest.importorskip("elsa_vision.kernels.hopper")
     from elsa_vision.kernels import attention as K
     B, H, Nq, Nk, D = 2, 3, 37, 70, 64
@@ -102,6 +103,8 @@ def test_fp16x3_split_pass(magnitude):
                           (v, parts[2], scales[..., None, 2:], (2,))):
         n = x.shape[2]
         assert p.dtype == torch.float16 and p.shape == (B, H, 2 * n, D)
+        hi = (x * c).half()
+        assert torch.equal(p[:, :, :n], hi) and torch.equal(p[:, :, n:], (x * c - hi.float()).half())
         xc = x.double() * c.double()
         top = xc.abs().amax(dim=dims)
         assert ((top >= 2 ** 13) & (top < 2 ** 14)).all()
@@ -110,20 +113,28 @@ def test_fp16x3_split_pass(magnitude):
 
 
 @pytest.mark.parametrize("B,H,per", [(1, 16, 5), (3, 5, 2), (3, 5, 10), (3, 5, 15), (4, 2, 7), (2, 3, 100),
-                                     (100, 16, 335), (1, 11, 4)])
+                                     (100, 16, 335), (1, 11, 4), (31, 12, 341)])
 def test_fp16x3_split_chunks_cover_once(B, H, per):
     """The Gluon fp16x3 forward's chunks of batch·heads (hopper._chunks): every (b, h) exactly once,
-    at most ``per`` in a chunk, each chunk whole batch elements or heads of one element, all chunks
-    of one shape (one kernel specialisation)."""
+    at most ``per`` in a chunk, each chunk whole batch elements or heads of one element, as few
+    chunks as that allows, of at most two sizes."""
     hopper = pytest.importorskip("elsa_vision.kernels.hopper")
     seen = torch.zeros(B, H, dtype=torch.int64)
     shapes = set()
+    n_chunks = 0
     for bs, hs in hopper._chunks(B, H, per):
+        n_chunks += 1
         part = seen[bs, hs]
         assert part.numel() <= per and (part.shape[0] == 1 or part.shape[1] == H)
         shapes.add(tuple(part.shape))
         seen[bs, hs] += 1
-    assert (seen == 1).all() and len(shapes) == 1
+    assert (seen == 1).all() and len(shapes) <= 2
+    if per >= B * H:
+        assert n_chunks == 1
+    elif per >= H:
+        assert n_chunks == -(-B // (per // H))  # whole elements, as many as fit
+    else:
+        assert n_chunks == B * -(-H // per)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -133,7 +133,9 @@ def test_shifted_windows_compiled_in_place(packed):
 def test_host_ops_for_the_hopper_calls(packed, monkeypatch):
     """A traced call the Hopper kernels would take (kernels.attention._hopper_in_graph; forced here)
     goes into the graph as the opaque host op (one graph, the op in it), whose body picks the
-    kernels per call; outputs and gradients are eager's, bit for bit (the same host code runs)."""
+    kernels per call; outputs and gradients are eager's, bit for bit (the same host code runs).
+    (Under the interpreter every op is opaque: that the host ops run the Gluon kernels, forward and
+    backward, is test_hopper_gpu's test_compiled_calls_take_the_hopper_kernels.)"""
     from elsa_vision.kernels import attention as K
     from oracle_check import elsa_forward_calls
     monkeypatch.setattr(K, "_hopper_in_graph", lambda *args: True)
