@@ -2,9 +2,9 @@
 written in Gluon: TMA, warp specialisation, wgmma.
 
 The scan is attention.py's (the monoid (m, S, W) folded key tile by key tile, log2 units, P
-rounded to the value dtype for the product while S sums it unrounded; fp16x3: see below), and the statistics it
-writes are the portable forward's, so either backward runs from either forward. What differs
-is how the work is laid out:
+rounded to the value dtype for the product while S sums it unrounded; fp16x3: see below), and
+the statistics it writes are the portable forward's, so either backward runs from either
+forward. What differs is how the work is laid out:
 
   * Persistent programs, one per SM, take work items (BLOCK_M query rows of one batch·head) in
     turn, a last round that would leave programs idle re-cut into shorter items (_item, _tail);

@@ -20,9 +20,8 @@ earlier version calls the op without it, and must still bind). From these, :clas
   torch.compile traces their bodies, with every launch made through ``wrap_triton``
   (``launch.traceable``), so inductor sees the Triton kernels and launches them itself from its
   generated code — none of this package's Python runs per call in a compiled graph (the host ops
-  below excepted). The same body
-  run on fake tensors is the ops' fake (meta) implementation: it allocates exactly what the real
-  call does, strides included. (Under the CPU interpreter, whose kernels wrap_triton cannot trace,
+  below excepted). The same body run on fake tensors is the ops' fake (meta) implementation: it
+  allocates exactly what the real call does, strides included. (Under the CPU interpreter, whose kernels wrap_triton cannot trace,
   the ops are opaque custom ops with the same body, launching nothing, as their fake.);
 - autograd on the forward op (its backward calls the backward op), and a clear error on the
   backward op's own backward (no double backward);
