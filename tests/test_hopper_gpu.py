@@ -28,6 +28,13 @@ def qkv(B, H, nq, nk, d, dtype, seed=0):
     return [torch.randn(B, H, n, d, device="cuda", generator=g).to(dtype) for n in (nq, nk, nk)]
 
 
+def spy(monkeypatch, name: str, calls: list, tag=1) -> None:
+    """Record ``tag`` in ``calls`` on each call of hopper.<name> (which still runs)."""
+    from elsa_vision.kernels import hopper
+    real = getattr(hopper, name)
+    monkeypatch.setattr(hopper, name, lambda *a: calls.append(tag) or real(*a))
+
+
 def served(q, k, v):
     from elsa_vision.kernels import hopper
     return hopper.supports(q, k, v, None, "native")
@@ -58,8 +65,7 @@ def test_fp16x3_forward(n, causal, magnitude, monkeypatch):
     from elsa_vision.kernels import hopper
     assert hopper.supports(q, k, v, None, "fp16x3") and not hopper.serves_backward(q, k, v, None, "fp16x3", causal)
     calls = []
-    real = hopper.forward
-    monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(1) or real(*a))
+    spy(monkeypatch, "forward", calls)
     check_case(q, k, v, causal=causal, precision="fp16x3", backend="triton", seed=n,
                grads=n in (197, 1041) and magnitude[0] == 1.0)
     assert calls == [1]  # (the Gluon forward ran)
@@ -117,8 +123,7 @@ def test_fp16x3_not_held_back_by_a_portable_split(monkeypatch):
     else:
         pytest.skip("no candidate shape is split by the portable planner on this GPU")
     calls = []
-    real = hopper.forward
-    monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(1) or real(*a))
+    spy(monkeypatch, "forward", calls)
     out, _ = K.forward(q, k, v, None, 0.125, False, "fp16x3")
     assert calls == [1]
     K.forward(q, k, v, None, 0.125, False, "fp16x3", partitions=2)
@@ -259,10 +264,8 @@ def _grads(q, k, v, do, causal, gluon_backward):
 
 def test_backward_served(monkeypatch):
     """The attention op's backward goes through the Gluon backward for the calls it serves."""
-    from elsa_vision.kernels import hopper
     calls = []
-    real = hopper.backward
-    monkeypatch.setattr(hopper, "backward", lambda *a: calls.append(1) or real(*a))
+    spy(monkeypatch, "backward", calls)
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 300, 300, 64, torch.bfloat16))
     elsa_vision.attention(q, k, v).sum().backward()
     assert calls == [1]
@@ -356,10 +359,8 @@ def test_backward_graph_capture():
 def test_packed_gradient(d, monkeypatch):
     """attention_packed through the Gluon kernels: qkv's gradient written into one tensor (the
     backward kernels get its q, k, v parts) equals the view call's three gradients, bitwise."""
-    from elsa_vision.kernels import hopper
     calls = []
-    real = hopper.backward
-    monkeypatch.setattr(hopper, "backward", lambda *a: calls.append(1) or real(*a))
+    spy(monkeypatch, "backward", calls)
     g = torch.Generator(device="cuda").manual_seed(d)
     packed = torch.randn(2, 577, 3, 4, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
     views = packed.detach().clone().requires_grad_()
@@ -386,8 +387,7 @@ def test_compiled_calls_take_the_hopper_kernels(dtype, n, monkeypatch):
     want_grads = torch.autograd.grad(want, (q, k, v), do)
     calls = []
     for name in ("forward", "backward"):
-        real = getattr(hopper, name)
-        monkeypatch.setattr(hopper, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+        spy(monkeypatch, name, calls, name)
     torch._dynamo.reset()
     c = torch.compile(step, fullgraph=True)
     out = c(q, k, v)
