@@ -61,6 +61,7 @@ from torch import nn
 
 from ..api import attention, attention_packed, shifted_window_attention, window_attention, window_attention_packed
 from ..kernels.limits import HEAD_DIMS
+from .blocks import PreNormBlock
 from .registry import Adapter, PatchState, bypass_reason, check_flag, hooked, is_patched, register
 
 MIN_TIMM = (1, 0, 20)
@@ -447,6 +448,18 @@ class SwinBlock(Adapter):
         return attn.proj_drop(attn.proj(o.reshape(B, IH, IW, -1)))
 
 
+class TimmBlock(PreNormBlock):
+    """``timm.models.vision_transformer.Block`` (ViT, DeiT, DINOv2, ...): its residual stream in
+    fused passes in inference (see adapters/blocks.py); its ``attn`` is called with the block's
+    own arguments."""
+
+    name = "timm.Block"
+    targets = ("timm.models.vision_transformer:Block",)
+
+    def attend(self, block, h, *args, **kwargs):
+        return block.attn(h, *args, **kwargs)
+
+
 def unzero_residual_norms(model: torch.nn.Module) -> int:
     """Deprecated: use ``elsa_vision.verify.unzero_residual_norms`` (a verification tool, not an adapter)."""
     import warnings
@@ -456,5 +469,6 @@ def unzero_residual_norms(model: torch.nn.Module) -> int:
     return moved(model)
 
 
-for _adapter in (TimmAttention(), TimmRopeAttention(), SwinWindowAttention(), SwinV2WindowAttention(), SwinBlock()):
+for _adapter in (TimmAttention(), TimmRopeAttention(), SwinWindowAttention(), SwinV2WindowAttention(), SwinBlock(),
+                 TimmBlock()):
     register(_adapter)

@@ -15,9 +15,11 @@ run interleaved on one set of weights:
              experimental fused path). Swin v2 has no fused path: the column stays empty.
   unfused    timm's explicit softmax(q kᵀ) path (``module.fused_attn = False``)
 
-and with ``--nofuse``, for Swin models, ``elsa_nofuse``: ``patch(fuse_windows=False)`` (ELSA in the
+and with ``--nofuse``, ``elsa_nofuse``: for Swin models ``patch(fuse_windows=False)`` (ELSA in the
 attention modules only, timm's cyclic shift and window partition / merge copies around them), to
-show what running the blocks' shifted windows in place adds.
+show what running the blocks' shifted windows in place adds; for ViT models
+``patch(fuse_residual=False)`` (the blocks' own residual adds and norms), to show what the fused
+residual passes add.
 
 A training step is forward + backward + SGD step. fp32 runs with ``torch.set_float32_matmul_precision
 ("highest")`` (native attention is true fp32; ELSA's "auto" runs its float32-accurate fp16x3 mode);
@@ -54,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import fmt_table, measure, measure_graphed, profile_rows, results_dir, write_csv  # noqa: E402
 
 import elsa_vision  # noqa: E402
+from elsa_vision.adapters.blocks import PreNormBlock  # noqa: E402
 from elsa_vision.adapters.registry import patched_modules  # noqa: E402
 from elsa_vision.verify import unzero_residual_norms  # noqa: E402
 
@@ -183,10 +186,10 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         elsa = copy.deepcopy(native)
         report = elsa_vision.patch(elsa, precision=precision)
         row["patched"] = report.num_patched
-        nofuse = nofuse and case.model in SWIN
         if nofuse:
             elsa_nf = copy.deepcopy(native)
-            elsa_vision.patch(elsa_nf, precision=precision, fuse_windows=False)
+            off = {"fuse_windows": False} if case.model in SWIN else {"fuse_residual": False}
+            elsa_vision.patch(elsa_nf, precision=precision, **off)
         x = torch.randn(case.batch, 3, case.size, case.size, device=device)
     except Exception as e:  # noqa: BLE001 - a case that cannot be built is a result
         row["error"] = f"build: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -265,7 +268,8 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
                 new, line = [], type(ex).__name__
             profile += new
             print(f"  profile {name}: {line}")
-    delegated = sum(s.delegated for _, s in patched_modules(elsa))
+    # (the blocks' residual passes hand every call autograd records to the block's own forward)
+    delegated = sum(s.delegated for _, s in patched_modules(elsa) if not isinstance(s.adapter, PreNormBlock))
     if delegated:
         row["delegated_calls"] = delegated
     del native, elsa, variants, x
@@ -329,7 +333,8 @@ def main(argv=None) -> int:
                     help="also time each variant replayed from a CUDA graph (no host launch work): "
                          "<variant>_graph_ms, graph_speedup_vs_<baseline>")
     ap.add_argument("--nofuse", action="store_true",
-                    help="Swin models: also ELSA with patch(fuse_windows=False) (variant elsa_nofuse)")
+                    help="also ELSA with patch(fuse_windows=False) for Swin, patch(fuse_residual=False) for ViT "
+                         "(variant elsa_nofuse)")
     ap.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
                     help="run every variant under torch.compile in this mode (compiled in the warm-up; "
                          "not with --graphs)")

@@ -93,6 +93,9 @@ def calls(model):
 
 STANDIN_ATTN = {"aggregator.patch_embed.blocks.0.attn", "camera_head.trunk.0.attn",
                 *(f"aggregator.{kind}_blocks.{i}.attn" for kind in ("frame", "global") for i in range(4))}
+# the blocks whose residual stream runs fused in inference (DINOv2's NestedTensorBlock is a subclass: not)
+STANDIN_BLOCKS = {"camera_head.trunk.0", *(f"aggregator.{kind}_blocks.{i}" for kind in ("frame", "global")
+                                            for i in range(4))}
 
 
 def test_patch_report_and_unpatch_restores_bitwise(standin):
@@ -102,12 +105,13 @@ def test_patch_report_and_unpatch_restores_bitwise(standin):
     ptrs = {n: p.data_ptr() for n, p in m.state_dict().items()}
     report = elsa_vision.patch(m, precision="ieee")
     assert set(report.patched["vggt"]) == STANDIN_ATTN
+    assert set(report.patched["vggt.Block"]) == STANDIN_BLOCKS
     assert [n for n, _ in report.skipped["vggt-aggregator"]] == ["aggregator"]
     run(m, x)
     stats = calls(m)
     assert all(c >= 1 and d == 0 for c, d in stats.values()), stats
     assert {n: p.data_ptr() for n, p in m.state_dict().items()} == ptrs  # parameters reused, keys unchanged
-    assert elsa_vision.unpatch(m) == len(STANDIN_ATTN)
+    assert elsa_vision.unpatch(m) == len(STANDIN_ATTN) + len(STANDIN_BLOCKS)
     assert not any("forward" in mod.__dict__ or "_elsa" in mod.__dict__ for mod in m.modules())
     assert_equal(run(m, x), before)
 
@@ -119,6 +123,36 @@ def test_model_outputs_follow_the_tolerance_rule(standin):
     with elsa_vision.patched(m, precision="ieee"):
         out = run(m, x)
     assert_rule(out, ref, oracle)
+
+
+def test_blocks_fuse_the_residual_stream_in_inference(standin):
+    """The blocks' fused residual passes: the tolerance rule with and without them, every block call
+    served without autograd, handed to the block's own forward (with the same gradients) with it."""
+    m = make_standin()
+    x = frames()
+    ref, oracle = run(m, x), oracle_outputs(m, x)
+    for fuse in (True, False):
+        report = elsa_vision.patch(m, precision="ieee", fuse_residual=fuse)
+        assert set(report.patched.get("vggt.Block", ())) == (STANDIN_BLOCKS if fuse else set())
+        assert_rule(run(m, x), ref, oracle, what=f"fuse_residual={fuse}")
+        blocks = {n: s for n, s in registry.patched_modules(m) if n in STANDIN_BLOCKS}
+        assert all(s.calls >= 1 and s.delegated == 0 for s in blocks.values())
+        elsa_vision.unpatch(m)
+    with torch.no_grad():
+        depth0 = m(x)["depth"]
+    m.zero_grad()
+    m(x)["depth"].sum().backward()
+    g_ref = [p.grad.clone() for p in m.aggregator.global_blocks[0].parameters()]
+    elsa_vision.patch(m, precision="ieee")
+    m.zero_grad()
+    m(x)["depth"].sum().backward()
+    for p, g in zip(m.aggregator.global_blocks[0].parameters(), g_ref):
+        assert torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6 * g.abs().max().item())
+    state = m.aggregator.global_blocks[0]._elsa
+    assert state.delegated == 1 and "autograd" in next(iter(state.delegate_reasons))
+    with torch.no_grad():
+        assert torch.allclose(m(x)["depth"], depth0, rtol=1e-4, atol=1e-5)
+    elsa_vision.unpatch(m)
 
 
 def _module_cases():
@@ -555,7 +589,7 @@ def test_merging_is_deterministic_and_batch_independent(standin):
     assert any(not torch.equal(a[k], c[k]) for k in OUTPUTS)
     with elsa_vision.patched(m, precision="ieee", token_merging=A.TokenMerging(start_layer=4)):
         assert_equal(run(m, x), exact)  # no global layer reaches start_layer
-    assert plain.num_patched == len(STANDIN_ATTN)
+    assert plain.num_patched == len(STANDIN_ATTN) + len(STANDIN_BLOCKS)
 
 
 def test_similarity_dim_searches_the_projected_rows():

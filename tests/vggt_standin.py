@@ -127,9 +127,11 @@ class Block(nn.Module):
         self.attn = attn_class(dim, num_heads=num_heads, attn_drop=attn_drop, qk_norm=qk_norm, rope=rope,
                                fused_attn=fused_attn)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path1 = nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path2 = nn.Identity()
 
     def forward(self, x, pos=None):
         x = x + self.ls1(self.attn(self.norm1(x), pos=pos))

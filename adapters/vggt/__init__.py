@@ -20,6 +20,9 @@ What gets patched (matched by class object):
   in the autocast dtype. Outside autocast float32 runs in the requested ``precision``. Attention
   dropout in training, xFormers ``attn_bias`` and other inputs the original would reject are handed
   to the original forward (counted in ``module._elsa.delegated``).
+* ``vggt.layers.block.Block`` (and the fork's): in inference its residual adds, LayerScales and
+  norms run as three fused passes around its own attention and MLP (adapters/blocks.py; patch option
+  ``fuse_residual=False`` leaves the blocks alone).
 * ``vggt.models.aggregator.Aggregator``, only when ``lean_memory`` or ``token_merging`` is given,
   and ``vggt.heads.dpt_head.DPTHead`` with ``lean_memory``.
 
@@ -53,11 +56,13 @@ Patch options (keywords of ``elsa_vision.patch``):
   ``token_merging`` (the whole sequence's merged set on every rank); the track head raises.
 
 Modules: common.py (the classes served, the lean option), attention.py (the attention adapter),
+block.py (the block adapter),
 merging.py (token merging), lean.py (lean memory: the aggregator and DPT-head adapters), sharded.py
 (frames across ranks: the camera- and track-head adapters, the context global attention reads).
 """
 from ..registry import register
 from .attention import VGGTAttentionAdapter
+from .block import VGGTBlockAdapter
 from .common import (AGGREGATOR_TARGETS, ATTENTION_TARGETS, BLOCK_TARGETS, CAMERA_HEAD_TARGETS, DPT_HEAD_TARGETS,
                      TRACK_HEAD_TARGETS, register_classes)
 from .lean import HEAD_LAYERS, LeanLayerList, VGGTAggregatorAdapter, VGGTDPTHeadAdapter
@@ -67,9 +72,9 @@ from .merging import MergePlan, TokenMerging, destination_pattern, merge_mean, m
 __all__ = ["AGGREGATOR_TARGETS", "ATTENTION_TARGETS", "BLOCK_TARGETS", "CAMERA_HEAD_TARGETS", "DPT_HEAD_TARGETS",
            "HEAD_LAYERS", "TRACK_HEAD_TARGETS", "VGGTCameraHeadAdapter", "VGGTTrackHeadAdapter",
            "LeanLayerList", "MergePlan", "TokenMerging", "VGGTAggregatorAdapter", "VGGTAttentionAdapter",
-           "VGGTDPTHeadAdapter", "destination_pattern", "merge_mean", "merge_plan", "register_classes", "similarity_rows",
-           "unmerge"]
+           "VGGTBlockAdapter", "VGGTDPTHeadAdapter", "destination_pattern", "merge_mean", "merge_plan",
+           "register_classes", "similarity_rows", "unmerge"]
 
-for _adapter in (VGGTAttentionAdapter(), VGGTAggregatorAdapter(), VGGTDPTHeadAdapter(), VGGTCameraHeadAdapter(),
-                 VGGTTrackHeadAdapter()):
+for _adapter in (VGGTAttentionAdapter(), VGGTBlockAdapter(), VGGTAggregatorAdapter(), VGGTDPTHeadAdapter(),
+                 VGGTCameraHeadAdapter(), VGGTTrackHeadAdapter()):
     register(_adapter)

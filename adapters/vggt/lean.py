@@ -4,6 +4,7 @@ outputs; the aggregator adapter also sets the token-merging context of a call.""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import operator
@@ -11,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from ..registry import PatchState, hooked
+from .. import blocks
+from ..registry import PatchState, hooked, is_patched
 from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, unsupported
 from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, LEAN_CHUNK, VGGTAdapter, attention_kind, block_classes,
                      is_fork_aggregator, lean_option)
@@ -63,7 +65,7 @@ def _run_block(block, x, pos, per_frame: bool, chunk: int, block_classes: tuple)
     """One aggregator block in eval mode with bounded transient memory (same values as block(x, pos=pos)).
     A block with hooks of its own or a wrapped forward runs whole (they expect one call of the block);
     hooks inside it (a progress bar on ls1, say) see one call per chunk, as lean mode documents."""
-    if (type(block) not in block_classes or block.training or "forward" in block.__dict__
+    if (type(block) not in block_classes or block.training or ("forward" in block.__dict__ and not is_patched(block))
             or hooked(block, global_hooks=False)):
         return block(x, pos=pos)
     if per_frame:  # frames are independent: run the whole block a few frames at a time
@@ -79,6 +81,16 @@ def _run_block(block, x, pos, per_frame: bool, chunk: int, block_classes: tuple)
             out[f0:f0 + step] = y
         return out
     # one long sequence: attention sees every token; the MLP residual is per token, so run it in chunks
+    if blocks.serves(block, x):  # the patched block's fused residual passes, per token chunk: its values
+        y = _block_attention(block, x, pos, functools.partial(blocks.pre_norm, block))
+        out = None
+        for n0 in range(0, x.shape[1], chunk):
+            xc, h = blocks.attention_residual(block, x[:, n0:n0 + chunk], y[:, n0:n0 + chunk])
+            xc = blocks.mlp_residual(block, xc, block.mlp(h))
+            if out is None:
+                out = x.new_empty(x.shape, dtype=xc.dtype)
+            out[:, n0:n0 + chunk] = xc
+        return out
     x = x + block.ls1(_block_attention(block, x, pos))
     N = x.shape[1]
     if N <= chunk:
@@ -94,20 +106,22 @@ def _run_block(block, x, pos, per_frame: bool, chunk: int, block_classes: tuple)
     return out
 
 
-def _block_attention(block, x, pos):
-    """block.attn(block.norm1(x), pos=pos); when the attention is ours and nothing observes the call
-    (no hooks, no token merging), norm1 runs inside its token chunks instead of on the whole sequence."""
+def _block_attention(block, x, pos, norm1=None):
+    """block.attn(norm1(x), pos=pos) (``norm1``: block.norm1 unless given); when the attention is ours
+    and nothing observes the call (no hooks, no token merging), norm1 runs inside its token chunks
+    instead of on the whole sequence."""
     attn = block.attn
+    norm1 = norm1 or block.norm1
     state = attn.__dict__.get("_elsa")
     if (not isinstance(state, PatchState) or not isinstance(state.adapter, VGGTAttentionAdapter)
             or hooked(attn, global_hooks=False) or merge_call(attn) is not None):
-        return attn(block.norm1(x), pos=pos)
+        return attn(norm1(x), pos=pos)
     kind = attention_kind(type(attn))
     if kind.fork or unsupported(attn, kind, x, pos, None, None) is not None:
-        return attn(block.norm1(x), pos=pos)
+        return attn(norm1(x), pos=pos)
     state.count_call()
-    y = elsa_attention(attn, state, x, pos, kind, prenorm=block.norm1)
-    return y if y is not None else state.delegate(block.norm1(x), pos=pos, reason="q, k, v of different dtypes "
+    y = elsa_attention(attn, state, x, pos, kind, prenorm=norm1)
+    return y if y is not None else state.delegate(norm1(x), pos=pos, reason="q, k, v of different dtypes "
                                                   "outside autocast")
 
 

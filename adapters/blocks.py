@@ -1,0 +1,194 @@
+"""Pre-norm transformer blocks in inference: the block's residual stream in fused passes.
+
+timm's ViT ``Block`` and VGGT's ``Block`` compute, in eval mode,
+``h = norm1(x); x = x + ls1(attn(h)); h = norm2(x); x = x + ls2(mlp(h))`` (``ls``: LayerScale
+or Identity; the drop-paths are identities there). :class:`PreNormBlock` runs the same with three
+launches of :func:`elsa_vision.kernels.residual.residual_norm` around the block's own ``attn`` and
+``mlp`` modules (patched or not): norm1(x); the first residual with norm2 of its result; the
+second residual. The residual stream is bitwise the block's own; the LayerNorm outputs agree to
+float32 rounding. Under CUDA autocast a LayerNorm output that feeds only linear layers, which
+autocast casts anyway, is written in the autocast dtype directly.
+
+It serves a call only where nothing can tell the difference, and delegates to the block's own
+forward otherwise (counted in ``module._elsa.delegated``): autograd recording the call (training,
+or parameters that require grad outside ``torch.no_grad``), a module in training mode with an
+active drop-path, hooks on the norms, the LayerScales or the drop-paths (which this forward does
+not call), tensors on a device without the kernels, dtypes or widths the kernel does not take, a
+compiled graph (inductor fuses these passes itself), or CPU autocast. Patch option
+``fuse_residual=False`` leaves the blocks alone.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..dispatch import autocast_dtype, triton_serves
+from .registry import Adapter, PatchState, check_flag, hooked, is_patched
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_WIDTH = 16384  # kernels.residual.MAX_WIDTH (that module imports Triton)
+
+
+def _scale(ls: nn.Module) -> Optional[torch.Tensor]:
+    """A LayerScale's gamma (None for Identity)."""
+    return None if isinstance(ls, nn.Identity) else ls.gamma
+
+
+def _layer_scale(ls: nn.Module, width: int) -> bool:
+    """Identity, or a LayerScale (``x * gamma``, or its in-place form: the same values) of [width]."""
+    if isinstance(ls, nn.Identity):
+        return True
+    gamma = getattr(ls, "gamma", None)
+    return (type(ls).__name__ == "LayerScale" and isinstance(gamma, torch.Tensor)
+            and tuple(gamma.shape) == (width,) and "forward" not in ls.__dict__)
+
+
+def _layer_norm(norm: nn.Module) -> bool:
+    """An ``nn.LayerNorm`` over the last dimension, or timm's subclass of it without its fast-norm
+    option (which normalizes in the autocast dtype)."""
+    timm_norm = type(norm).__name__ == "LayerNorm" and type(norm).__module__ == "timm.layers.norm"
+    return ((type(norm) is nn.LayerNorm or timm_norm) and len(norm.normalized_shape) == 1
+            and not getattr(norm, "_fast_norm", False))
+
+
+def _inert(drop: nn.Module) -> bool:
+    """A drop-path that passes its input through in this call."""
+    return isinstance(drop, nn.Identity) or not drop.training or getattr(drop, "drop_prob", 1.0) == 0.0
+
+
+def _feeds_linear(module: nn.Module, attention: bool) -> bool:
+    """Whether ``module``'s forward reads its input only through linear layers that autocast casts
+    (so an input already in the autocast dtype gives the same result): an attention patched by this
+    package, or an MLP whose ``fc1`` is an ``nn.Linear``; and no hooks that would see the input."""
+    if hooked(module):
+        return False
+    return is_patched(module) if attention else type(getattr(module, "fc1", None)) is nn.Linear
+
+
+class PreNormBlock(Adapter):
+    """The forward of a pre-norm block (see the module docstring). Subclasses set ``targets``,
+    ``attend`` (how the block calls its attention) and, where the class's forward must have one
+    of a few parameter lists (its body is known for those), ``signatures``."""
+
+    options = frozenset({"fuse_residual"})
+    signatures: Optional[tuple[tuple[str, ...], ...]] = None
+
+    def check_options(self, options):
+        check_flag(options, "fuse_residual", True)
+        super().check_options(options)
+
+    def skip_reason(self, module, options):
+        if not options.get("fuse_residual", True):
+            return "fuse_residual=False: the block's own residual adds and norms run"
+        if options.get("backend", "auto") not in ("auto", "triton"):
+            return f"backend={options['backend']!r}: the fused residual passes are Triton kernels"
+        params = tuple(inspect.signature(type(module).forward).parameters)[1:]
+        if self.signatures is not None and params not in self.signatures:
+            return f"its forward takes {params}, not one of {self.signatures}"
+        for name in ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2"):
+            if not isinstance(getattr(module, name, None), nn.Module):
+                return f"no {name} submodule"
+        for name in ("norm1", "norm2"):
+            norm = getattr(module, name)
+            if not _layer_norm(norm):
+                return f"{name} is not an nn.LayerNorm over the last dimension (timm's: without fast norm)"
+        width = module.norm1.normalized_shape[0]
+        if module.norm2.normalized_shape[0] != width or not 0 < width <= _MAX_WIDTH:
+            return (f"norms of {width} and {module.norm2.normalized_shape[0]} features "
+                    f"(the kernel takes equal widths of 1 to {_MAX_WIDTH})")
+        for name in ("ls1", "ls2"):
+            if not _layer_scale(getattr(module, name), width):
+                return f"{name} is neither Identity nor a LayerScale of [{width}]"
+        return None
+
+    def attend(self, block, h, *args, **kwargs):
+        raise NotImplementedError
+
+    @staticmethod
+    def why_not(block, x: torch.Tensor) -> Optional[str]:
+        """Why this call must run the block's own forward (None: the fused passes serve it)."""
+        if torch.compiler.is_compiling():
+            return "compiled (inductor fuses the residual passes itself)"
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in block.parameters())):
+            return "autograd records the call (the fused passes have no backward)"
+        if not (_inert(block.drop_path1) and _inert(block.drop_path2)):
+            return "drop-path in training"
+        if getattr(block, "training", False) and getattr(block, "sample_drop_ratio", 0.0) > 0:
+            return "drop-path in training"
+        if getattr(block.norm1, "_fast_norm", False) or getattr(block.norm2, "_fast_norm", False):
+            return "timm's fast norm"
+        if any(hooked(m, global_hooks=False) or "forward" in m.__dict__
+               for m in (block.norm1, block.ls1, block.drop_path1, block.norm2, block.ls2, block.drop_path2)):
+            return "hooks or a replaced forward on a norm, LayerScale or drop-path"
+        if hooked(None):
+            return "global module hooks (they would see the norms' calls)"
+        if not triton_serves(x.device.type):
+            return f"tensors on {x.device.type} without the Triton kernels there"
+        if x.device.type != "cuda" and autocast_dtype(x.device.type) is not None:
+            return "CPU autocast"
+        if x.dtype not in _DTYPES or x.shape[-1] != block.norm1.normalized_shape[0]:
+            return f"input {x.dtype} [..., {x.shape[-1]}]"
+        n1, n2 = block.norm1, block.norm2
+        params = (n1.weight, n1.bias, n2.weight, n2.bias, _scale(block.ls1), _scale(block.ls2))
+        if any(p is not None and (p.dtype not in _DTYPES or p.device != x.device) for p in params):
+            return "norm or LayerScale parameters of a dtype or device the kernel does not take"
+        return None
+
+    def forward(self, block, state: PatchState, x, *args, **kwargs):
+        why = self.why_not(block, x)
+        if why:
+            return state.delegate(x, *args, reason=why, **kwargs)
+        y = self.attend(block, pre_norm(block, x), *args, **kwargs)
+        if not _branch(y, x):  # an attention output the kernel does not take: the block's own ops
+            x = x + block.ls1(y)
+            return x + block.ls2(block.mlp(block.norm2(x)))
+        x, h = attention_residual(block, x, y)
+        y = block.mlp(h)
+        return mlp_residual(block, x, y) if _branch(y, x) else x + block.ls2(y)
+
+
+def serves(block: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``block`` is patched by a :class:`PreNormBlock` adapter that serves a call on ``x``
+    (callers that run a block's parts themselves, VGGT's lean mode, then use the functions below,
+    so that their values are the patched block's bitwise)."""
+    state = block.__dict__.get("_elsa")
+    return (is_patched(block) and isinstance(state.adapter, PreNormBlock)
+            and PreNormBlock.why_not(block, x) is None)
+
+
+def _branch(y, x: torch.Tensor) -> bool:
+    """Whether a branch output ``y`` is one the kernel adds to ``x``."""
+    return isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype in _DTYPES and y.device == x.device
+
+
+def _norm_dtype(r_dtype: torch.dtype, consumer: nn.Module, attention: bool, device_type: str) -> torch.dtype:
+    """The dtype a norm's output is written in: the LayerNorm's own (its input's; float32 under
+    autocast), or the autocast dtype where the consumer would cast it to that anyway."""
+    cast = autocast_dtype(device_type)
+    if cast is None:
+        return r_dtype
+    return cast if _feeds_linear(consumer, attention) else torch.float32
+
+
+def pre_norm(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """norm1(x) as the patched block forms it (rows of x independent: any token slice of x gives
+    the same rows)."""
+    from ..kernels.residual import residual_norm
+    return residual_norm(x, None, None, block.norm1, _norm_dtype(x.dtype, block.attn, True, x.device.type))[1]
+
+
+def attention_residual(block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + ls1(y), norm2 of it) for the attention output y, as the patched block forms them."""
+    from ..kernels.residual import residual_dtype, residual_norm
+    g = _scale(block.ls1)
+    return residual_norm(x, y, g, block.norm2,
+                         _norm_dtype(residual_dtype(x, y, g), block.mlp, False, x.device.type))
+
+
+def mlp_residual(block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + ls2(y) for the MLP output y, as the patched block forms it."""
+    from ..kernels.residual import residual_norm
+    return residual_norm(x, y, _scale(block.ls2))[0]
