@@ -558,6 +558,37 @@ def test_patch_before_and_after_moves():
         assert m2(x.double()).dtype == torch.float64
 
 
+def test_vit_blocks_delegate_what_the_fused_passes_cannot_show():
+    """The blocks' fused residual passes serve eval-mode calls without autograd; hooks on a norm, a
+    training step's autograd, drop-path in training and float64 go to the block's own forward."""
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2, init_values=0.5,
+                          drop_path_rate=0.1).eval()  # drop-path 0 in block 0, 0.1 in block 1
+    x = _img(2, 32)
+    with torch.no_grad():
+        ref = m(x)
+    elsa_vision.patch(m)
+    block = m.blocks[0]
+    with torch.no_grad():
+        assert torch.allclose(m(x), ref, atol=1e-5, rtol=1e-5)
+    assert block._elsa.delegated == 0
+    seen = []
+    h = block.norm2.register_forward_hook(lambda mod, i, o: seen.append(o.dtype))
+    with torch.no_grad():
+        m(x)
+    h.remove()
+    assert seen == [torch.float32] and "hooks or a replaced forward" in next(iter(block._elsa.delegate_reasons))
+    m(x).sum().backward()  # autograd: the block's own forward, gradients as timm's
+    assert block.norm1.weight.grad is not None
+    m.train()
+    with torch.no_grad():
+        m(x)
+    m.eval()
+    assert set(block._elsa.delegate_reasons) == {"hooks or a replaced forward on a norm, LayerScale or drop-path",
+                                                 "autograd records the call (the fused passes have no backward)"}
+    assert m.blocks[1]._elsa.delegate_reasons["drop-path in training"] == 1
+    elsa_vision.unpatch(m)
+
+
 def test_include_exclude_and_report():
     m = _tiny_vit()
     rep = elsa_vision.patch(m, exclude=["blocks.1.*"])
