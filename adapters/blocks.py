@@ -19,6 +19,7 @@ compiled graph (inductor fuses these passes itself), or CPU autocast. Patch opti
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Optional
 
@@ -32,9 +33,17 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_WIDTH = 16384  # kernels.residual.MAX_WIDTH (that module imports Triton)
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_serves(device_type: str) -> bool:
+    return triton_serves(device_type)  # (the environment it reads is fixed once Triton is imported)
+
+
 def _scale(ls: nn.Module) -> Optional[torch.Tensor]:
     """A LayerScale's gamma (None for Identity)."""
-    return None if isinstance(ls, nn.Identity) else ls.gamma
+    if isinstance(ls, nn.Identity):
+        return None
+    g = ls._parameters.get("gamma")
+    return g if g is not None else ls.gamma
 
 
 def _layer_scale(ls: nn.Module, width: int) -> bool:
@@ -65,7 +74,7 @@ def _feeds_linear(module: nn.Module, attention: bool) -> bool:
     package, or an MLP whose ``fc1`` is an ``nn.Linear``; and no hooks that would see the input."""
     if hooked(module):
         return False
-    return is_patched(module) if attention else type(getattr(module, "fc1", None)) is nn.Linear
+    return is_patched(module) if attention else type(module._modules.get("fc1")) is nn.Linear
 
 
 class PreNormBlock(Adapter):
@@ -109,32 +118,34 @@ class PreNormBlock(Adapter):
 
     @staticmethod
     def why_not(block, x: torch.Tensor) -> Optional[str]:
-        """Why this call must run the block's own forward (None: the fused passes serve it)."""
+        """Why this call must run the block's own forward (None: the fused passes serve it). (Runs
+        on every call: submodules and parameters are read from the module's dicts, not through
+        nn.Module's attribute lookup.)"""
         if torch.compiler.is_compiling():
             return "compiled (inductor fuses the residual passes itself)"
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in block.parameters())):
             return "autograd records the call (the fused passes have no backward)"
-        if not (_inert(block.drop_path1) and _inert(block.drop_path2)):
+        mods = block._modules
+        n1, ls1, d1, n2, ls2, d2 = parts = (mods["norm1"], mods["ls1"], mods["drop_path1"], mods["norm2"],
+                                            mods["ls2"], mods["drop_path2"])
+        if not (_inert(d1) and _inert(d2)) or (block.training and block.__dict__.get("sample_drop_ratio", 0.0) > 0):
             return "drop-path in training"
-        if getattr(block, "training", False) and getattr(block, "sample_drop_ratio", 0.0) > 0:
-            return "drop-path in training"
-        if getattr(block.norm1, "_fast_norm", False) or getattr(block.norm2, "_fast_norm", False):
+        if n1.__dict__.get("_fast_norm", False) or n2.__dict__.get("_fast_norm", False):
             return "timm's fast norm"
-        if any(hooked(m, global_hooks=False) or "forward" in m.__dict__
-               for m in (block.norm1, block.ls1, block.drop_path1, block.norm2, block.ls2, block.drop_path2)):
-            return "hooks or a replaced forward on a norm, LayerScale or drop-path"
+        for m in parts:
+            if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
+                return "hooks or a replaced forward on a norm, LayerScale or drop-path"
         if hooked(None):
             return "global module hooks (they would see the norms' calls)"
-        if not triton_serves(x.device.type):
+        if not _triton_serves(x.device.type):
             return f"tensors on {x.device.type} without the Triton kernels there"
         if x.device.type != "cuda" and autocast_dtype(x.device.type) is not None:
             return "CPU autocast"
-        if x.dtype not in _DTYPES or x.shape[-1] != block.norm1.normalized_shape[0]:
+        if x.dtype not in _DTYPES or x.shape[-1] != n1.normalized_shape[0]:
             return f"input {x.dtype} [..., {x.shape[-1]}]"
-        n1, n2 = block.norm1, block.norm2
-        params = (n1.weight, n1.bias, n2.weight, n2.bias, _scale(block.ls1), _scale(block.ls2))
-        if any(p is not None and (p.dtype not in _DTYPES or p.device != x.device) for p in params):
-            return "norm or LayerScale parameters of a dtype or device the kernel does not take"
+        for p in (*n1._parameters.values(), *n2._parameters.values(), _scale(ls1), _scale(ls2)):
+            if p is not None and (p.dtype not in _DTYPES or p.device != x.device):
+                return "norm or LayerScale parameters of a dtype or device the kernel does not take"
         return None
 
     def forward(self, block, state: PatchState, x, *args, **kwargs):
@@ -161,7 +172,8 @@ def serves(block: nn.Module, x: torch.Tensor) -> bool:
 
 def _branch(y, x: torch.Tensor) -> bool:
     """Whether a branch output ``y`` is one the kernel adds to ``x``."""
-    return isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype in _DTYPES and y.device == x.device
+    return (isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype in _DTYPES
+            and y.get_device() == x.get_device())
 
 
 def _norm_dtype(r_dtype: torch.dtype, consumer: nn.Module, attention: bool, device_type: str) -> torch.dtype:
@@ -177,18 +189,20 @@ def pre_norm(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """norm1(x) as the patched block forms it (rows of x independent: any token slice of x gives
     the same rows)."""
     from ..kernels.residual import residual_norm
-    return residual_norm(x, None, None, block.norm1, _norm_dtype(x.dtype, block.attn, True, x.device.type))[1]
+    mods = block._modules
+    return residual_norm(x, None, None, mods["norm1"], _norm_dtype(x.dtype, mods["attn"], True, x.device.type))[1]
 
 
 def attention_residual(block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + ls1(y), norm2 of it) for the attention output y, as the patched block forms them."""
     from ..kernels.residual import residual_dtype, residual_norm
-    g = _scale(block.ls1)
-    return residual_norm(x, y, g, block.norm2,
-                         _norm_dtype(residual_dtype(x, y, g), block.mlp, False, x.device.type))
+    mods = block._modules
+    g = _scale(mods["ls1"])
+    return residual_norm(x, y, g, mods["norm2"], _norm_dtype(residual_dtype(x, y, g), mods["mlp"], False,
+                                                              x.device.type))
 
 
 def mlp_residual(block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x + ls2(y) for the MLP output y, as the patched block forms it."""
     from ..kernels.residual import residual_norm
-    return residual_norm(x, y, _scale(block.ls2))[0]
+    return residual_norm(x, y, _scale(block._modules["ls2"]))[0]

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .common import cast
-from .launch import INTERPRET, cdiv, launch
+from .launch import INTERPRET, Launch, prepared
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_WIDTH = 16384  # the widest row one program holds in registers
@@ -75,7 +75,10 @@ def _residual_norm_kernel(
 
 
 def _rows(t: torch.Tensor, C: int) -> torch.Tensor:
-    """t [..., C] as [M, C] rows with a unit column stride (a view where one exists)."""
+    """t [..., C] as rows evenly strided with a unit column stride: t itself when contiguous, else a
+    [M, C] view or copy (which of the two follows from t's shape and strides alone)."""
+    if t.is_contiguous():
+        return t
     t2 = t.reshape(-1, C)
     return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
 
@@ -86,53 +89,68 @@ def residual_dtype(x: torch.Tensor, y: torch.Tensor, gamma: Optional[torch.Tenso
     return torch.promote_types(x.dtype, p)
 
 
+def _spec(t: Optional[torch.Tensor]):
+    """What of a tensor the plan of a call depends on (get_device: −1 on the CPU, else the index)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
 def residual_norm(x: torch.Tensor, y: Optional[torch.Tensor] = None, gamma: Optional[torch.Tensor] = None,
                   norm: Optional[torch.nn.LayerNorm] = None, out_dtype: Optional[torch.dtype] = None,
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """x [..., C]; y like x (the branch output) or None; gamma [C] (LayerScale) or None; norm an
     ``nn.LayerNorm`` over C or None. Returns (r, h): r = x + y·γ in :func:`residual_dtype` (x itself
     when y is None), bitwise equal to PyTorch's, and h = norm(r) in ``out_dtype`` (default r's dtype)
-    or None without a norm. Every tensor on one device, in :data:`DTYPES`; C ≤ :data:`MAX_WIDTH`."""
-    C = x.shape[-1]
-    tensors = [t for t in (x, y, gamma) if t is not None]
+    or None without a norm. Every tensor on one device, in :data:`DTYPES`; C ≤ :data:`MAX_WIDTH`.
+
+    A call is checked and its launch planned once per signature (shapes, strides, dtypes, devices,
+    eps): a block calls this three times per token batch, and host time is what small batches
+    spend (see launch.prepared)."""
+    w = b = None
+    eps = 0.0
     if norm is not None:
-        tensors += [t for t in (norm.weight, norm.bias) if t is not None]
-        if tuple(norm.normalized_shape) != (C,):
-            raise ValueError(f"residual_norm: the LayerNorm normalizes {tuple(norm.normalized_shape)}, not the "
-                             f"last dimension {C} of x")
+        w, b, eps = norm._parameters.get("weight"), norm._parameters.get("bias"), norm.eps
+    key = ("residual_norm", _spec(x), _spec(y), _spec(gamma), _spec(w), _spec(b),
+           None if norm is None else (tuple(norm.normalized_shape), eps), out_dtype)
+    r_dtype, h_dtype, run = prepared(key, _plan, x, y, gamma, norm, w, b, out_dtype)
+    r = x if y is None else torch.empty(x.shape, dtype=r_dtype, device=x.device)
+    h = None if norm is None else torch.empty(x.shape, dtype=h_dtype, device=x.device)
+    if run is not None:
+        C = x.shape[-1]
+        x2 = _rows(x, C)
+        y2 = _rows(y, C) if y is not None else x2
+        run(x2, y2, gamma if gamma is not None else x2, w if w is not None else x2, b if b is not None else x2,
+            r if y is not None else x2, h if h is not None else x2)
+    return r, h
+
+
+def _plan(x, y, gamma, norm, w, b, out_dtype):
+    """The checks of one call signature, and its launch: (r's dtype, h's dtype, a launch.Launch of
+    the kernel taking (x, y, gamma, weight, bias, r, h) as rows, or None when there is nothing to do)."""
+    C = x.shape[-1] if x.dim() else 0
     if y is not None and y.shape != x.shape:
         raise ValueError(f"residual_norm: y {tuple(y.shape)} must have x's shape {tuple(x.shape)}")
-    if gamma is not None and tuple(gamma.shape) != (C,):
+    if gamma is not None and gamma.shape != (C,):
         raise ValueError(f"residual_norm: gamma must be [{C}], got {tuple(gamma.shape)}")
-    if any(t.dtype not in DTYPES for t in tensors) or (out_dtype is not None and out_dtype not in DTYPES):
-        raise ValueError(f"residual_norm: dtypes must be among {DTYPES}")
-    if any(t.device != x.device for t in tensors):
-        raise ValueError("residual_norm: every tensor must be on x's device")
-    if not 0 < C <= MAX_WIDTH:
-        raise ValueError(f"residual_norm: rows of 1 to {MAX_WIDTH} features, got {C}")
-    x2 = _rows(x, C)
-    M = x2.shape[0]
-    r2 = x2
-    if y is not None:
-        r2 = torch.empty((M, C), dtype=residual_dtype(x, y, gamma), device=x.device)
-    h2 = None
-    if norm is not None:
-        h2 = torch.empty((M, C), dtype=out_dtype or r2.dtype, device=x.device)
-    r = r2.view(x.shape) if y is not None else x
-    h = h2.view(x.shape) if h2 is not None else None
+    if norm is not None and tuple(norm.normalized_shape) != (C,):
+        raise ValueError(f"residual_norm: the LayerNorm normalizes {tuple(norm.normalized_shape)}, not the "
+                         f"last dimension {C} of x")
+    for t in (x, y, gamma, w, b):
+        if t is not None and (t.dtype not in DTYPES or t.device != x.device):
+            raise ValueError(f"residual_norm: every tensor must be on x's device, with dtypes among {DTYPES}")
+    if not 0 < C <= MAX_WIDTH or (out_dtype is not None and out_dtype not in DTYPES):
+        raise ValueError(f"residual_norm: rows of 1 to {MAX_WIDTH} features and output dtypes among {DTYPES}")
+    r_dtype = x.dtype if y is None else residual_dtype(x, y, gamma)
+    h_dtype = None if norm is None else out_dtype or r_dtype
+    M = x.numel() // C
     if M == 0 or (y is None and norm is None):
-        return r, h
-    y2 = _rows(y, C) if y is not None else x2
-    block_c = triton.next_power_of_2(C)
+        return r_dtype, h_dtype, None
+    row_stride = [_rows(t, C).stride(-2) if t.dim() > 1 else C for t in (x, y if y is not None else x)]
+    block_c = 1 << (C - 1).bit_length()
     rows = 4 if INTERPRET else max(1, 4096 // block_c)
-    w = norm.weight if norm is not None else None
-    b = norm.bias if norm is not None else None
-    p_dtype = torch.promote_types(y.dtype, gamma.dtype) if y is not None and gamma is not None else torch.float32
-    launch(_residual_norm_kernel, (cdiv(M, rows),),
-           x2, y2, gamma if gamma is not None else x2, w if w is not None else x2, b if b is not None else x2,
-           r2, h2 if h2 is not None else x2, M, C, x2.stride(0), y2.stride(0), r2.stride(0),
-           h2.stride(0) if h2 is not None else 0, float(norm.eps) if norm is not None else 0.0,
-           ADD=y is not None, SCALE=gamma is not None, P_ROUND=_ROUND[p_dtype], NORM=norm is not None,
-           HAS_W=w is not None, HAS_B=b is not None, BLOCK_C=block_c, ROWS=rows,
-           num_warps=4 if block_c <= 2048 else 8, enable_fp_fusion=False)
-    return r, h
+    p_round = _ROUND[torch.promote_types(y.dtype, gamma.dtype)] if y is not None and gamma is not None else 0
+    eps = float(norm.eps) if norm is not None else 0.0
+    run = Launch(_residual_norm_kernel, (-(-M // rows),), (M, C, *row_stride, C, C, eps),
+                 dict(ADD=y is not None, SCALE=gamma is not None, P_ROUND=p_round, NORM=norm is not None,
+                      HAS_W=w is not None, HAS_B=b is not None, BLOCK_C=block_c, ROWS=rows,
+                      num_warps=4 if block_c <= 2048 else 8, enable_fp_fusion=False))
+    return r_dtype, h_dtype, run
