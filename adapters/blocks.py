@@ -9,8 +9,10 @@ second residual. The residual stream is bitwise the block's own; the LayerNorm o
 float32 rounding. Under CUDA autocast a LayerNorm output that feeds only linear layers, which
 autocast casts anyway, is written in the autocast dtype directly.
 
-It serves a call only where nothing can tell the difference, and delegates to the block's own
-forward otherwise (counted in ``module._elsa.delegated``): autograd recording the call (training,
+It serves a call only where nothing can tell the difference and the residual stream has at least
+:data:`MIN_ELEMENTS` elements (smaller calls are paced by the host, where the block's own ops cost
+less), and delegates to the block's own forward otherwise (counted in ``module._elsa.delegated``):
+a small call, autograd recording the call (training,
 or parameters that require grad outside ``torch.no_grad``), a module in training mode with an
 active drop-path, hooks on the norms, the LayerScales or the drop-paths (which this forward does
 not call), tensors on a device without the kernels, dtypes or widths the kernel does not take, a
@@ -30,6 +32,11 @@ from ..dispatch import autocast_dtype, triton_serves
 from .registry import Adapter, PatchState, check_flag, hooked, is_patched
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Below this many residual-stream elements a block call is paced by the host, not the GPU: the three
+# fused launches then cost more host time than the block's own ops (a few tens of microseconds a
+# block), and the GPU time they save is smaller (ViT-B at batch 1–8). Above it (ViT-B from batch 32,
+# VGGT from four frames) the passes they replace take longer on the GPU than that host time.
+MIN_ELEMENTS = 1 << 22
 _MAX_WIDTH = 16384  # kernels.residual.MAX_WIDTH (that module imports Triton)
 
 
@@ -141,6 +148,8 @@ class PreNormBlock(Adapter):
             return f"tensors on {x.device.type} without the Triton kernels there"
         if x.device.type != "cuda" and autocast_dtype(x.device.type) is not None:
             return "CPU autocast"
+        if x.numel() < MIN_ELEMENTS:
+            return "a small residual stream (host time paces the call: the block's own ops cost less of it)"
         if x.dtype not in _DTYPES or x.shape[-1] != n1.normalized_shape[0]:
             return f"input {x.dtype} [..., {x.shape[-1]}]"
         for p in (*n1._parameters.values(), *n2._parameters.values(), _scale(ls1), _scale(ls2)):

@@ -31,3 +31,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def fused_blocks_at_every_size(monkeypatch):
+    """The blocks' fused residual passes serve test-sized calls too (outside tests a call under
+    blocks.MIN_ELEMENTS goes to the block's own ops, which cost less host time there)."""
+    from elsa_vision.adapters import blocks
+    monkeypatch.setattr(blocks, "MIN_ELEMENTS", 0)

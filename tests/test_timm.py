@@ -589,6 +589,19 @@ def test_vit_blocks_delegate_what_the_fused_passes_cannot_show():
     elsa_vision.unpatch(m)
 
 
+def test_vit_blocks_leave_small_calls_to_their_own_ops(monkeypatch):
+    """Under blocks.MIN_ELEMENTS residual-stream elements a call is the block's own (host-paced calls)."""
+    from elsa_vision.adapters import blocks
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1).eval()
+    elsa_vision.patch(m)
+    monkeypatch.setattr(blocks, "MIN_ELEMENTS", 5 * 192 * 2)  # 5 tokens × 192 features: two images
+    with torch.no_grad():
+        m(_img(1, 32)), m(_img(2, 32))
+    state = m.blocks[0]._elsa
+    assert state.calls == 2 and state.delegated == 1 and "small residual stream" in next(iter(state.delegate_reasons))
+    elsa_vision.unpatch(m)
+
+
 def test_include_exclude_and_report():
     m = _tiny_vit()
     rep = elsa_vision.patch(m, exclude=["blocks.1.*"])
