@@ -146,7 +146,8 @@ def _plan(x, y, gamma, norm, w, b, out_dtype):
         return r_dtype, h_dtype, None
     row_stride = [_rows(t, C).stride(-2) if t.dim() > 1 else C for t in (x, y if y is not None else x)]
     block_c = 1 << (C - 1).bit_length()
-    rows = 4 if INTERPRET else max(1, 4096 // block_c)
+    # (the interpreter pays per program: many rows each there)
+    rows = max(1, (65536 if INTERPRET else 4096) // block_c)
     p_round = _ROUND[torch.promote_types(y.dtype, gamma.dtype)] if y is not None and gamma is not None else 0
     eps = float(norm.eps) if norm is not None else 0.0
     run = Launch(_residual_norm_kernel, (-(-M // rows),), (M, C, *row_stride, C, C, eps),

@@ -58,8 +58,9 @@ def _run_cases(device, shapes):
 
 
 def test_residual_norm_cpu():
-    # widths: a power of two, one between (masked columns), one narrow; rows not a multiple of the block
-    _run_cases("cpu", [(3, 5, 64), (2, 7, 96), (9, 24)])
+    # widths: a power of two, one between (masked columns), one narrow; rows not a multiple of the
+    # block, and (at 1024 features) more rows than one program takes
+    _run_cases("cpu", [(3, 5, 64), (2, 7, 96), (9, 24), (2, 70, 1024)])
 
 
 def test_residual_norm_layouts_and_magnitudes():
