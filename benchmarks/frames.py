@@ -67,6 +67,7 @@ VARIANTS = {  # name → patch options (None = unpatched); order = run order (re
     "elsa": {},
     "elsa-nofuse": {"fuse_residual": False},  # the blocks' own residual adds and norms around ELSA
     "elsa-lean": {"lean_memory": True},
+    "elsa-lean-nofuse": {"lean_memory": True, "fuse_residual": False},
     "elsa-merge": {"token_merging": True},
     "elsa-merge-fast": {"token_merging": "fast"},
     "elsa-lean-merge": {"lean_memory": True, "token_merging": True},
@@ -85,7 +86,8 @@ FORK_VARIANTS = {  # name → (fork merging on?, patched?)
     "fastvggt-nomerge-elsa": (False, True),
     "fastvggt-elsa": (True, True),
 }
-REFERENCE = {"elsa": "native", "elsa-nofuse": "native", "elsa-lean": "elsa", "elsa-merge": "elsa",
+REFERENCE = {"elsa": "native", "elsa-nofuse": "native", "elsa-lean": "elsa", "elsa-lean-nofuse": "elsa-lean",
+             "elsa-merge": "elsa",
              "elsa-lean-merge": "elsa-lean",
              "elsa-merge-fast": "elsa", "elsa-lean-merge-proj": "elsa-lean", "elsa-lean-merge-reuse": "elsa-lean",
              "elsa-lean-merge-fast": "elsa-lean", "elsa-lean-merge-protect5": "elsa-lean",
@@ -510,8 +512,8 @@ def main():
     p.add_argument("--frames", type=csv_list(int), help="frame counts (default bf16 50,100,200,400; fp32 50,100)")
     p.add_argument("--dtype", type=csv_list(str), default=["fp32", "bf16"], help="fp32,bf16")
     p.add_argument("--parts", type=csv_list(str), default=["aggregator", "full"], help="aggregator,full")
-    p.add_argument("--variants", type=csv_list(str), default=[v for v in VARIANTS if v != "elsa-nofuse"],
-                   help=",".join(VARIANTS) + " (default: all but elsa-nofuse)")
+    p.add_argument("--variants", type=csv_list(str), default=[v for v in VARIANTS if "nofuse" not in v],
+                   help=",".join(VARIANTS) + " (default: all but the *-nofuse A/B variants)")
     p.add_argument("--fork-variants", type=csv_list(str), default=["fastvggt-native", "fastvggt-elsa"],
                    help=",".join(FORK_VARIANTS))
     p.add_argument("--fastvggt", default=None, help="FastVGGT source folder, or 'none' to skip it")
