@@ -33,9 +33,10 @@ def device():
     return DEVICE
 
 
-@pytest.fixture(autouse=True)
-def fused_blocks_at_every_size(monkeypatch):
-    """The blocks' fused residual passes serve test-sized calls too (outside tests a call under
-    blocks.MIN_ELEMENTS goes to the block's own ops, which cost less host time there)."""
+@pytest.fixture
+def fused_blocks(monkeypatch):
+    """The blocks' fused residual passes serve test-sized calls too. Outside tests a call under
+    blocks.MIN_ELEMENTS goes to the block's own ops (they cost less host time there); the test files
+    that do not ask for this keep that threshold, so their small models run the blocks' own ops."""
     from elsa_vision.adapters import blocks
     monkeypatch.setattr(blocks, "MIN_ELEMENTS", 0)

@@ -34,6 +34,10 @@ ATTN_CLASSES = (Attention, AttentionRope, EvaAttention, swin1.WindowAttention, s
 BLOCK_CLASSES = (swin1.SwinTransformerBlock, swin2.SwinTransformerV2Block, vit.Block)
 
 
+# the blocks' fused residual passes serve this file's test-sized calls too (see conftest.fused_blocks)
+pytestmark = pytest.mark.usefixtures("fused_blocks")
+
+
 # --------------------------------------------------------------------------------------------
 # helpers
 

@@ -39,6 +39,10 @@ HAS_VGGT = importlib.util.find_spec("vggt") is not None and importlib.util.find_
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# the blocks' fused residual passes serve this file's test-sized calls too (see conftest.fused_blocks)
+pytestmark = pytest.mark.usefixtures("fused_blocks")
+
+
 @pytest.fixture(scope="module")
 def standin():
     remove = A.register_classes(**V.CLASSES)
