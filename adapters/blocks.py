@@ -29,15 +29,14 @@ import torch
 from torch import nn
 
 from ..dispatch import autocast_dtype, triton_serves
+from ..kernels.limits import RESIDUAL_DTYPES, RESIDUAL_MAX_WIDTH
 from .registry import Adapter, PatchState, check_flag, hooked, is_patched
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Below this many residual-stream elements a block call is paced by the host, not the GPU: the three
 # fused launches then cost more host time than the block's own ops (a few tens of microseconds a
 # block), and the GPU time they save is smaller (ViT-B at batch 1–8). Above it (ViT-B from batch 32,
 # VGGT from four frames) the passes they replace take longer on the GPU than that host time.
 MIN_ELEMENTS = 1 << 22
-_MAX_WIDTH = 16384  # kernels.residual.MAX_WIDTH (that module imports Triton)
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,9 +111,9 @@ class PreNormBlock(Adapter):
             if not _layer_norm(norm):
                 return f"{name} is not an nn.LayerNorm over the last dimension (timm's: without fast norm)"
         width = module.norm1.normalized_shape[0]
-        if module.norm2.normalized_shape[0] != width or not 0 < width <= _MAX_WIDTH:
+        if module.norm2.normalized_shape[0] != width or not 0 < width <= RESIDUAL_MAX_WIDTH:
             return (f"norms of {width} and {module.norm2.normalized_shape[0]} features "
-                    f"(the kernel takes equal widths of 1 to {_MAX_WIDTH})")
+                    f"(the kernel takes equal widths of 1 to {RESIDUAL_MAX_WIDTH})")
         for name in ("ls1", "ls2"):
             if not _layer_scale(getattr(module, name), width):
                 return f"{name} is neither Identity nor a LayerScale of [{width}]"
@@ -150,10 +149,10 @@ class PreNormBlock(Adapter):
             return "CPU autocast"
         if x.numel() < MIN_ELEMENTS:
             return "a small residual stream (host time paces the call: the block's own ops cost less of it)"
-        if x.dtype not in _DTYPES or x.shape[-1] != n1.normalized_shape[0]:
+        if x.dtype not in RESIDUAL_DTYPES or x.shape[-1] != n1.normalized_shape[0]:
             return f"input {x.dtype} [..., {x.shape[-1]}]"
         for p in (*n1._parameters.values(), *n2._parameters.values(), _scale(ls1), _scale(ls2)):
-            if p is not None and (p.dtype not in _DTYPES or p.device != x.device):
+            if p is not None and (p.dtype not in RESIDUAL_DTYPES or p.device != x.device):
                 return "norm or LayerScale parameters of a dtype or device the kernel does not take"
         return None
 
@@ -181,7 +180,7 @@ def serves(block: nn.Module, x: torch.Tensor) -> bool:
 
 def _branch(y, x: torch.Tensor) -> bool:
     """Whether a branch output ``y`` is one the kernel adds to ``x``."""
-    return (isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype in _DTYPES
+    return (isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype in RESIDUAL_DTYPES
             and y.get_device() == x.get_device())
 
 

@@ -1,9 +1,12 @@
 """What the Triton kernel families accept, declared without importing Triton: the dispatcher's
 capability table reads these, so a call is refused (or sent to another backend) with its reason
 before any kernel module is loaded, and a machine without Triton can still say why."""
+import torch
 
 HEAD_DIMS = (16, 256)          # attention: head dims padded to a power of two inside the tile
 WINDOW_HEAD_DIMS = (16, 128)   # window attention: its per-window tiles hold q, k, v of a whole window
 MAX_WINDOW_TOKENS = 256        # window attention: tokens per window
 WINDOW_BLOCKS = (64, 128, 256)  # window attention: the key tiles a call may ask for
+RESIDUAL_MAX_WIDTH = 16384     # residual passes: the widest row one program holds in registers
+RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # residual passes: tensor dtypes
 MAX_GRID_YZ = 65535            # CUDA's limit on a launch grid's 2nd and 3rd axes (attention puts batch·heads on the 2nd)

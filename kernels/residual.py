@@ -26,9 +26,10 @@ import triton.language as tl
 
 from .common import cast
 from .launch import INTERPRET, Launch, prepared
+from .limits import RESIDUAL_DTYPES, RESIDUAL_MAX_WIDTH
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_WIDTH = 16384  # the widest row one program holds in registers
+DTYPES = RESIDUAL_DTYPES
+MAX_WIDTH = RESIDUAL_MAX_WIDTH
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
