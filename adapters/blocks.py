@@ -129,6 +129,8 @@ class PreNormBlock(Adapter):
         nn.Module's attribute lookup.)"""
         if torch.compiler.is_compiling():
             return "compiled (inductor fuses the residual passes itself)"
+        if not isinstance(x, torch.Tensor):
+            return f"input of type {type(x).__name__} (DINOv2's blocks take lists of tensors through xFormers)"
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in block.parameters())):
             return "autograd records the call (the fused passes have no backward)"
         mods = block._modules

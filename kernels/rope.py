@@ -4,17 +4,22 @@ VGGT's attention forms q and k as qkv → per-head LayerNorm over the head dim �
 half of the head dim rotates with the token's y position, the second half with x). In PyTorch that
 is a copy of each strided q/k slice, a LayerNorm over rows of 64 (a launch configuration made for
 long rows, a large share of a long VGGT call), then a dozen float32 elementwise passes.
-Here one program normalizes and rotates a block of tokens of one head, in float32 registers, and
-writes q or k once, in the dtype attention will read (the autocast dtype under autocast).
+Here one launch forms both q and k: a program takes a block of tokens, reads their positions and
+gathers their cos/sin rows once, then runs over every head of q and of k — normalizing and rotating
+in float32 registers, and writing each once, in the dtype attention will read (the autocast dtype
+under autocast).
+
+Layout: a head's D values are held as two [tokens, 2, D/4] tiles, the first and second quarter of
+each half (y, x), so that the rotation x·cos + rotate_half(x)·sin pairs elements of the two tiles
+at the same index — contiguous loads and stores, no permuted re-read of the row.
 
 Arithmetic: the LayerNorm of PyTorch (biased variance, rstd = 1/sqrt(var + eps), then weight and
-bias) and the rotation x·cos + rotate(x)·sin with the module's own cos/sin tables, all in float32;
-the sums of the mean and variance run in another order than PyTorch's, so results agree to float32
-rounding, not bitwise.
+bias) and the rotation with the module's own cos/sin tables, all in float32; the sums of the mean
+and variance run in another order than PyTorch's, so results agree to float32 rounding, not bitwise.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -23,104 +28,153 @@ import triton.language as tl
 from .launch import INTERPRET, cdiv, launch
 from .ops import register
 
+# tokens per program (heads and parts loop inside it: positions and cos/sin rows are read once per token)
+BLOCK_T = 32
+NUM_WARPS = 4
+
+
+@triton.jit
+def _normed_rotated(X, W, Bias, row, idx, cos_a, sin_a, cos_b, sin_b, ok, eps,
+                    D: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                    ROPE: tl.constexpr):
+    """One head of one part for a block of tokens: (a, b), the first and second quarters of each
+    half [T, 2, D/4], normalized and rotated, in float32."""
+    QUART: tl.constexpr = D // 4
+    a = tl.load(X + row + idx, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(X + row + idx + QUART, mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        mean = tl.sum(tl.sum(a + b, axis=2), axis=1) / D
+        a = a - mean[:, None, None]
+        b = b - mean[:, None, None]
+        var = tl.sum(tl.sum(a * a + b * b, axis=2), axis=1) / D
+        rstd = (1.0 / tl.sqrt(var + eps))[:, None, None]
+        a = a * rstd
+        b = b * rstd
+        if HAS_W:
+            a = a * tl.load(W + idx).to(tl.float32)
+            b = b * tl.load(W + idx + QUART).to(tl.float32)
+        if HAS_B:
+            a = a + tl.load(Bias + idx).to(tl.float32)
+            b = b + tl.load(Bias + idx + QUART).to(tl.float32)
+    if ROPE:  # x·cos + rotate_half(x)·sin, rotate_half([a, b]) = [−b, a] within each half
+        a, b = a * cos_a - b * sin_a, b * cos_b + a * sin_b
+    return a, b
+
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    X, Pos, W, Bias, Cos, Sin, Out,
-    n_tok, H, eps,
+    X, Pos, W0, B0, W1, B1, Cos, Sin, Out0, Out1,
+    n_tok, H, eps0, eps1,
     stride_xb, stride_xn, stride_pb, stride_pn, stride_ob, stride_on, stride_oh,
-    D: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    D: tl.constexpr, PARTS: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    eps = tl.cast(eps, tl.float32)  # inductor passes float64
-    bh = tl.program_id(0)  # (batch·heads on the grid's 1st axis: CUDA caps the 2nd at 65535)
-    pid_t = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    eps0 = tl.cast(eps0, tl.float32)  # inductor passes float64
+    eps1 = tl.cast(eps1, tl.float32)
+    n_blocks = tl.cdiv(n_tok, BLOCK_T)
+    pid = tl.program_id(0)  # (one axis: CUDA caps the others at 65535, below long videos' B or n / BLOCK_T)
+    b = pid // n_blocks
+    pid_t = pid % n_blocks
     HALF: tl.constexpr = D // 2
     QUART: tl.constexpr = D // 4
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, D)
-    # rotation partner within each half: r[i] = −x[i + D/4] for i < D/4, x[i − D/4] after
-    half = cols // HALF
-    i = cols % HALF
-    perm = (i + QUART) % HALF + half * HALF
-    ok = (t < n_tok)[:, None]
-    row = X + b.to(tl.int64) * stride_xb + t[:, None].to(tl.int64) * stride_xn + h * D
-    x = tl.load(row + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    xr = x
-    if ROPE:
-        xr = tl.load(row + perm[None, :], mask=ok, other=0.0).to(tl.float32)
-    if NORM:
-        mean = tl.sum(x, axis=1) / D
-        xc = x - mean[:, None]
-        var = tl.sum(xc * xc, axis=1) / D
-        rstd = 1.0 / tl.sqrt(var + eps)
-        x = xc * rstd[:, None]
-        xr = (xr - mean[:, None]) * rstd[:, None]
-        if HAS_W:
-            x = x * tl.load(W + cols).to(tl.float32)[None, :]
-            xr = xr * tl.load(W + perm).to(tl.float32)[None, :]
-        if HAS_B:
-            x = x + tl.load(Bias + cols).to(tl.float32)[None, :]
-            xr = xr + tl.load(Bias + perm).to(tl.float32)[None, :]
-    if ROPE:
-        xr = tl.where((i < QUART)[None, :], -xr, xr)
-        p = tl.load(Pos + b.to(tl.int64) * stride_pb + t[:, None].to(tl.int64) * stride_pn + half[None, :],
+    half = tl.arange(0, 2)
+    i = tl.arange(0, QUART)
+    t3 = t[:, None, None]
+    ok = t3 < n_tok
+    idx = half[None, :, None] * HALF + i[None, None, :]  # [1, 2, D/4]: column of each element of a
+    cos_a = tl.zeros([BLOCK_T, 2, QUART], dtype=tl.float32)  # (unused without ROPE)
+    sin_a = cos_a
+    cos_b = cos_a
+    sin_b = cos_a
+    if ROPE:  # the token's y (first half) and x (second half) rows of the tables, once for all heads
+        p = tl.load(Pos + b.to(tl.int64) * stride_pb + t3.to(tl.int64) * stride_pn + half[None, :, None],
                     mask=ok, other=0)
-        tab = p * HALF + i[None, :]
-        x = x * tl.load(Cos + tab, mask=ok, other=0.0) + xr * tl.load(Sin + tab, mask=ok, other=0.0)
-    out = Out + b.to(tl.int64) * stride_ob + t[:, None].to(tl.int64) * stride_on + h * stride_oh + cols[None, :]
-    tl.store(out, x.to(Out.dtype.element_ty), mask=ok)
+        tab = p * HALF + i[None, None, :]
+        cos_a = tl.load(Cos + tab, mask=ok, other=0.0)
+        sin_a = tl.load(Sin + tab, mask=ok, other=0.0)
+        cos_b = tl.load(Cos + tab + QUART, mask=ok, other=0.0)
+        sin_b = tl.load(Sin + tab + QUART, mask=ok, other=0.0)
+    x_row = b.to(tl.int64) * stride_xb + t3.to(tl.int64) * stride_xn
+    o_row = b.to(tl.int64) * stride_ob + t3.to(tl.int64) * stride_on
+    for h in range(H):
+        a, c = _normed_rotated(X, W0, B0, x_row + h * D, idx, cos_a, sin_a, cos_b, sin_b, ok, eps0,
+                               D, NORM, HAS_W, HAS_B, ROPE)
+        o = Out0 + o_row + h * stride_oh + idx
+        tl.store(o, a.to(Out0.dtype.element_ty), mask=ok)
+        tl.store(o + QUART, c.to(Out0.dtype.element_ty), mask=ok)
+        if PARTS == 2:  # k: the next H·D columns of x
+            a, c = _normed_rotated(X, W1, B1, x_row + (H + h) * D, idx, cos_a, sin_a, cos_b, sin_b, ok, eps1,
+                                   D, NORM, HAS_W, HAS_B, ROPE)
+            o = Out1 + o_row + h * stride_oh + idx
+            tl.store(o, a.to(Out1.dtype.element_ty), mask=ok)
+            tl.store(o + QUART, c.to(Out1.dtype.element_ty), mask=ok)
 
 
-def qk_norm_rope(x: torch.Tensor, heads: int, out: torch.Tensor, norm: Optional[torch.nn.Module] = None,
-                 pos: Optional[torch.Tensor] = None, tables: Optional[tuple] = None) -> torch.Tensor:
-    """x [B, n, ≥ heads·D] (the q or k slice of a qkv projection: row stride free, head h at columns
-    h·D … h·D + D − 1, unit column stride) → out [B, n, heads, D] (any strides with a unit last one),
-    normalized by ``norm`` (an nn.LayerNorm over D, or None) and, with ``pos`` [B, n, 2] (integer y, x)
-    and ``tables`` (cos, sin) [P, D/2] float32 (row p: position p), rotated. Returns out."""
+def qk_norm_rope(x: torch.Tensor, heads: int, outs: Sequence[torch.Tensor],
+                 norms: Optional[Sequence[Optional[torch.nn.Module]]] = None, pos: Optional[torch.Tensor] = None,
+                 tables: Optional[tuple] = None) -> Sequence[torch.Tensor]:
+    """x [B, n, ≥ P·heads·D] (q, or q and k, of a qkv projection: row stride free, part j's head h
+    at columns (j·heads + h)·D … + D − 1, unit column stride) → outs (P = 1 or 2 tensors
+    [B, n, heads, D] of one dtype and equal strides, a unit last one), part j normalized by
+    ``norms[j]`` (nn.LayerNorms over D, all with the same affine parameters present, or None: no
+    norm) and, with ``pos`` [B, n, 2] (integer y, x) and ``tables`` (cos, sin) [P', D/2] float32
+    (row p: position p, every position of ``pos`` a row), rotated. Returns outs."""
     B, n = x.shape[:2]
-    D = out.shape[-1]
-    if x.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("qk_norm_rope: x and out need a unit last stride")
-    if out.shape != (B, n, heads, D) or x.shape[-1] < heads * D:
-        raise ValueError(f"qk_norm_rope: out {tuple(out.shape)} does not fit x {tuple(x.shape)} with {heads} heads")
+    outs = tuple(outs)
+    parts = len(outs)
+    if parts not in (1, 2):
+        raise ValueError(f"qk_norm_rope: takes 1 or 2 outputs (q, or q and k), got {parts}")
+    out0 = outs[0]
+    D = out0.shape[-1]
+    if x.stride(-1) != 1 or any(o.stride(-1) != 1 for o in outs):
+        raise ValueError("qk_norm_rope: x and the outputs need a unit last stride")
+    if any(o.shape != (B, n, heads, D) or o.stride() != out0.stride() or o.dtype != out0.dtype for o in outs) \
+            or x.shape[-1] < parts * heads * D:
+        raise ValueError(f"qk_norm_rope: outputs {[tuple(o.shape) for o in outs]} (one dtype and strides) do not "
+                         f"fit x {tuple(x.shape)} with {heads} heads")
     if D & (D - 1) or D < 4:
         raise ValueError(f"qk_norm_rope: head dim must be a power of two ≥ 4, got {D}")
+    norms = tuple(norms) if norms is not None else (None,) * parts
+    if len(norms) != parts or len({(m is None, getattr(m, "weight", None) is None, getattr(m, "bias", None) is None)
+                                   for m in norms}) != 1:
+        raise ValueError("qk_norm_rope: give one norm per output, all None or all with the same affine parameters")
     rope = pos is not None
     if rope and (tables is None or tables[0].shape[1] != D // 2 or tables[0].dtype != torch.float32):
         raise ValueError("qk_norm_rope: rope needs float32 (cos, sin) tables of D/2 columns")
-    w = getattr(norm, "weight", None) if norm is not None else None
-    bias = getattr(norm, "bias", None) if norm is not None else None
     if n == 0 or B == 0:
-        return out
+        return outs
     if rope:
         pos = pos if pos.stride(-1) == 1 else pos.contiguous()
         cos, sin = (t.contiguous() for t in tables)
     else:
         cos = sin = None
-    eps = float(norm.eps) if norm is not None else 0.0
+    w = [getattr(m, "weight", None) for m in norms] + [None]
+    bias = [getattr(m, "bias", None) for m in norms] + [None]
+    eps = [float(m.eps) if m is not None else 0.0 for m in norms] + [0.0]
     run = OP if torch.compiler.is_compiling() else _qk_norm_rope
-    run(x, heads, out, norm is not None, w, bias, eps, pos, cos, sin)
-    return out
+    run(x, heads, out0, outs[1] if parts == 2 else None, norms[0] is not None, w[0], bias[0], w[1], bias[1],
+        eps[0], eps[1], pos, cos, sin)
+    return outs
 
 
-def _qk_norm_rope(x: torch.Tensor, heads: int, out: torch.Tensor, has_norm: bool, weight: Optional[torch.Tensor],
-                  bias: Optional[torch.Tensor], eps: float, pos: Optional[torch.Tensor], cos: Optional[torch.Tensor],
-                  sin: Optional[torch.Tensor]) -> None:
-    """The launch behind :func:`qk_norm_rope` (arguments checked there; writes ``out``)."""
+def _qk_norm_rope(x: torch.Tensor, heads: int, out0: torch.Tensor, out1: Optional[torch.Tensor], has_norm: bool,
+                  w0: Optional[torch.Tensor], b0: Optional[torch.Tensor], w1: Optional[torch.Tensor],
+                  b1: Optional[torch.Tensor], eps0: float, eps1: float, pos: Optional[torch.Tensor],
+                  cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> None:
+    """The launch behind :func:`qk_norm_rope` (arguments checked there; writes ``out0`` and ``out1``)."""
     B, n = x.shape[:2]
-    D = out.shape[-1]
+    D = out0.shape[-1]
     rope = pos is not None
-    block_t = 64 if INTERPRET else max(1, 4096 // D)
-    launch(_qk_norm_rope_kernel, (B * heads, cdiv(n, block_t)),
-           x, pos if rope else x, weight if weight is not None else x, bias if bias is not None else x,
-           cos if rope else x, sin if rope else x, out, n, heads, eps,
+    block_t = 64 if INTERPRET else BLOCK_T
+    launch(_qk_norm_rope_kernel, (cdiv(n, block_t) * B,),
+           x, pos if rope else x, w0 if w0 is not None else x, b0 if b0 is not None else x,
+           w1 if w1 is not None else x, b1 if b1 is not None else x,
+           cos if rope else x, sin if rope else x, out0, out1 if out1 is not None else out0, n, heads, eps0, eps1,
            x.stride(0), x.stride(1), pos.stride(0) if rope else 0, pos.stride(1) if rope else 0,
-           out.stride(0), out.stride(1), out.stride(2),
-           D=D, NORM=has_norm, HAS_W=weight is not None, HAS_B=bias is not None, ROPE=rope,
-           BLOCK_T=block_t, num_warps=4)
+           out0.stride(0), out0.stride(1), out0.stride(2),
+           D=D, PARTS=1 if out1 is None else 2, NORM=has_norm, HAS_W=w0 is not None, HAS_B=b0 is not None,
+           ROPE=rope, BLOCK_T=block_t, num_warps=NUM_WARPS)
 
 
-OP = register("elsa_vision::qk_norm_rope", _qk_norm_rope, mutates=("out",))  # torch.compile's path
+OP = register("elsa_vision::qk_norm_rope", _qk_norm_rope, mutates=("out0", "out1"))  # torch.compile's path

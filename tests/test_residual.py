@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import DEVICE
 from elsa_vision.kernels.residual import residual_dtype, residual_norm
 from elsa_vision.verify import max_err, tolerance
 
@@ -57,14 +58,14 @@ def _run_cases(device, shapes):
         assert h is None and torch.equal(r, x + (y if gamma is None else y * gamma))
 
 
-def test_residual_norm_cpu():
+def test_residual_norm_small_cases():
     # widths: a power of two, one between (masked columns), one narrow; rows not a multiple of the
-    # block, and (at 1024 features) more rows than one program takes
-    _run_cases("cpu", [(3, 5, 64), (2, 7, 96), (9, 24), (2, 70, 1024)])
+    # block, and (at 1024 features) more rows than one program takes (CPU: the interpreter)
+    _run_cases(DEVICE, [(3, 5, 64), (2, 7, 96), (9, 24), (2, 70, 1024)])
 
 
 def test_residual_norm_layouts_and_magnitudes():
-    x, y, gamma, norm = _case((4, 6, 40), F32, BF16, F32, "cpu")
+    x, y, gamma, norm = _case((4, 6, 40), F32, BF16, F32, DEVICE)
     # strided x and y (a slice along the tokens and a transposed view): the same values
     xs, ys = x.transpose(0, 1), y.transpose(0, 1)
     r, h = residual_norm(xs, ys, gamma, norm, BF16)
@@ -75,7 +76,7 @@ def test_residual_norm_layouts_and_magnitudes():
     r, h = residual_norm(big.float(), y, gamma, norm)
     _check_norm(h, r, norm)
     # no affine parameters
-    plain = torch.nn.LayerNorm(40, elementwise_affine=False)
+    plain = torch.nn.LayerNorm(40, elementwise_affine=False, device=DEVICE)
     r, h = residual_norm(x, y, None, plain, F32)
     assert torch.allclose(h, F.layer_norm(r, (40,), eps=plain.eps), atol=2e-6, rtol=0)
     # empty rows
@@ -84,7 +85,7 @@ def test_residual_norm_layouts_and_magnitudes():
 
 
 def test_residual_norm_refuses_bad_input():
-    x, y, gamma, norm = _case((2, 3, 16), F32, BF16, F32, "cpu")
+    x, y, gamma, norm = _case((2, 3, 16), F32, BF16, F32, DEVICE)
     with pytest.raises(ValueError, match="shape"):
         residual_norm(x, y[:, :2], gamma, norm)
     with pytest.raises(ValueError, match="gamma"):

@@ -19,37 +19,68 @@ def _pos(B, h, w, special=5):
 @pytest.mark.parametrize("D,affine,use_rope", [(64, True, True), (32, True, True), (64, False, True), (64, True, False),
                                                (16, True, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qk_norm_rope_matches_the_modules(D, affine, use_rope, dtype):
+@pytest.mark.parametrize("parts", [1, 2])
+def test_qk_norm_rope_matches_the_modules(D, affine, use_rope, dtype, parts):
     torch.manual_seed(0)
     B, H, h, w = 2, 3, 3, 5
     N = 5 + h * w
     y = torch.randn(B, N, 3 * H * D, device=DEVICE).to(dtype)        # a qkv projection's output
-    norm = torch.nn.LayerNorm(D, elementwise_affine=affine).to(DEVICE)
+    norms = [torch.nn.LayerNorm(D, elementwise_affine=affine, eps=1e-6 * (1 + j)).to(DEVICE) for j in range(2)]
     if affine:
         with torch.no_grad():
-            norm.weight.normal_(1, 0.3)
-            norm.bias.normal_(0, 0.3)
+            for norm in norms:
+                norm.weight.normal_(1, 0.3)
+                norm.bias.normal_(0, 0.3)
     rope, pos = (RotaryPositionEmbedding2D(), _pos(B, h, w)) if use_rope else (None, None)
     tables = rope._compute_frequency_components(D // 2, int(pos.max()) + 1, y.device, torch.float32) if use_rope else None
-    for j in range(2):
-        ref = norm(y.view(B, N, 3, H, D)[:, :, j].float().transpose(1, 2))    # [B, H, N, D], float32 as under autocast
-        if use_rope:
-            ref = rope(ref, pos)
-        out = torch.empty(B, N, H, D, dtype=dtype, device=DEVICE)
-        KR.qk_norm_rope(y[..., j * H * D:], H, out, norm, pos, tables)
-        got = out.transpose(1, 2).float()
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, ref, rtol=0, atol=4e-6)
-        else:  # one rounding of the float32 value to bfloat16 (up to one ulp apart where that value sits on a tie)
-            torch.testing.assert_close(got, ref.to(dtype).float(), rtol=2 ** -7, atol=1e-6)
+    # parts = 2: q and k in one call; parts = 1: each alone (k as the slice starting at its columns)
+    calls = [(y, [0, 1])] if parts == 2 else [(y[..., j * H * D:], [j]) for j in range(2)]
+    for x, js in calls:
+        outs = [torch.empty(B, N, H, D, dtype=dtype, device=DEVICE) for _ in js]
+        KR.qk_norm_rope(x, H, outs, [norms[j] for j in js], pos, tables)
+        for j, out in zip(js, outs):
+            ref = norms[j](y.view(B, N, 3, H, D)[:, :, j].float().transpose(1, 2))  # [B, H, N, D], float32 as under autocast
+            if use_rope:
+                ref = rope(ref, pos)
+            got = out.transpose(1, 2).float()
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, ref, rtol=0, atol=4e-6)
+            else:  # one rounding of the float32 value to bfloat16 (up to one ulp apart where that value sits on a tie)
+                torch.testing.assert_close(got, ref.to(dtype).float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_qk_norm_rope_spans_programs_and_strided_outputs():
+    """Token blocks over several programs and batches (the last one partial), outputs as slices of
+    larger buffers (the chunked path's), no norm."""
+    torch.manual_seed(1)
+    B, H, D, h, w = 3, 2, 16, 9, 15
+    N = 5 + h * w                                                     # 140: three blocks of 64, the last partial
+    y = torch.randn(B, N, 3 * H * D, device=DEVICE)
+    rope, pos = RotaryPositionEmbedding2D(), _pos(B, h, w)
+    tables = rope._compute_frequency_components(D // 2, int(pos.max()) + 1, y.device, torch.float32)
+    bufs = [torch.full((B, N + 7, H, D), float("nan"), device=DEVICE) for _ in range(2)]
+    outs = [b[:, 3:3 + N] for b in bufs]
+    KR.qk_norm_rope(y, H, outs, None, pos, tables)
+    for j, out in enumerate(outs):
+        ref = rope(y.view(B, N, 3, H, D)[:, :, j].transpose(1, 2), pos)
+        torch.testing.assert_close(out.transpose(1, 2), ref, rtol=0, atol=4e-6)
+        assert bufs[j][:, :3].isnan().all() and bufs[j][:, 3 + N:].isnan().all()   # nothing written outside
 
 
 def test_qk_norm_rope_rejects_bad_shapes():
     y = torch.randn(1, 4, 3 * 2 * 12, device=DEVICE)
     with pytest.raises(ValueError, match="power of two"):
-        KR.qk_norm_rope(y, 2, torch.empty(1, 4, 2, 12, device=DEVICE))
-    with pytest.raises(ValueError, match="does not fit"):
-        KR.qk_norm_rope(y, 2, torch.empty(1, 5, 2, 16, device=DEVICE))
+        KR.qk_norm_rope(y, 2, [torch.empty(1, 4, 2, 12, device=DEVICE)])
+    with pytest.raises(ValueError, match="do not fit"):
+        KR.qk_norm_rope(y, 2, [torch.empty(1, 5, 2, 16, device=DEVICE)])
+    y = torch.randn(1, 4, 3 * 2 * 16, device=DEVICE)
+    outs = [torch.empty(1, 4, 2, 16, device=DEVICE) for _ in range(2)]
+    with pytest.raises(ValueError, match="do not fit"):          # q and k of different dtypes
+        KR.qk_norm_rope(y, 2, [outs[0], outs[1].half()])
+    with pytest.raises(ValueError, match="1 or 2 outputs"):
+        KR.qk_norm_rope(y, 2, outs * 2)
+    with pytest.raises(ValueError, match="same affine"):
+        KR.qk_norm_rope(y, 2, outs, [torch.nn.LayerNorm(16), torch.nn.LayerNorm(16, bias=False)])
 
 
 def test_fused_path_is_taken_only_where_it_is_exact():

@@ -97,9 +97,9 @@ def calls(model):
 
 STANDIN_ATTN = {"aggregator.patch_embed.blocks.0.attn", "camera_head.trunk.0.attn",
                 *(f"aggregator.{kind}_blocks.{i}.attn" for kind in ("frame", "global") for i in range(4))}
-# the blocks whose residual stream runs fused in inference (DINOv2's NestedTensorBlock is a subclass: not)
-STANDIN_BLOCKS = {"camera_head.trunk.0", *(f"aggregator.{kind}_blocks.{i}" for kind in ("frame", "global")
-                                            for i in range(4))}
+# the blocks whose residual stream runs fused in inference (DINOv2's NestedTensorBlock, a subclass, included)
+STANDIN_BLOCKS = {"camera_head.trunk.0", "aggregator.patch_embed.blocks.0",
+                  *(f"aggregator.{kind}_blocks.{i}" for kind in ("frame", "global") for i in range(4))}
 
 
 def test_patch_report_and_unpatch_restores_bitwise(standin):
@@ -156,6 +156,10 @@ def test_blocks_fuse_the_residual_stream_in_inference(standin):
     assert state.delegated == 1 and "autograd" in next(iter(state.delegate_reasons))
     with torch.no_grad():
         assert torch.allclose(m(x)["depth"], depth0, rtol=1e-4, atol=1e-5)
+        dino = m.aggregator.patch_embed.blocks[0]
+        with pytest.raises(AssertionError, match="xFormers"):   # a list: DINOv2's nested path, the block's own
+            dino([x.new_zeros(1, 3, 64)])
+        assert any("list" in why for why in dino._elsa.delegate_reasons)
     elsa_vision.unpatch(m)
 
 

@@ -141,8 +141,10 @@ class Block(nn.Module):
 class NestedTensorBlock(Block):
     """DINOv2's block: MemEffAttention, called without positions."""
 
-    def forward(self, x):
-        return super().forward(x)
+    def forward(self, x_or_x_list):
+        if isinstance(x_or_x_list, torch.Tensor):
+            return super().forward(x_or_x_list)
+        raise AssertionError("xFormers is required for using nested tensors")   # (as vggt's without xFormers)
 
 
 class DinoVisionTransformer(nn.Module):
@@ -340,5 +342,5 @@ class VGGT(nn.Module):
         return preds
 
 
-CLASSES = dict(attention=[Attention, MemEffAttention], aggregator=[Aggregator], block=[Block], dpt_head=[DPTHead],
+CLASSES = dict(attention=[Attention, MemEffAttention], aggregator=[Aggregator], block=[Block, NestedTensorBlock], dpt_head=[DPTHead],
                camera_head=[CameraHead])

@@ -28,8 +28,10 @@ def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
     qn, kn, rope = module.q_norm, module.k_norm, module.rope
     norms = [type(m) for m in (qn, kn)]
     if not (norms == [torch.nn.Identity] * 2 or (norms == [torch.nn.LayerNorm] * 2
-                                                 and qn.normalized_shape == kn.normalized_shape == (D,))):
-        return None
+                                                 and qn.normalized_shape == kn.normalized_shape == (D,)
+                                                 and (qn.weight is None) == (kn.weight is None)
+                                                 and (qn.bias is None) == (kn.bias is None))):
+        return None  # (one launch forms q and k: their norms take the same affine parameters)
     if D < 4 or D & (D - 1) or any(hooked(m) for m in (qn, kn, rope)):
         return None
     if rope is None:  # norms only (nothing to fuse without them: q and k stay views of qkv)
@@ -64,8 +66,7 @@ def project_qkv(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None
     def fused(part, n0, n1, bufs):  # q, k of tokens n0:n1 into bufs[0], bufs[1] ([B, N, H, D])
         from ...kernels.rope import qk_norm_rope
         p = pos[:, n0:n1] if tables else None
-        for j in range(2):
-            qk_norm_rope(part[..., j * H * D:], H, bufs[j][:, n0:n1], norms[j], p, tables or None)
+        qk_norm_rope(part, H, (bufs[0][:, n0:n1], bufs[1][:, n0:n1]), norms, p, tables or None)
 
     if chunk is None or B * N <= chunk:
         if prenorm is not None:

@@ -8,14 +8,16 @@ from .common import BLOCK_TARGETS, VGGTAdapter
 
 
 class VGGTBlockAdapter(PreNormBlock, VGGTAdapter):
-    """vggt's ``Block.forward(x, pos=None)`` and the fork's ``(x, pos=None, global_merging=None)``:
-    ``norm1`` → ``attn(·, pos=pos[, global_merging=…])`` → ``x + ls1(·)`` → ``norm2`` → ``mlp`` →
+    """vggt's ``Block.forward(x, pos=None)``, the fork's ``(x, pos=None, global_merging=None)`` and
+    DINOv2's ``NestedTensorBlock.forward(x_or_x_list)`` (the patch embedding's blocks: a tensor runs
+    ``Block.forward(x)``, a list, xFormers' nested path, the block's own forward):
+    ``norm1`` → ``attn(·[, pos=pos, global_merging=…])`` → ``x + ls1(·)`` → ``norm2`` → ``mlp`` →
     ``x + ls2(·)`` in eval mode."""
 
     name = "vggt.Block"
     targets = BLOCK_TARGETS
     extra = "block"
-    signatures = (("x", "pos"), ("x", "pos", "global_merging"))
+    signatures = (("x", "pos"), ("x", "pos", "global_merging"), ("x_or_x_list",))
 
     def attend(self, block, h, *args, **kwargs):
         # the block's forward passes these to attn by keyword (MemEffAttention takes attn_bias second)

@@ -19,7 +19,7 @@ ATTENTION_TARGETS = ("vggt.layers.attention:Attention", "vggt.layers.attention:M
 AGGREGATOR_TARGETS = ("vggt.models.aggregator:Aggregator",)
 
 
-BLOCK_TARGETS = ("vggt.layers.block:Block",)
+BLOCK_TARGETS = ("vggt.layers.block:Block", "vggt.layers.block:NestedTensorBlock")  # (DINOv2's: the patch embedding)
 
 
 DPT_HEAD_TARGETS = ("vggt.heads.dpt_head:DPTHead",)
