@@ -30,7 +30,7 @@ from .ops import register
 
 # tokens per program (heads and parts loop inside it: positions and cos/sin rows are read once per token)
 BLOCK_T = 32
-NUM_WARPS = 4
+NUM_WARPS = 2
 
 
 @triton.jit
