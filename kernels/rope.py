@@ -61,7 +61,7 @@ def _normed_rotated(X, W, Bias, row, idx, cos_a, sin_a, cos_b, sin_b, ok, eps,
     return a, b
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tok"])  # (one compile for every token count: it only masks rows)
 def _qk_norm_rope_kernel(
     X, Pos, W0, B0, W1, B1, Cos, Sin, Out0, Out1,
     n_tok, H, eps0, eps1,
