@@ -1,20 +1,22 @@
-"""Pre-norm transformer blocks in inference: the block's residual stream in fused passes.
+"""Pre-norm transformer blocks: the block's residual stream in fused passes.
 
-timm's ViT ``Block`` and VGGT's ``Block`` compute, in eval mode,
+timm's ViT ``Block`` and VGGT's ``Block`` compute
 ``h = norm1(x); x = x + ls1(attn(h)); h = norm2(x); x = x + ls2(mlp(h))`` (``ls``: LayerScale
-or Identity; the drop-paths are identities there). :class:`PreNormBlock` runs the same with three
+or Identity; the drop-paths identities: eval mode, or a drop rate of 0). :class:`PreNormBlock` runs the same with three
 launches of :func:`elsa_vision.kernels.residual.residual_norm` around the block's own ``attn`` and
 ``mlp`` modules (patched or not): norm1(x); the first residual with norm2 of its result; the
 second residual. The residual stream is bitwise the block's own; the LayerNorm outputs agree to
 float32 rounding. Under CUDA autocast a LayerNorm output that feeds only linear layers, which
 autocast casts anyway, is written in the autocast dtype directly.
 
-It serves a call only where nothing can tell the difference and the residual stream has at least
-:data:`MIN_ELEMENTS` elements (smaller calls are paced by the host, where the block's own ops cost
-less), and delegates to the block's own forward otherwise (counted in ``module._elsa.delegated``):
-a small call, autograd recording the call (training,
-or parameters that require grad outside ``torch.no_grad``), a module in training mode with an
-active drop-path, hooks on the norms, the LayerScales or the drop-paths (which this forward does
+Under autograd (training) the passes with a norm record one backward pass each (kernels/residual.py:
+the LayerNorm's input gradient plus the residual stream's, and the branch's gradient through
+``ls(y)``, in one pass); the last residual is PyTorch's add. It serves a call only where nothing can
+tell the difference and the residual stream has at least :data:`MIN_ELEMENTS` elements
+(:data:`MIN_TRAINING_ELEMENTS` under autograd; smaller calls are paced by the host, where the block's
+own ops cost less), and delegates to the block's own forward otherwise (counted in
+``module._elsa.delegated``): a small call, a module in training mode
+with an active drop-path, hooks on the norms, the LayerScales or the drop-paths (which this forward does
 not call), tensors on a device without the kernels, dtypes or widths the kernel does not take, a
 compiled graph (inductor fuses these passes itself), or CPU autocast. Patch option
 ``fuse_residual=False`` leaves the blocks alone.
@@ -37,6 +39,12 @@ from .registry import Adapter, PatchState, check_flag, hooked, is_patched
 # block), and the GPU time they save is smaller (ViT-B at batch 1–8). Above it (ViT-B from batch 32,
 # VGGT from four frames) the passes they replace take longer on the GPU than that host time.
 MIN_ELEMENTS = 1 << 22
+# The same under autograd: each pass with a norm is then an autograd Function whose Python forward and
+# backward cost far more host time than PyTorch's own LayerNorm and add ops. ViT-S and ViT-B at 224 px,
+# batch 64 (9.7M elements for ViT-B) measured slower through them on an H100 host whose training step
+# is host-paced (ViT-S: 11 ms of kernels in a 36 ms step), ViT-B at 512 px, batch 16 (12.6M) the
+# same; ViT-B at 384 px, batch 64 (28M) 1.14× faster (H200).
+MIN_TRAINING_ELEMENTS = 1 << 24
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,8 +139,6 @@ class PreNormBlock(Adapter):
             return "compiled (inductor fuses the residual passes itself)"
         if not isinstance(x, torch.Tensor):
             return f"input of type {type(x).__name__} (DINOv2's blocks take lists of tensors through xFormers)"
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in block.parameters())):
-            return "autograd records the call (the fused passes have no backward)"
         mods = block._modules
         n1, ls1, d1, n2, ls2, d2 = parts = (mods["norm1"], mods["ls1"], mods["drop_path1"], mods["norm2"],
                                             mods["ls2"], mods["drop_path2"])
@@ -151,6 +157,9 @@ class PreNormBlock(Adapter):
             return "CPU autocast"
         if x.numel() < MIN_ELEMENTS:
             return "a small residual stream (host time paces the call: the block's own ops cost less of it)"
+        if x.numel() < MIN_TRAINING_ELEMENTS and torch.is_grad_enabled() and (
+                x.requires_grad or any(p.requires_grad for p in block.parameters())):
+            return "a small residual stream under autograd (host time paces the step: the block's own ops cost less)"
         if x.dtype not in RESIDUAL_DTYPES or x.shape[-1] != n1.normalized_shape[0]:
             return f"input {x.dtype} [..., {x.shape[-1]}]"
         for p in (*n1._parameters.values(), *n2._parameters.values(), _scale(ls1), _scale(ls2)):

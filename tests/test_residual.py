@@ -104,3 +104,77 @@ def test_residual_norm_gpu():
     r, h = residual_norm(x, y, gamma, norm, BF16)
     assert torch.equal(r, x + y * gamma)
     _check_norm(h, r, norm)
+
+
+def _grad_case(shape, x_dtype, y_dtype, g_dtype, out_dtype, seed=1):
+    """(inputs requiring grad, the LayerNorm, upstream gradients dr, dh) on the test device; a
+    half-precision residual stream takes a norm of its dtype (CUDA's LayerNorm takes no mixed ones)."""
+    x, y, gamma, norm = _case(shape, x_dtype, y_dtype, g_dtype, DEVICE, seed)
+    norm = norm.to(residual_dtype(x, y, gamma))
+    g = torch.Generator().manual_seed(seed + 1)
+    dr = torch.randn(shape, generator=g).to(residual_dtype(x, y, gamma)).to(DEVICE)
+    dh = torch.randn(shape, generator=g).to(out_dtype or residual_dtype(x, y, gamma)).to(DEVICE)
+    leaves = [t.requires_grad_() for t in (x, y, gamma) if t is not None]
+    return x, y, gamma, norm, dr, dh, leaves + list(norm.parameters())
+
+
+def _native(x, y, gamma, norm, out_dtype):
+    r = x + (y if gamma is None else y * gamma)
+    return r, norm(r).to(out_dtype or r.dtype)
+
+
+def _check_grads(what, leaves, norm, fused, native, ups):
+    """Gradients of ``leaves`` and the norm's parameters through ``fused`` (this package's passes)
+    and ``native`` (PyTorch's ops, also run in float64 as the oracle), each taking (leaves, norm) and
+    returning the outputs ``ups`` are the gradients of: the oracle rule for gradients."""
+    n64 = torch.nn.LayerNorm(norm.normalized_shape, eps=norm.eps, dtype=torch.float64, device=DEVICE)
+    n64.load_state_dict({k: v.double() for k, v in norm.state_dict().items()})
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    orc = torch.autograd.grad(native(l64, n64), l64 + list(n64.parameters()), [u.double() for u in ups])
+    ref = torch.autograd.grad(native(leaves, norm), leaves + list(norm.parameters()), ups)
+    got = torch.autograd.grad(fused(leaves, norm), leaves + list(norm.parameters()), ups)
+    for i, (a, n, o) in enumerate(zip(got, ref, orc)):
+        assert a.dtype == n.dtype and a.shape == n.shape, (what, i)
+        unit = max(1.0, o.abs().max().item())
+        tol = tolerance(max_err(n, o) / unit, a.dtype, grad=True) * unit
+        assert max_err(a, o) <= tol, f"{what}, gradient {i}: {max_err(a, o):.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("dtypes", [(F32, F32, F32, None), (F32, BF16, F32, BF16), (F32, BF16, None, BF16),
+                                    (BF16, BF16, BF16, None), (F32, F16, None, F16)])
+def test_residual_norm_backward_within_the_rule(dtypes):
+    """Gradients of x, y, γ and the norm's weight and bias through (r, h), and through h alone (a
+    norm without a residual), within the oracle rule for gradients (float64 oracle, PyTorch's own ops
+    as the native reference)."""
+    xd, yd, gd, out = dtypes
+    for shape in [(3, 5, 64), (2, 70, 96)]:   # (at 96 features the rows are masked; 140 rows: several programs)
+        x, y, gamma, norm, dr, dh, leaves = _grad_case(shape, xd, yd, gd, out)
+        leaves = leaves[:-2]  # (x, y[, γ]); the norm's parameters are added by _check_grads
+
+        def fused(ls, n):
+            return residual_norm(ls[0], ls[1], ls[2] if len(ls) > 2 else None, n, out)
+
+        def native(ls, n):
+            r = ls[0] + (ls[1] * ls[2] if len(ls) > 2 else ls[1])
+            return r, n(r).to(out or r.dtype) if ls[0].dtype != torch.float64 else n(r)
+
+        _check_grads(f"{shape} {dtypes}", leaves, norm, fused, native, (dr, dh))
+    # the norm alone (norm1): h's gradient reaches x, the weight and the bias
+    x, _, _, norm, _, dh, _ = _grad_case((2, 9, 64), xd, yd, gd, out)
+    _check_grads(f"norm alone {dtypes}", [x], norm, lambda ls, n: residual_norm(ls[0], norm=n, out_dtype=out)[1],
+                 lambda ls, n: n(ls[0]).to(out or ls[0].dtype) if ls[0].dtype != torch.float64 else n(ls[0]),
+                 (dh.to(out or x.dtype),))
+
+
+def test_residual_norm_backward_is_deterministic_and_leaves_frozen_inputs():
+    x, y, gamma, norm, dr, dh, leaves = _grad_case((4, 33, 80), F32, BF16, F32, BF16)
+    g1 = torch.autograd.grad(residual_norm(x, y, gamma, norm, BF16), leaves, (dr, dh))
+    g2 = torch.autograd.grad(residual_norm(x, y, gamma, norm, BF16), leaves, (dr, dh))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    norm.requires_grad_(False)   # frozen norm, no γ: only x and y take gradients
+    r, h = residual_norm(x, y, None, norm, BF16)
+    gx, gy = torch.autograd.grad((r, h), (x, y), (dr.to(r.dtype), dh))
+    assert gy.dtype == y.dtype and gx.dtype == x.dtype
+    # the residual alone under autograd: PyTorch's ops, the same bits
+    r, h = residual_norm(x, y, gamma)
+    assert h is None and torch.equal(r, x + y * gamma) and r.requires_grad
