@@ -15,6 +15,11 @@ contraction off (no fused multiply-add), so the new x is bitwise what ``x + ls(y
 LayerNorm is PyTorch's (biased variance, rstd = 1/sqrt(var + eps), then weight and bias) in float32,
 its sums in another order than PyTorch's: it agrees to float32 rounding before the one rounding to
 the output dtype.
+
+Under autograd (training) a call with a norm is an autograd Function (:class:`_Fused`): the forward
+also writes each row's mean and rstd, and the backward is one pass (_norm_bwd_kernel) that forms the
+LayerNorm's input gradient, adds the gradient the residual stream brings, and writes it as x's and,
+through y·γ, as y's gradient; a call without a norm is PyTorch's own add (one pass either way).
 """
 from __future__ import annotations
 
