@@ -208,7 +208,7 @@ class _Fused(torch.autograd.Function):
     def forward(ctx, x, y, gamma, w, b, norm, out_dtype):
         r, h, mean, rstd = _forward(x, y, gamma, norm, w, b, out_dtype, True)
         ctx.save_for_backward(r, y, gamma, w, mean, rstd)
-        ctx.x_dtype = x.dtype
+        ctx.dtypes = (x.dtype, None if b is None else b.dtype)
         return h if y is None else (r, h)
 
     @staticmethod
@@ -218,19 +218,21 @@ class _Fused(torch.autograd.Function):
         if dh is None:
             dh = torch.zeros_like(r)
         need_x, need_y, need_g, need_w, need_b = ctx.needs_input_grad[:5]
-        dx, dy, pw, pb = _backward(r, dh, dr, mean, rstd, w, gamma, y if need_y else None, need_w or need_b)
+        dx, dy, sums = _backward(r, dh, dr, mean, rstd, w, gamma, y if need_y else None, need_w or need_b)
         dgamma = None
         if need_g:  # (x + y·γ)'s γ-gradient, as PyTorch's mul forms it
             p_dtype = torch.promote_types(y.dtype, gamma.dtype)
             dgamma = (dx.to(p_dtype) * y).reshape(-1, y.shape[-1]).sum(0).to(gamma.dtype)
-        dw = pw.sum(0).to(w.dtype) if need_w else None
-        db = pb.sum(0).to(w.dtype if w is not None else pb.dtype) if need_b else None
-        return (dx.to(ctx.x_dtype) if need_x else None, dy, dgamma, dw, db, None, None)
+        x_dtype, b_dtype = ctx.dtypes
+        dw = sums[0].to(w.dtype) if need_w else None
+        db = sums[1].to(b_dtype) if need_b else None
+        return (dx.to(x_dtype) if need_x else None, dy, dgamma, dw, db, None, None)
 
 
 def _backward(r, dh, dr, mean, rstd, w, gamma, y, sums: bool):
-    """(dx, dy, partial weight sums, partial bias sums) of :class:`_Fused` (see _norm_bwd_kernel);
-    dy only for a given y (in y's dtype), the sums [programs, C] only with ``sums``."""
+    """(dx, dy, sums) of :class:`_Fused` (see _norm_bwd_kernel): dy only for a given y (in y's
+    dtype); with ``sums``, the weight's and the bias's gradients [2, C] float32 (the programs'
+    column sums added in their order), else None."""
     C = r.shape[-1]
     M = r.numel() // C
     block_c = 1 << (C - 1).bit_length()
@@ -241,7 +243,8 @@ def _backward(r, dh, dr, mean, rstd, w, gamma, y, sums: bool):
     dr2 = _rows(dr, C) if dr is not None else r2
     dx = torch.empty(r.shape, dtype=r.dtype, device=r.device)
     dy = torch.empty(r.shape, dtype=y.dtype, device=r.device) if y is not None else None
-    pw, pb = (torch.empty((2, programs, C), dtype=torch.float32, device=r.device) if sums else (None, None))
+    parts = torch.empty((2, programs, C), dtype=torch.float32, device=r.device) if sums else None
+    pw, pb = parts if sums else (None, None)
     if M:
         launch(_norm_bwd_kernel, (programs,), r2, dh2, dr2, mean, rstd, w if w is not None else r2,
                gamma if gamma is not None else r2, dx, dy if dy is not None else dx, pw if sums else r2,
@@ -250,8 +253,8 @@ def _backward(r, dh, dr, mean, rstd, w, gamma, y, sums: bool):
                HAS_DR=dr is not None, HAS_W=w is not None, DY_MODE=0 if y is None else (2 if gamma is not None else 1),
                SUMS=sums, BLOCK_C=block_c, ROWS=rows, CHUNKS=chunks, num_warps=4 if block_c <= 2048 else 8)
     elif sums:
-        pw.zero_(), pb.zero_()
-    return dx, dy, pw, pb
+        parts.zero_()
+    return dx, dy, parts.sum(1) if sums else None
 
 
 def _plan(x, y, gamma, norm, w, b, out_dtype, save=False):
