@@ -99,3 +99,24 @@ def test_fused_path_is_taken_only_where_it_is_exact():
     with torch.no_grad():
         assert A._fused_qk(m, x, pos - 2) is None      # negative positions: the module raises, as upstream
         assert A._fused_qk(m, x, pos.float()) is None
+
+
+def test_qk_norm_rope_traces_as_one_op():
+    """Called inside torch.compile (fullgraph, aot_eager), q and k come from the registered op, which
+    writes both outputs (its mutated arguments), with the eager call's values."""
+    torch.manual_seed(2)
+    B, H, D, h, w = 1, 2, 16, 3, 4
+    N = 5 + h * w
+    y = torch.randn(B, N, 3 * H * D, device=DEVICE)
+    rope, pos = RotaryPositionEmbedding2D(), _pos(B, h, w)
+    tables = rope._compute_frequency_components(D // 2, int(pos.max()) + 1, y.device, torch.float32)
+    norms = [torch.nn.LayerNorm(D).to(DEVICE) for _ in range(2)]
+
+    def f(y):
+        outs = [y.new_empty(B, N, H, D) for _ in range(2)]
+        KR.qk_norm_rope(y, H, outs, norms, pos, tables)
+        return outs[0] + 1, outs[1] * 2
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(y)
+    assert all(torch.equal(a, b) for a, b in zip(got, f(y)))
