@@ -146,10 +146,10 @@ class PreNormBlock(Adapter):
             return "drop-path in training"
         if n1.__dict__.get("_fast_norm", False) or n2.__dict__.get("_fast_norm", False):
             return "timm's fast norm"
-        for m in parts:
-            if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
+        for m in parts:  # (backward hooks too: a call autograd records runs the fused passes' backward)
+            if hooked(m, global_hooks=False, backward=True) or "forward" in m.__dict__:
                 return "hooks or a replaced forward on a norm, LayerScale or drop-path"
-        if hooked(None):
+        if hooked(None, backward=True):
             return "global module hooks (they would see the norms' calls)"
         if not _triton_serves(x.device.type):
             return f"tensors on {x.device.type} without the Triton kernels there"

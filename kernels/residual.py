@@ -32,6 +32,7 @@ import triton.language as tl
 from .common import cast
 from .launch import INTERPRET, Launch, launch, prepared
 from .limits import RESIDUAL_DTYPES, RESIDUAL_MAX_WIDTH
+from .ops import check_first_order
 
 DTYPES = RESIDUAL_DTYPES
 MAX_WIDTH = RESIDUAL_MAX_WIDTH
@@ -134,10 +135,11 @@ def _norm_bwd_kernel(
 
 
 def _rows(t: torch.Tensor, C: int) -> torch.Tensor:
-    """t [..., C] as rows evenly strided with a unit column stride: t itself when contiguous, else a
-    [M, C] view or copy (which of the two follows from t's shape and strides alone)."""
-    if t.is_contiguous():
-        return t
+    """t [..., C] as rows evenly strided with a unit column stride: an [M, C] view when contiguous
+    (t itself when 1-D), else such a view or a copy (which of the two follows from t's shape and
+    strides alone)."""
+    if t.is_contiguous():  # (as [M, C]: a contiguous tensor's size-1 dimensions may carry any stride)
+        return t.view(-1, C) if t.dim() > 1 else t
     t2 = t.reshape(-1, C)
     return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
 
@@ -213,6 +215,7 @@ class _Fused(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        check_first_order("residual_norm")  # (the kernel's gradients have no graph: no double backward)
         r, y, gamma, w, mean, rstd = ctx.saved_tensors
         dr, dh = (None, grads[0]) if y is None else grads
         if dh is None:

@@ -178,3 +178,27 @@ def test_residual_norm_backward_is_deterministic_and_leaves_frozen_inputs():
     # the residual alone under autograd: PyTorch's ops, the same bits
     r, h = residual_norm(x, y, gamma)
     assert h is None and torch.equal(r, x + y * gamma) and r.requires_grad
+
+
+def test_residual_norm_rows_of_size_one_dimensions_and_no_double_backward():
+    """A contiguous tensor's size-1 dimensions may carry any stride (a transpose's): rows are read
+    with stride C all the same, forward and backward; differentiating the backward raises."""
+    g = torch.Generator().manual_seed(3)
+    norm = torch.nn.LayerNorm(8).to(DEVICE)
+    x = torch.randn(4, 8, 1, generator=g).to(DEVICE).transpose(1, 2)        # [4, 1, 8], strides (8, 1, 1)
+    assert x.is_contiguous() and x.stride(-2) != 8
+    r, h = residual_norm(x, norm=norm)
+    torch.testing.assert_close(h, norm(x), rtol=1e-5, atol=1e-5)
+    x = x.detach().requires_grad_()
+    w = torch.randn(4, 8, 1, generator=g).to(DEVICE)
+    (residual_norm(x, norm=norm)[1].transpose(1, 2) * w).sum().backward()  # dh: strides (8, 1, 1) again
+    got = [x.grad.clone(), norm.weight.grad.clone()]
+    x.grad = norm.weight.grad = norm.bias.grad = None
+    (norm(x).transpose(1, 2) * w).sum().backward()
+    for a, b in zip(got, [x.grad, norm.weight.grad]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    y = torch.randn(4, 1, 8, generator=g).to(DEVICE).requires_grad_()
+    r, h = residual_norm(x, y, None, norm)
+    (gx,) = torch.autograd.grad(h.sum(), x, create_graph=False)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(residual_norm(x, y, None, norm)[1].square().sum(), y, create_graph=True)

@@ -577,6 +577,10 @@ def test_vit_blocks_delegate_what_the_fused_passes_cannot_show():
     assert seen == [torch.float32] and "hooks or a replaced forward" in next(iter(block._elsa.delegate_reasons))
     m(x).sum().backward()  # autograd: the fused passes' backward
     assert block.norm1.weight.grad is not None and block._elsa.delegated == 1
+    h = block.norm2.register_full_backward_hook(lambda *a: None)  # a backward hook: the block's own ops
+    m(x).sum().backward()
+    h.remove()
+    assert block._elsa.delegated == 2
     m.train()
     with torch.no_grad():
         m(x)
