@@ -26,11 +26,13 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRET, cdiv, launch
+from .limits import ROPE_MIN_HEAD_DIM
 from .ops import register
 
 # tokens per program (heads and parts loop inside it: positions and cos/sin rows are read once per token)
 BLOCK_T = 32
 NUM_WARPS = 2
+MIN_HEAD_DIM = ROPE_MIN_HEAD_DIM
 
 
 @triton.jit
@@ -133,8 +135,8 @@ def qk_norm_rope(x: torch.Tensor, heads: int, outs: Sequence[torch.Tensor],
             or x.shape[-1] < parts * heads * D:
         raise ValueError(f"qk_norm_rope: outputs {[tuple(o.shape) for o in outs]} (one dtype and strides) do not "
                          f"fit x {tuple(x.shape)} with {heads} heads")
-    if D & (D - 1) or D < 4:
-        raise ValueError(f"qk_norm_rope: head dim must be a power of two ≥ 4, got {D}")
+    if D & (D - 1) or D < MIN_HEAD_DIM:
+        raise ValueError(f"qk_norm_rope: head dim must be a power of two ≥ {MIN_HEAD_DIM}, got {D}")
     norms = tuple(norms) if norms is not None else (None,) * parts
     if len(norms) != parts or len({(m is None, getattr(m, "weight", None) is None, getattr(m, "bias", None) is None)
                                    for m in norms}) != 1:

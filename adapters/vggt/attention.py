@@ -9,7 +9,7 @@ import torch
 
 from ...api import attention
 from ...dispatch import autocast_dtype, triton_serves
-from ...kernels.limits import HEAD_DIMS
+from ...kernels.limits import HEAD_DIMS, ROPE_MIN_HEAD_DIM
 from ..registry import PatchState, bypass_reason, hooked
 from .common import ATTENTION_TARGETS, LEAN_CHUNK, Kind, VGGTAdapter, attention_kind, lean_option
 from .merging import FORK_BLOCKS, AggregatorCall, fork_merge, merge_mean, merging_now, unmerge
@@ -32,7 +32,7 @@ def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
                                                  and (qn.weight is None) == (kn.weight is None)
                                                  and (qn.bias is None) == (kn.bias is None))):
         return None  # (one launch forms q and k: their norms take the same affine parameters)
-    if D < 4 or D & (D - 1) or any(hooked(m) for m in (qn, kn, rope)):
+    if D < ROPE_MIN_HEAD_DIM or D & (D - 1) or any(hooked(m) for m in (qn, kn, rope)):
         return None
     if rope is None:  # norms only (nothing to fuse without them: q and k stay views of qkv)
         return None if norms[0] is torch.nn.Identity else ()
