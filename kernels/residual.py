@@ -247,11 +247,10 @@ def _backward(r, dh, dr, mean, rstd, w, gamma, y, sums: bool):
     dx = torch.empty(r.shape, dtype=r.dtype, device=r.device)
     dy = torch.empty(r.shape, dtype=y.dtype, device=r.device) if y is not None else None
     parts = torch.empty((2, programs, C), dtype=torch.float32, device=r.device) if sums else None
-    pw, pb = parts if sums else (None, None)
     if M:
         launch(_norm_bwd_kernel, (programs,), r2, dh2, dr2, mean, rstd, w if w is not None else r2,
-               gamma if gamma is not None else r2, dx, dy if dy is not None else dx, pw if sums else r2,
-               pb if sums else r2, M, C, r2.stride(-2) if r2.dim() > 1 else C, dh2.stride(-2) if dh2.dim() > 1 else C,
+               gamma if gamma is not None else r2, dx, dy if dy is not None else dx, parts[0] if sums else r2,
+               parts[1] if sums else r2, M, C, r2.stride(-2) if r2.dim() > 1 else C, dh2.stride(-2) if dh2.dim() > 1 else C,
                dr2.stride(-2) if dr2.dim() > 1 else C, C, C,
                HAS_DR=dr is not None, HAS_W=w is not None, DY_MODE=0 if y is None else (2 if gamma is not None else 1),
                SUMS=sums, BLOCK_C=block_c, ROWS=rows, CHUNKS=chunks, num_warps=4 if block_c <= 2048 else 8)

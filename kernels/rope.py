@@ -32,7 +32,6 @@ from .ops import register
 # tokens per program (heads and parts loop inside it: positions and cos/sin rows are read once per token)
 BLOCK_T = 32
 NUM_WARPS = 2
-MIN_HEAD_DIM = ROPE_MIN_HEAD_DIM
 
 
 @triton.jit
@@ -135,8 +134,8 @@ def qk_norm_rope(x: torch.Tensor, heads: int, outs: Sequence[torch.Tensor],
             or x.shape[-1] < parts * heads * D:
         raise ValueError(f"qk_norm_rope: outputs {[tuple(o.shape) for o in outs]} (one dtype and strides) do not "
                          f"fit x {tuple(x.shape)} with {heads} heads")
-    if D & (D - 1) or D < MIN_HEAD_DIM:
-        raise ValueError(f"qk_norm_rope: head dim must be a power of two ≥ {MIN_HEAD_DIM}, got {D}")
+    if D & (D - 1) or D < ROPE_MIN_HEAD_DIM:
+        raise ValueError(f"qk_norm_rope: head dim must be a power of two ≥ {ROPE_MIN_HEAD_DIM}, got {D}")
     norms = tuple(norms) if norms is not None else (None,) * parts
     if len(norms) != parts or len({(m is None, getattr(m, "weight", None) is None, getattr(m, "bias", None) is None)
                                    for m in norms}) != 1:
