@@ -375,8 +375,7 @@ def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
     forward + backward: the Gluon forward and backward, the Gluon forward with the portable
     backward ("elsa-gluon-fwd"), the portable pair, cuDNN and flash. These rows set the policies
     of ``hopper.serves`` and ``hopper.serves_backward``. ``dtype="fp32"``: float32 in ``fp16x3`` at
-    d = 64 (the Gluon forward; the backward is the portable one in both ELSA variants) against
-    SDPA's mem-efficient backend, the fastest exact float32 one."""
+    d = 64 (the same variants) against SDPA's mem-efficient backend, the fastest exact float32 one."""
     from elsa_vision.kernels import hopper
     fp32 = dtype == "fp32"
     precision = "fp16x3" if fp32 else "auto"
@@ -404,7 +403,7 @@ def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
         q, k, v = make(1, bh, n, n, d, DT[dtype], bwd)
         do = torch.randn_like(q) if bwd else None
         variants = {"elsa-gluon": (True, True), "elsa-gluon-fwd": (True, False), "elsa-portable": (False, False)}
-        if not bwd or fp32:
+        if not bwd:
             del variants["elsa-gluon-fwd"]
         fns = {label: elsa(q, k, v, do, causal, *how) for label, how in variants.items()}
         fns.update({f"sdpa-{s}": sdpa(s, q, k, v, do, causal)

@@ -981,7 +981,8 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     if (config is None and kv is None and early_dp is None and not bias_grad and stats.is_contiguous()
             and _hopper_serves(q, k, v, bias, precision, causal, backward=True)):
         grads = new_grads(q, k, v) if dqkv is None else qkv_views(dqkv)
-        return (*hopper.backward(do, q, k, v, out, stats, scale, causal, grads), None)
+        scales = _f16_scales(q, k, v, do) if precision == "fp16x3" else None
+        return (*hopper.backward(do, q, k, v, out, stats, scale, causal, grads, scales), None)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     d_pad = pow2(D)

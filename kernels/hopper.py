@@ -1,5 +1,5 @@
-"""ELSA's half-precision forward and backward, and its float32 (fp16x3) forward, on Hopper (sm_90),
-written in Gluon: TMA, warp specialisation, wgmma.
+"""ELSA's half-precision and float32 (fp16x3) forward and backward on Hopper (sm_90), written in
+Gluon: TMA, warp specialisation, wgmma.
 
 The scan is attention.py's (the monoid (m, S, W) folded key tile by key tile, log2 units, P
 rounded to the value dtype for the product while S sums it unrounded; fp16x3: see below), and
@@ -32,7 +32,9 @@ parts are made for chunks of batch·heads at a time (forward, SPLIT_CHUNK_BYTES)
 The backward (deterministic: no atomics) is two kernels: dQ with the queries stationary (the
 forward's items and producer warp), which also forms the rows' statistics, then dK/dV with the keys
 stationary (each warpgroup owns 64 keys, the query tiles stream past); see the section "backward"
-below.
+below. In fp16x3 (PARTS = 2) a plain Triton pass (_bwd_split_kernel) first writes the float16
+parts of q, k, v and dO at the head scales of the portable fp16x3 backward, q's rows once more
+rescaled for dK's product, and the rows' statistics; every product is then three.
 """
 from __future__ import annotations
 
@@ -48,13 +50,13 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import LOG2E, split_f16
+from .common import LOG2E, dk_units, ds_units, split_f16
 from .launch import CHECKED, cdiv, launch, sm_count
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-# float32 in fp16x3 (the forward only): its tiles are twice as many float16 buffers, which fit the
-# shared memory at D = 64 (a power of two: the kernels read Scales' rows as 2 + D long, 2 + D_PAD)
+# float32 in fp16x3: its tiles are twice as many float16 buffers, which fit the shared memory at
+# D = 64 (a power of two: the kernels read Scales' rows as 2 + D long, 2 + D_PAD)
 SPLIT_HEAD_DIMS = (64,)
 # Gluon is experimental: its API is the one of the Triton versions this file was checked against.
 # ELSA_HOPPER=0 (or ENABLED = False) keeps every call on the portable kernels; EVERYWHERE = True
@@ -125,12 +127,12 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_
     tiles into their rings, whose positions run on across items. Every ring slot and Q buffer is
     released by all warpgroups (the empty barriers count one arrival per warpgroup).
 
-    PARTS = 2 (fp16x3): q, k and v are float16 [B, H, 2N, D] tensors, a row's hi part at row r and
-    its lo part at row N + r (see _split_kernel); each tile is two tiles, hi then lo, in
-    consecutive buffers on one barrier."""
+    PARTS = 2 (fp16x3): q, k, v (and dO) are float16 [B, H, 2N, D] tensors, a row's hi part at row
+    r and its lo part at row N + r (see _split_kernel, _bwd_split_kernel); each tile is two tiles,
+    hi then lo, in consecutive buffers on one barrier."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     NUM_WG: gl.constexpr = BLOCK_M // WG_M
-    NBYTES: gl.constexpr = (2 if WITH_DO else PARTS) * NUM_WG * q_desc.block_type.nbytes
+    NBYTES: gl.constexpr = (2 if WITH_DO else 1) * PARTS * NUM_WG * q_desc.block_type.nbytes
     it = 0
     g = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -143,8 +145,9 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_
                 tma.async_copy_global_to_shared(q_desc, [b, h, q0 + i * WG_M + part * Nq, 0], q_ready.index(qb),
                                                 q_smem.index(PARTS * (NUM_WG * qb + i) + part))
             if WITH_DO:
-                tma.async_copy_global_to_shared(do_desc, [b, h, q0 + i * WG_M, 0], q_ready.index(qb),
-                                                do_smem.index(NUM_WG * qb + i))
+                for part in gl.static_range(PARTS):
+                    tma.async_copy_global_to_shared(do_desc, [b, h, q0 + i * WG_M + part * Nq, 0], q_ready.index(qb),
+                                                    do_smem.index(PARTS * (NUM_WG * qb + i) + part))
         for j in range(n_tiles):
             slot = g % STAGES
             free = ((g // STAGES) & 1) ^ 1  # parity of the release of this slot's previous tile
@@ -464,45 +467,73 @@ def _kv_queries(pid_n, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAU
 
 
 @gluon.jit
-def _kv_loader(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty,
-               do_ready, do_empty, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr):
+def _kv_loader(q_desc, q2_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready, q_ready,
+               q_empty, do_ready, do_empty, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, CAUSAL: gl.constexpr, PARTS: gl.constexpr):
     """The producer warp of _bwd_dkdv_kernel: the program's K and V rows once, then every query
-    tile's Q and dO into their rings (separate barriers: Sᵀ can start before dO has landed)."""
+    tile's Q and dO into their rings (separate barriers: Sᵀ can start before dO has landed).
+    PARTS = 2 (fp16x3): every tile is its (hi, lo) parts (see _loader), and the Q barrier also
+    brings the parts of q's rows rescaled for dK (q2_desc, into q2_ring; see _bwd_split_kernel)."""
     NUM_WG: gl.constexpr = BLOCK_N // 64
+    QBYTES: gl.constexpr = (2 if PARTS == 2 else 1) * PARTS * q_desc.block_type.nbytes
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
     n0 = pid_n * BLOCK_N
-    mbarrier.expect(kv_ready.index(0), 2 * NUM_WG * k_desc.block_type.nbytes)
+    mbarrier.expect(kv_ready.index(0), 2 * NUM_WG * PARTS * k_desc.block_type.nbytes)
     for i in gl.static_range(NUM_WG):
-        tma.async_copy_global_to_shared(k_desc, [b, h, n0 + i * 64, 0], kv_ready.index(0), k_smem.index(i))
-        tma.async_copy_global_to_shared(v_desc, [b, h, n0 + i * 64, 0], kv_ready.index(0), v_smem.index(i))
+        for part in gl.static_range(PARTS):
+            tma.async_copy_global_to_shared(k_desc, [b, h, n0 + i * 64 + part * Nk, 0], kv_ready.index(0),
+                                            k_smem.index(PARTS * i + part))
+            tma.async_copy_global_to_shared(v_desc, [b, h, n0 + i * 64 + part * Nk, 0], kv_ready.index(0),
+                                            v_smem.index(PARTS * i + part))
     m_lo, n_m = _kv_queries(pid_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
     for i in range(n_m):
         slot = i % STAGES
         free = ((i // STAGES) & 1) ^ 1  # parity of the release of this slot's previous tile
         q0 = (m_lo + i) * BLOCK_M
         mbarrier.wait(q_empty.index(slot), free, pred=i >= STAGES)
-        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, q0, 0], q_ready.index(slot), q_ring.index(slot))
+        mbarrier.expect(q_ready.index(slot), QBYTES)
+        for part in gl.static_range(PARTS):
+            tma.async_copy_global_to_shared(q_desc, [b, h, q0 + part * Nq, 0], q_ready.index(slot),
+                                            q_ring.index(PARTS * slot + part))
+            if PARTS == 2:
+                tma.async_copy_global_to_shared(q2_desc, [b, h, q0 + part * Nq, 0], q_ready.index(slot),
+                                                q2_ring.index(PARTS * slot + part))
         mbarrier.wait(do_empty.index(slot), free, pred=i >= STAGES)
-        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [b, h, q0, 0], do_ready.index(slot), do_ring.index(slot))
+        mbarrier.expect(do_ready.index(slot), PARTS * do_desc.block_type.nbytes)
+        for part in gl.static_range(PARTS):
+            tma.async_copy_global_to_shared(do_desc, [b, h, q0 + part * Nq, 0], do_ready.index(slot),
+                                            do_ring.index(PARTS * slot + part))
 
 
 @gluon.jit
-def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty,
-                 Lse2, Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2,
-                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, PREFETCH: gl.constexpr):
+def _split_p(p, A_L: gl.constexpr):
+    """fp16x3: a float32 tile (already in float16's range) as float16 (hi, lo) A operands."""
+    hi = p.to(gl.float16)
+    lo = (p - hi.to(gl.float32)).to(gl.float16)
+    return gl.convert_layout(hi, A_L, assert_trivial=True), gl.convert_layout(lo, A_L, assert_trivial=True)
+
+
+@gluon.jit
+def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready, q_ready, q_empty, do_ready,
+                 do_empty, Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale,
+                 qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr, PREFETCH: gl.constexpr, PARTS: gl.constexpr):
     """Warpgroup wg: keys [n0 + 64·wg, +64) against every query tile that sees them, in the
     transposed (key-major) orientation, so that Pᵀ and dSᵀ are born in the A-operand registers of
     the dV and dK products and never go through shared memory:
       Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (shared-memory operands, both in flight at once),
       Pᵀ = exp2(Sᵀ·scale·log2e − lse2) while dPᵀ runs, dSᵀ = Pᵀ∘(dPᵀ − delta),
-      dV += Pᵀ·dO, dK += dSᵀ·Q (A from registers). dK is scaled once at the end."""
+      dV += Pᵀ·dO, dK += dSᵀ·Q (A from registers). dK is scaled once at the end.
+
+    Rows [·, B·H, NQP] float32, planes PLANE apart: lse2, delta (the dQ kernel's). PARTS = 2
+    (fp16x3, _bwd_split_kernel's planes m, delta, r = 1/S, f, u): every product is three
+    (common.dot3's), Pᵀ = exp2(Sᵀ·scale·log2e − m)·r goes in as Pᵀ·2^14 and dSᵀ's column i scaled
+    by u_i, against q's rows scaled by 2^16·D·c_q / u_i (q2_ring), as the portable fp16x3 backward
+    does (common.dk_units); each tile's products are summed apart and added to dK, dV outside the
+    tensor cores (see _pv)."""
     dtype: gl.constexpr = q_ring.dtype
     ST_L: gl.constexpr = _acc_layout(BLOCK_M)
     O_L: gl.constexpr = _acc_layout(D)
@@ -516,13 +547,18 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_
     k0 = pid_n * BLOCK_N + wg * 64
     keys = k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ST_L))
     key_ok = gl.expand_dims(keys < Nk, 1)
+    if PARTS == 2:
+        cs = Scales + bh.to(gl.int64) * 4  # c_q, c_k, c_v, c_dO (attention._f16_scales_kernel)
+        qk_scale2 = qk_scale2 / gl.load(cs) / gl.load(cs + 1)  # powers of two: exact
     mbarrier.wait(kv_ready.index(0), 0)
-    k = k_smem.index(wg).reshape([64, D])
-    v = v_smem.index(wg).reshape([64, D])
+    k = k_smem.index(PARTS * wg).reshape([64, D])
+    k_lo = k_smem.index(PARTS * wg + PARTS - 1).reshape([64, D])
+    v = v_smem.index(PARTS * wg).reshape([64, D])
+    v_lo = v_smem.index(PARTS * wg + PARTS - 1).reshape([64, D])
     dk = gl.zeros([64, D], gl.float32, O_L)
     dv = gl.zeros([64, D], gl.float32, O_L)
-    lse_row = Lse2 + bh.to(gl.int64) * NQP
-    delta_row = Delta + bh.to(gl.int64) * NQP
+    lse_row = Rows + bh.to(gl.int64) * NQP
+    delta_row = lse_row + PLANE
     m_lo, n_m = _kv_queries(pid_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
     offs_q = gl.arange(0, BLOCK_M, layout=COL)
     if PREFETCH:
@@ -539,39 +575,53 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_
             lse2_next = gl.load(lse_row + nxt + offs_q)
             delta_next = gl.load(delta_row + nxt + offs_q)
         mbarrier.wait(q_ready.index(slot), phase)
-        q = q_ring.index(slot).reshape([BLOCK_M, D])
-        t_s = warpgroup_mma(k, q.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, ST_L), use_acc=False,
-                            is_async=True)
+        t_s = _scores(k, k_lo, q_ring, PARTS * slot, BLOCK_M, D, PARTS)
         mbarrier.wait(do_ready.index(slot), phase)
-        do = do_ring.index(slot).reshape([BLOCK_M, D])
-        t_dp = warpgroup_mma(v, do.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, ST_L), use_acc=False,
-                             is_async=True)
+        t_dp = _scores(v, v_lo, do_ring, PARTS * slot, BLOCK_M, D, PARTS)
         if not PREFETCH:
             # both issued before Sᵀ is awaited: delta loaded where it is used (after dPᵀ) left its
             # latency exposed on every tile (the backward measured 2–11% slower)
             lse2 = gl.load(lse_row + cols)  # (padded to NQP ≥ every tile's end: unmasked)
             delta = gl.load(delta_row + cols)
-        s_t = warpgroup_mma_wait(num_outstanding=1, deps=[t_s])
+        if PARTS == 2:
+            r = gl.load(lse_row + 2 * PLANE + cols)
+            u = gl.load(lse_row + 4 * PLANE + cols)
+        s_t = warpgroup_mma_wait(num_outstanding=1 if PARTS == 1 else 3, deps=[t_s])
         p_t = gl.exp2(gl.fma(s_t, qk_scale2, -gl.expand_dims(lse2, 0)))
-        # the mask only where the tile has keys past Nk (zero-filled rows score 0, not −inf) or
-        # straddles the causal diagonal; query rows past Nq have lse2 = +inf and P = 0 already
+        # the mask only where the tile has keys past Nk (zero-filled rows score 0, not −inf; with
+        # PARTS = 2 they are the lo parts) or straddles the causal diagonal; query rows past Nq
+        # have lse2 (m) = +inf and P = 0 already
         if (k0 + 64 > Nk) | (CAUSAL & (k0 + 63 > q0 + Nk - Nq)):
             visible = key_ok
             if CAUSAL:
                 visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols + (Nk - Nq), 0))
             p_t = gl.where(visible, p_t, 0.0)
-        p16 = gl.convert_layout(p_t.to(dtype), A_L, assert_trivial=True)
+        if PARTS == 2:  # (p_t is exp2(·): r and 2^14 applied here, r·u below; powers of two exact)
+            p16, p_lo = _split_p(p_t * gl.expand_dims(r * 16384.0, 0), A_L)
+        else:
+            p16 = gl.convert_layout(p_t.to(dtype), A_L, assert_trivial=True)
+            p_lo = p16
         # (dV's product issued before dP is awaited measured the same at D = 64 and spilled more at 128)
         dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[t_dp])
-        t_dv = warpgroup_mma(p16, do, dv, is_async=True)
-        ds16 = gl.convert_layout((p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), A_L, assert_trivial=True)
-        t_dk = warpgroup_mma(ds16, q, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[t_dv, t_dk])
+        if PARTS == 2:
+            # dSᵀ's parts formed before dV's products are issued: with those products' tile
+            # accumulator alive beside Pᵀ and dPᵀ, the registers spill
+            ds16, ds_lo = _split_p((p_t * gl.expand_dims(r * u, 0)) * (dp_t - gl.expand_dims(delta, 0)), A_L)
+            dv = _fold(dv, _pv(p16, p_lo, do_ring, PARTS * slot, dv, BLOCK_M, D, PARTS), PARTS)
+            dk = _fold(dk, _pv(ds16, ds_lo, q2_ring, PARTS * slot, dk, BLOCK_M, D, PARTS), PARTS)
+        else:
+            t_dv = _pv(p16, p_lo, do_ring, PARTS * slot, dv, BLOCK_M, D, PARTS)
+            ds16 = gl.convert_layout((p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), A_L, assert_trivial=True)
+            t_dk = _pv(ds16, ds16, q2_ring, PARTS * slot, dk, BLOCK_M, D, PARTS)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[t_dv, t_dk])
         mbarrier.arrive(do_empty.index(slot))
         mbarrier.arrive(q_empty.index(slot))
         if PREFETCH:
             lse2 = lse2_next
             delta = delta_next
+    if PARTS == 2:  # one power of two at a time: their product may leave float32's range
+        dk = dk * (65536.0 * D) * (1.0 / gl.load(cs)) * (1.0 / gl.load(cs + 3)) * (1.0 / gl.load(cs + 2))
+        dv = dv * (1.0 / 16384.0) * (1.0 / gl.load(cs + 3))
     rows = k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
     cols_d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, O_L)), 0)
     ok = gl.expand_dims(rows < Nk, 1)
@@ -583,20 +633,26 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_ready, q_
 
 
 @gluon.jit
-def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                     H, Nq, Nk, NQP, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
+def _bwd_dkdv_kernel(q_desc, q2_desc, do_desc, k_desc, v_desc, Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b,
+                     sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr):
     """Grid (cdiv(Nk, BLOCK_N), B·H): BLOCK_N = 128 keys per program, two consumer warpgroups of
     64 keys each holding their dK, dV [64, D] float32 accumulators in registers, a producer warp
     streaming the query tiles (BLOCK_M rows of Q and dO) through a STAGES-deep ring.
-    dK, dV [B, H, Nk, D] (any strides, last one 1)."""
+    dK, dV [B, H, Nk, D] (any strides, last one 1). PARTS = 2: fp16x3 (see _kv_consumer), from
+    _bwd_split_kernel's parts, Rows and the head scales Scales [B·H, 4]; else q2_desc and Scales
+    are unused."""
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_N // 64
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + v_desc.block_type.shape, v_desc.layout)
-    q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_WG * PARTS] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_WG * PARTS] + v_desc.block_type.shape, v_desc.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + q_desc.block_type.shape, q_desc.layout)
+    if PARTS == 2:
+        q2_ring = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + q_desc.block_type.shape, q_desc.layout)
+    else:
+        q2_ring = q_ring
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + do_desc.block_type.shape, do_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -610,18 +666,18 @@ def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, dK, dV, sk_b,
         mbarrier.init(do_empty.index(i), count=NUM_WG)
     fence_async_shared()
     # the consumers load a query tile's statistics one tile ahead where the registers allow: at D = 64
-    # (with D = 128's accumulators the two extra live vectors spill, and the spills cost more than
-    # the loads' latency)
-    PREFETCH: gl.constexpr = D <= 64
+    # in half precision (with D = 128's accumulators, or fp16x3's extra tiles, the two extra live
+    # vectors spill, and the spills cost more than the loads' latency)
+    PREFETCH: gl.constexpr = D <= 64 and PARTS == 1
     gl.warp_specialize([
-        (_kv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
-                        Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
-        (_kv_consumer, (1, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty, Lse2,
-                        Delta, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D,
-                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
-        (_kv_loader, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_ready, q_ready, q_empty,
-                      do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        (_kv_consumer, (0, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty,
+                        Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale,
+                        qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH, PARTS)),
+        (_kv_consumer, (1, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty,
+                        Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale,
+                        qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH, PARTS)),
+        (_kv_loader, (q_desc, q2_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready,
+                      q_ready, q_empty, do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -649,15 +705,20 @@ def _o_rows(Out, so_b, so_h, so_m, w, wg: gl.constexpr, n_m, n_items, H, Nq, Nk,
 
 @gluon.jit
 def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                 v_empty, Out, Stats, Lse2, Delta, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m,
-                 n_items, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                 v_empty, Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP,
+                 n_m, n_items, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, PARTS: gl.constexpr):
     """Warpgroup wg: per item (as the forward's), its 64 query rows' statistics and dQ over the
     item's key tiles. Statistics: lse2 = m + log2(S) from the forward's, delta = rowsum(dO∘O) from
-    dO in shared memory and O's rows (loaded one item ahead), both stored for the dK/dV kernel
-    that runs next (rows past Nq: lse2 = +inf, delta = 0, so that P = 0 there). Then per key tile
-    S = Q·Kᵀ and dP = dO·Vᵀ (shared-memory operands, in flight together), P and dS in registers,
-    dQ += dS·K (A from registers); dQ is scaled once at the end."""
+    dO in shared memory and O's rows (loaded one item ahead), both stored into Rows' first two
+    planes for the dK/dV kernel that runs next (rows past Nq: lse2 = +inf, delta = 0, so that P =
+    0 there). Then per key tile S = Q·Kᵀ and dP = dO·Vᵀ (shared-memory operands, in flight
+    together), P and dS in registers, dQ += dS·K (A from registers); dQ is scaled once at the end.
+
+    PARTS = 2 (fp16x3): the statistics come from _bwd_split_kernel (Rows' planes m, delta, r =
+    1/S, f), every product is three, P = exp2(S·scale·log2e − m)·r, and dS's row i enters dS·K
+    scaled by f_i (common.ds_units), undone at the end with the head's scales (Scales [B·H, 4]);
+    each tile's dS·K is summed apart and added to dQ outside the tensor cores (see _pv)."""
     WG_M: gl.constexpr = 64
     NUM_WG: gl.constexpr = BLOCK_M // WG_M
     dtype: gl.constexpr = q_smem.dtype
@@ -672,40 +733,51 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
     cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
     it = 0
     g = 0
-    o_next = _o_rows(Out, so_b, so_h, so_m, gl.program_id(0), wg, n_m, n_items, H, Nq, Nk, D, BLOCK_M, BLOCK_N,
-                     CAUSAL, ROWS_L)
+    if PARTS == 1:
+        o_next = _o_rows(Out, so_b, so_h, so_m, gl.program_id(0), wg, n_m, n_items, H, Nq, Nk, D, BLOCK_M, BLOCK_N,
+                         CAUSAL, ROWS_L)
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, h, bh, q0, n_tiles, rows = _item(w, n_items, n_m, H, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)  # (no tail)
         r0 = q0 + wg * WG_M
         offs_m = r0 + gl.arange(0, WG_M, layout=ROW_S)
-        # (a load of O's rows at the item's start left its latency exposed on every item)
-        o = o_next
-        o_next = _o_rows(Out, so_b, so_h, so_m, w + gl.num_programs(0), wg, n_m, n_items, H, Nq, Nk, D, BLOCK_M,
-                         BLOCK_N, CAUSAL, ROWS_L)
-        st = Stats + bh.to(gl.int64) * 2 * Nq + offs_m
-        m = gl.load(st, mask=offs_m < Nq, other=float("inf"))
-        s_sum = gl.load(st + Nq, mask=offs_m < Nq, other=1.0)
-        lse2 = gl.where(m == float("inf"), float("inf"), m + gl.log2(s_sum))  # (+inf, 1): a row that sees no key
+        rows_at = Rows + bh.to(gl.int64) * NQP + offs_m  # (NQP: every item's rows)
+        sc2 = qk_scale2
+        if PARTS == 2:
+            cs = Scales + bh.to(gl.int64) * 4  # c_q, c_k, c_v, c_dO
+            sc2 = qk_scale2 / gl.load(cs) / gl.load(cs + 1)  # powers of two: exact
+            lse2 = gl.load(rows_at)  # m
+            delta = gl.load(rows_at + PLANE)
+            f = gl.load(rows_at + 3 * PLANE)
+            rf = gl.load(rows_at + 2 * PLANE) * f
+        else:
+            # (a load of O's rows at the item's start left its latency exposed on every item)
+            o = o_next
+            o_next = _o_rows(Out, so_b, so_h, so_m, w + gl.num_programs(0), wg, n_m, n_items, H, Nq, Nk, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, ROWS_L)
+            st = Stats + bh.to(gl.int64) * 2 * Nq + offs_m
+            m = gl.load(st, mask=offs_m < Nq, other=float("inf"))
+            s_sum = gl.load(st + Nq, mask=offs_m < Nq, other=1.0)
+            lse2 = gl.where(m == float("inf"), float("inf"), m + gl.log2(s_sum))  # (+inf, 1): a row that sees no key
         dq = gl.zeros([WG_M, D], gl.float32, O_L)
         qb = it % 2
         mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
-        q = q_smem.index(NUM_WG * qb + wg).reshape([WG_M, D])
-        do = do_smem.index(NUM_WG * qb + wg).reshape([WG_M, D])
-        delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.load(ROWS_L).to(gl.float32), axis=1), ROW_S)
-        gl.store(Lse2 + bh.to(gl.int64) * NQP + offs_m, lse2)  # (NQP: every item's rows)
-        gl.store(Delta + bh.to(gl.int64) * NQP + offs_m, delta)
+        q = q_smem.index(PARTS * (NUM_WG * qb + wg)).reshape([WG_M, D])
+        q_lo = q_smem.index(PARTS * (NUM_WG * qb + wg) + PARTS - 1).reshape([WG_M, D])
+        do = do_smem.index(PARTS * (NUM_WG * qb + wg)).reshape([WG_M, D])
+        do_lo = do_smem.index(PARTS * (NUM_WG * qb + wg) + PARTS - 1).reshape([WG_M, D])
+        if PARTS == 1:
+            delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.load(ROWS_L).to(gl.float32), axis=1), ROW_S)
+            gl.store(rows_at, lse2)
+            gl.store(rows_at + PLANE, delta)
         for j in range(n_tiles):
             slot = (g + j) % STAGES
             phase = ((g + j) // STAGES) & 1
             mbarrier.wait(k_ready.index(slot), phase)
-            k = k_ring.index(slot).reshape([BLOCK_N, D])
-            t_s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([WG_M, BLOCK_N], gl.float32, S_L), use_acc=False,
-                                is_async=True)
+            t_s = _scores(q, q_lo, k_ring, PARTS * slot, BLOCK_N, D, PARTS)
             mbarrier.wait(v_ready.index(slot), phase)
-            t_dp = warpgroup_mma(do, v_ring.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
-                                 gl.zeros([WG_M, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=[t_s])
-            p = gl.exp2(gl.fma(s, qk_scale2, -gl.expand_dims(lse2, 1)))
+            t_dp = _scores(do, do_lo, v_ring, PARTS * slot, BLOCK_N, D, PARTS)
+            s = warpgroup_mma_wait(num_outstanding=1 if PARTS == 1 else 3, deps=[t_s])
+            p = gl.exp2(gl.fma(s, sc2, -gl.expand_dims(lse2, 1)))
             n0 = j * BLOCK_N
             if (n0 + BLOCK_N > Nk) | (CAUSAL & (n0 + BLOCK_N - 1 > r0 + Nk - Nq)):  # (as in _kv_consumer)
                 visible = gl.expand_dims(n0 + offs_n < Nk, 0)
@@ -714,12 +786,20 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
                 p = gl.where(visible, p, 0.0)
             dp = warpgroup_mma_wait(num_outstanding=0, deps=[t_dp])
             mbarrier.arrive(v_empty.index(slot))  # dP has read its V slot
-            ds16 = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), A_L, assert_trivial=True)
-            dq = warpgroup_mma(ds16, k, dq)  # synchronous: nothing in flight across the back edge
+            if PARTS == 2:  # (p is exp2(·): r·f applied here, powers of two aside as the portable kernel's)
+                ds16, ds_lo = _split_p((p * gl.expand_dims(rf, 1)) * (dp - gl.expand_dims(delta, 1)), A_L)
+                dq = _fold(dq, _pv(ds16, ds_lo, k_ring, PARTS * slot, dq, BLOCK_N, D, PARTS), PARTS)
+            else:
+                ds16 = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), A_L, assert_trivial=True)
+                dq = warpgroup_mma(ds16, k_ring.index(slot).reshape([BLOCK_N, D]), dq)  # synchronous: nothing in
+                # flight across the back edge
             mbarrier.arrive(k_empty.index(slot))
         mbarrier.arrive(q_empty.index(qb))
         g += n_tiles
         it += 1
+        if PARTS == 2:  # one power of two at a time: their product may leave float32's range
+            dq = (dq * gl.expand_dims(gl.convert_layout(1.0 / f, ROW_O, assert_trivial=True), 1)
+                  * (1.0 / gl.load(cs + 1)) * (1.0 / gl.load(cs + 3)) * (1.0 / gl.load(cs + 2)))
         rows = r0 + gl.arange(0, WG_M, layout=ROW_O)
         ptrs = (dQ + b.to(gl.int64) * sq_b + h.to(gl.int64) * sq_h + gl.expand_dims(rows.to(gl.int64) * sq_m, 1)
                 + gl.expand_dims(cols_o, 0))
@@ -727,27 +807,30 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
 
 
 @gluon.jit(do_not_specialize=_COUNTS[:2])
-def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Lse2, Delta, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m,
-                   H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b,
+                   sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr):
     """Persistent like _fwd_kernel (the same items and producer warp, which also brings each item's
     dO rows): two consumer warpgroups of 64 query rows. O, dQ [B, H, Nq, D] (any strides, last 1),
-    Stats [B, H, 2, Nq] (contiguous); writes Lse2, Delta [B·H, NQP] float32, NQP = n_m·BLOCK_M."""
+    Stats [B, H, 2, Nq] (contiguous); writes Rows' planes lse2, delta [B·H, NQP] float32 (PLANE
+    apart), NQP = n_m·BLOCK_M. PARTS = 2 (fp16x3): from _bwd_split_kernel's parts, Rows and the
+    head scales Scales [B·H, 4] (Out and Stats unused); see _dq_consumer."""
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_M // 64
     q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = _query_stationary_buffers(
-        q_desc, k_desc, v_desc, NUM_WG, STAGES, 1)
-    do_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG] + do_desc.block_type.shape, do_desc.layout)
+        q_desc, k_desc, v_desc, NUM_WG, STAGES, PARTS)
+    do_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG * PARTS] + do_desc.block_type.shape, do_desc.layout)
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        Out, Stats, Lse2, Delta, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items,
-                        scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                        Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m,
+                        n_items, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS)),
         (_dq_consumer, (1, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        Out, Stats, Lse2, Delta, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items,
-                        scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                        Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m,
+                        n_items, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                    k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                   True, 1)),
+                   True, PARTS)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -799,7 +882,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision:
     """Whether the forward here can take the call: sm_90, no bias, and either half precision at
     D ∈ HEAD_DIMS with q/k/v of one dtype that TMA reads in place, or float32 in ``fp16x3`` at
     D ∈ SPLIT_HEAD_DIMS (any strides: a pass splits q, k, v into float16 parts first). The backward
-    takes the half-precision calls only (``serves_backward``). ``traced``: see _tma_readable."""
+    takes the same calls (``serves_backward``). ``traced``: see _tma_readable."""
     if not ENABLED or bias is not None or not (_half(q, precision) or _split(q, precision)):
         return False
     if not q.is_cuda or not _sm90(q.device.index or 0):
@@ -993,52 +1076,179 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
     portable backward there (benchmarks/results/<device>/attention_hopper_fwdbwd.csv, bf16 forward
     + backward, CUDA-graph replays; thresh_ab.csv for the short rows): every call at D = 128; at
     D = 64 from 300 keys, causal from 1024. Below, the portable backward's 32-row tiles waste less
-    on padding and on the diagonal. ``EVERYWHERE`` takes every call it supports."""
-    if not (BACKWARD and _half(q, precision) and supports(q, k, v, bias, precision)):
+    on padding and on the diagonal. float32 in ``fp16x3`` (D = 64): every call (its forward +
+    backward measured faster than with the portable backward from ViT's 197 tokens on, causal or
+    not: attention_hopper_fp32_fwdbwd.csv). ``EVERYWHERE`` takes every call it supports."""
+    if not (BACKWARD and (_half(q, precision) or _split(q, precision)) and supports(q, k, v, bias, precision)):
         return False
-    if EVERYWHERE or q.shape[-1] == 128:
+    if EVERYWHERE or q.shape[-1] == 128 or q.dtype == torch.float32:
         return True
     return k.shape[2] >= (1024 if causal else 300)
 
 
-def bwd_config(d: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+def bwd_config(d: int, split: bool = False) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
     """((BLOCK_M, BLOCK_N, STAGES, consumer registers) of the dK/dV kernel, the same of the dQ
     kernel). dK/dV: 64-row query tiles (at 128 the Sᵀ and dPᵀ accumulators spill), two warpgroups
     of 64 keys at 240 registers (three at 160 registers spill the statistics loaded one tile ahead;
     two measured faster at every length: benchmarks/results/<device>/waves_ab.csv). dQ: two
     64-row warpgroups, key tiles of 128 at D = 64 and 64 at D = 128 (shared memory:
-    double-buffered Q and dO plus the K/V ring)."""
+    double-buffered Q and dO plus the K/V ring). ``split`` (fp16x3, D = 64): every tile is two
+    buffers (and the dK/dV kernel's query tiles a third pair, q rescaled for dK), so the dQ
+    kernel's key tiles are 64 wide and both rings two deep: 192 and 160 KiB of shared memory."""
+    if split:
+        return (64, 128, 2, 240), (128, 64, 2, 240)
     if d <= 64:
         return (64, 128, 3, 240), (128, 128, 2, 240)
     return (64, 128, 2, 240), (128, 64, 2, 240)
 
 
-def backward(do, q, k, v, out, stats, scale: float, causal: bool, grads: tuple):
-    """(dq, dk, dv) [B,H,N·,D] in q's dtype for a call ``supports`` accepts, from the forward's out
-    and stats [B,H,2,Nq] (contiguous; any forward's: the statistics are the same). A dO that TMA
-    cannot read in place (see _tma_readable), or of another dtype, is copied first. ``grads``: the
-    (dq, dk, dv) buffers to write, shaped as q, k, v, with a unit stride along D."""
+def backward(do, q, k, v, out, stats, scale: float, causal: bool, grads: tuple, scales=None):
+    """(dq, dk, dv) [B,H,N·,D] in q's dtype for a call ``serves_backward`` accepts, from the
+    forward's out and stats [B,H,2,Nq] (contiguous; any forward's: the statistics are the same).
+    A half-precision dO that TMA cannot read in place (see _tma_readable), or of another dtype, is
+    copied first. ``grads``: the (dq, dk, dv) buffers to write, shaped as q, k, v, with a unit
+    stride along D. float32 (fp16x3) takes ``scales``, attention._f16_scales's backward [B·H, 4],
+    and runs in chunks of batch·heads whose float16 parts fit SPLIT_CHUNK_BYTES."""
+    if q.dtype != torch.float32:
+        if do.dtype != q.dtype or not _tma_readable(do):
+            do = do.to(q.dtype).contiguous()
+        return _backward(do, q, k, v, out, stats, scale, causal, grads)
+    B, H, Nq, D = q.shape
+    # (three float16 pairs of Nq rows: q, q rescaled for dK, dO; two of Nk rows: k, v)
+    per = max(1, SPLIT_CHUNK_BYTES // (4 * (3 * Nq + 2 * k.shape[2]) * D))
+    rows = scales.view(B, H, -1)
+    for bs, hs in _chunks(B, H, per):
+        _backward(do[bs, hs], q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], stats[bs, hs], scale, causal,
+                  tuple(g[bs, hs] for g in grads), rows[bs, hs].reshape(-1, rows.shape[-1]))
+    return grads
+
+
+def _backward(do, q, k, v, out, stats, scale: float, causal: bool, grads: tuple, scales=None):
+    """The two kernels' launches (with ``scales``, fp16x3: after _bwd_split_kernel's pass)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    if do.dtype != q.dtype or not _tma_readable(do):
-        do = do.to(q.dtype).contiguous()
+    BH = B * H
+    split = scales is not None
     if out.stride(-1) != 1:  # (the dQ kernel reads rows of out with a unit stride)
         out = out.contiguous()
-    (km, kn, kst, kregs), (qm, qn, qst, qregs) = bwd_config(D)
+    (km, kn, kst, kregs), (qm, qn, qst, qregs) = bwd_config(D, split)
     n_m = cdiv(Nq, qm)
-    n_items = n_m * B * H
+    n_items = n_m * BH
     nqp = n_m * qm  # (≥ every dK/dV query tile's end: its statistics loads are unmasked)
-    stats_bwd = torch.empty((2, B * H, nqp), device=q.device, dtype=torch.float32)
-    lse2, delta = stats_bwd[0], stats_bwd[1]
+    # the rows' statistics, planes of [B·H, nqp]: lse2, delta (written by the dQ kernel); with
+    # fp16x3 m, delta, 1/S, f, u (written by the split pass)
+    rows = torch.empty((5 if split else 2, BH, nqp), device=q.device, dtype=torch.float32)
     dq, dk, dv = grads
+    if split:
+        q, q2, do, k, v = _bwd_split(do, q, k, v, out, stats, scales, rows)
+    else:
+        q2, scales = q, rows
     # dQ first: it writes the rows' lse2 and delta, which the dK/dV kernel reads
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
     launch(_bwd_dq_kernel, (programs,), _descriptor(q, 64), _descriptor(do, 64), _descriptor(k, qn),
-           _descriptor(v, qn), out, stats, lse2, delta, dq, out.stride(0), out.stride(1), out.stride(2),
+           _descriptor(v, qn), out, stats, rows, BH * nqp, scales, dq, out.stride(0), out.stride(1), out.stride(2),
            dq.stride(0), dq.stride(1), dq.stride(2), H, Nq, Nk, nqp, n_m, n_items, scale, scale * LOG2E, D=D,
-           BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal, CONSUMER_REGS=qregs, num_warps=4)
-    launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), B * H), _descriptor(q, km), _descriptor(do, km), _descriptor(k, 64),
-           _descriptor(v, 64), lse2, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
-           dv.stride(1), dv.stride(2), H, Nq, Nk, nqp, scale, scale * LOG2E, D=D, BLOCK_M=km, BLOCK_N=kn,
-           STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, num_warps=4)
+           BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal, CONSUMER_REGS=qregs, PARTS=2 if split else 1,
+           num_warps=4)
+    launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), BH), _descriptor(q, km), _descriptor(q2, km), _descriptor(do, km),
+           _descriptor(k, 64), _descriptor(v, 64), rows, BH * nqp, scales, dk, dv, dk.stride(0), dk.stride(1),
+           dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, Nq, Nk, nqp, scale, scale * LOG2E, D=D,
+           BLOCK_M=km, BLOCK_N=kn, STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, PARTS=2 if split else 1,
+           num_warps=4)
     return dq, dk, dv
+
+
+@triton.jit
+def _bwd_split_kernel(Q, K, V, dO, Out, Stats, Scales, Parts, Rows, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d,
+                      sv_b, sv_h, sv_n, sv_d, sd_b, sd_h, sd_m, sd_d, so_b, so_h, so_m, so_d, H, BH, Nq, Nk, NQP,
+                      D: tl.constexpr, BLOCK: tl.constexpr):
+    """fp16x3's operands and row statistics for the Gluon backward, as the portable fp16x3 backward
+    forms them in its loops. Program (t, bh, which), rows [t·BLOCK, +BLOCK) of head bh:
+      which = 0: q·c_q's float16 (hi, lo) parts, and the same parts times w_i (common.dk_units:
+        q's rows as dK's product takes them);
+      which = 1, 2: k·c_k's and v·c_v's parts (c_v one per head: the backward's dP sums over the
+        features);
+      which = 3: dO·c_dO's parts, and the rows' planes of Rows [5, BH, NQP]: m, delta = rowsum(dO∘O)
+        in units of c_dO·c_v, r = 1/S, f (common.ds_units), u (common.dk_units); rows from Nq to
+        NQP: (+inf, 0, 0, 1, 0), so that P = 0 there.
+    Scales [BH, 4]: c_q, c_k, c_v, c_dO (attention._f16_scales_kernel); Stats [BH, 2, Nq] (m, S).
+    Parts, one buffer of [BH, 2·N, D] blocks (a row's hi part at row r, its lo part at N + r): q's,
+    q's rescaled, dO's (N = Nq), then k's and v's (N = Nk)."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    which = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    bh64 = bh.to(tl.int64)
+    BH = tl.cast(BH, tl.int64)
+    rows = t * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, D)
+    cs = Scales + bh64 * 4
+    st = Stats + bh64 * 2 * Nq
+    q_part = bh64 * 2 * Nq * D  # (head bh's block in q's parts; + BH·2·Nq·D: in the next tensor's)
+    if which == 0:
+        if t * BLOCK < Nq:
+            ok = rows[:, None] < Nq
+            x = tl.load(Q + b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_m + offs_d[None, :] * sq_d,
+                        mask=ok, other=0.0)
+            hi, lo = split_f16(x * tl.load(cs))
+            _, w = dk_units(1.0 / tl.load(st + Nq + rows, mask=rows < Nq, other=1.0), D)
+            at = Parts + q_part + rows[:, None].to(tl.int64) * D + offs_d[None, :]
+            tl.store(at, hi, mask=ok)
+            tl.store(at + Nq * D, lo, mask=ok)
+            at += BH * 2 * Nq * D
+            tl.store(at, hi * w[:, None], mask=ok)
+            tl.store(at + Nq * D, lo * w[:, None], mask=ok)
+    elif which == 3:
+        if t * BLOCK < NQP:
+            ok = rows < Nq
+            do = tl.load(dO + b * sd_b + h * sd_h + rows[:, None].to(tl.int64) * sd_m + offs_d[None, :] * sd_d,
+                         mask=ok[:, None], other=0.0)
+            o = tl.load(Out + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_m + offs_d[None, :] * so_d,
+                        mask=ok[:, None], other=0.0)
+            hi, lo = split_f16(do * tl.load(cs + 3))
+            at = Parts + 2 * BH * 2 * Nq * D + q_part + rows[:, None].to(tl.int64) * D + offs_d[None, :]
+            tl.store(at, hi, mask=ok[:, None])
+            tl.store(at + Nq * D, lo, mask=ok[:, None])
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) * tl.load(cs + 3) * tl.load(cs + 2)
+            r = 1.0 / tl.load(st + Nq + rows, mask=ok, other=1.0)
+            u, _ = dk_units(r, D)
+            at_r = Rows + bh64 * NQP + rows
+            plane = BH * NQP
+            in_rows = rows < NQP
+            tl.store(at_r, tl.load(st + rows, mask=ok, other=float("inf")), mask=in_rows)
+            tl.store(at_r + plane, tl.where(ok, delta, 0.0), mask=in_rows)
+            tl.store(at_r + 2 * plane, tl.where(ok, r, 0.0), mask=in_rows)
+            tl.store(at_r + 3 * plane, tl.where(ok, ds_units(r, D), 1.0), mask=in_rows)
+            tl.store(at_r + 4 * plane, tl.where(ok, u, 0.0), mask=in_rows)
+    elif t * BLOCK < Nk:
+        ok = rows[:, None] < Nk
+        if which == 1:
+            x = tl.load(K + b * sk_b + h * sk_h + rows[:, None].to(tl.int64) * sk_n + offs_d[None, :] * sk_d,
+                        mask=ok, other=0.0)
+        else:
+            x = tl.load(V + b * sv_b + h * sv_h + rows[:, None].to(tl.int64) * sv_n + offs_d[None, :] * sv_d,
+                        mask=ok, other=0.0)
+        hi, lo = split_f16(x * tl.load(cs + which))
+        at = (Parts + BH * 6 * Nq * D + (which - 1) * BH * 2 * Nk * D + bh64 * 2 * Nk * D
+              + rows[:, None].to(tl.int64) * D + offs_d[None, :])
+        tl.store(at, hi, mask=ok)
+        tl.store(at + Nk * D, lo, mask=ok)
+
+
+def _bwd_split(do, q, k, v, out, stats, scales, rows) -> tuple:
+    """_bwd_split_kernel's pass: → the float16 parts (q, q rescaled for dK, dO, k, v) as [B, H, 2N, D]
+    tensors of one new buffer, and ``rows`` [5, B·H, NQP] filled."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    BH = B * H
+    nqp = rows.shape[-1]
+    buf = torch.empty(2 * BH * (3 * Nq + 2 * Nk) * D, device=q.device, dtype=torch.float16)
+    block = 64
+    launch(_bwd_split_kernel, (cdiv(max(nqp, Nk), block), BH, 4), q, k, v, do, out, stats, scales, buf, rows,
+           *q.stride(), *k.stride(), *v.stride(), *do.stride(), *out.stride(), H, BH, Nq, Nk, nqp, D=D, BLOCK=block,
+           num_warps=4)
+    nq, nk = 2 * BH * Nq * D, 2 * BH * Nk * D
+    qs = [buf[i * nq:(i + 1) * nq].view(B, H, 2 * Nq, D) for i in range(3)]
+    ks = [buf[3 * nq + i * nk:3 * nq + (i + 1) * nk].view(B, H, 2 * Nk, D) for i in range(2)]
+    return (*qs, *ks)
