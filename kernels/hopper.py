@@ -1076,13 +1076,18 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
     portable backward there (benchmarks/results/<device>/attention_hopper_fwdbwd.csv, bf16 forward
     + backward, CUDA-graph replays; thresh_ab.csv for the short rows): every call at D = 128; at
     D = 64 from 300 keys, causal from 1024. Below, the portable backward's 32-row tiles waste less
-    on padding and on the diagonal. float32 in ``fp16x3`` (D = 64): every call (its forward +
-    backward measured faster than with the portable backward from ViT's 197 tokens on, causal or
-    not: attention_hopper_fp32_fwdbwd.csv). ``EVERYWHERE`` takes every call it supports."""
+    on padding and on the diagonal. float32 in ``fp16x3`` (D = 64): from 512 keys, and shorter rows
+    where the work items fill the GPU (``fills``). Its forward + backward measured faster than with
+    the portable backward from ViT's 197 tokens on, causal or not, with 3072 batch·heads there
+    (attention_hopper_fp32_fwdbwd.csv); with few batch·heads a short call is the host's (ViT-T at
+    224 px, batch 16: 48 of them), and its extra pass is one more launch. ``EVERYWHERE`` takes every
+    call it supports."""
     if not (BACKWARD and (_half(q, precision) or _split(q, precision)) and supports(q, k, v, bias, precision)):
         return False
-    if EVERYWHERE or q.shape[-1] == 128 or q.dtype == torch.float32:
+    if EVERYWHERE or q.shape[-1] == 128:
         return True
+    if q.dtype == torch.float32:
+        return k.shape[2] >= 512 or fills(q)
     return k.shape[2] >= (1024 if causal else 300)
 
 

@@ -300,6 +300,11 @@ def test_backward_dispatch_policy(monkeypatch):
                                (1041, 64, True, True), (197, 128, True, True)]:
         q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
         assert hopper.serves_backward(q, k, v, None, "native", causal) == want, (n, d, causal)
+    # float32 in fp16x3: from 512 keys, or where the items fill the GPU (ViT's 197 tokens at batch
+    # 64 × 12 heads, not at 16 × 3)
+    for bh, n, want in [(48, 197, False), (768, 197, True), (1, 512, True), (1, 511, False)]:
+        q, k, v = qkv(1, bh, n, n, 64, torch.float32)
+        assert hopper.serves_backward(q, k, v, None, "fp16x3", False) == want, (bh, n)
     monkeypatch.setattr(hopper, "BACKWARD", False)
     q, k, v = qkv(1, 1, 8192, 8192, 128, torch.bfloat16)
     assert not hopper.serves_backward(q, k, v, None, "native", False)
