@@ -531,8 +531,8 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_
     Rows [·, B·H, NQP] float32, planes PLANE apart: lse2, delta (the dQ kernel's). PARTS = 2
     (fp16x3, _bwd_split_kernel's planes m, delta, r = 1/S, f, u): every product is three
     (common.dot3's), Pᵀ = exp2(Sᵀ·scale·log2e − m)·r goes in as Pᵀ·2^14 and dSᵀ's column i scaled
-    by u_i, against q's rows scaled by 2^16·D·c_q / u_i (q2_ring), as the portable fp16x3 backward
-    does (common.dk_units); each tile's products are summed apart and added to dK, dV outside the
+    by u_i, against q's rows scaled by c_q·w_i (q2_ring; u_i·w_i = 2⁻¹⁶/D), as the portable fp16x3
+    backward does (common.dk_units); each tile's products are summed apart and added to dK, dV outside the
     tensor cores (see _pv)."""
     dtype: gl.constexpr = q_ring.dtype
     ST_L: gl.constexpr = _acc_layout(BLOCK_M)
@@ -604,8 +604,9 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_
         # (dV's product issued before dP is awaited measured the same at D = 64 and spilled more at 128)
         dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[t_dp])
         if PARTS == 2:
-            # dSᵀ's parts formed before dV's products are issued: with those products' tile
-            # accumulator alive beside Pᵀ and dPᵀ, the registers spill
+            # dSᵀ's parts formed before dV's products are issued, and each product's tile folded
+            # before the next is issued: one tile accumulator alive at a time (ptxas, Triton 3.6:
+            # 112 bytes of spills a thread here and in the orders with more in flight alike)
             ds16, ds_lo = _split_p((p_t * gl.expand_dims(r * u, 0)) * (dp_t - gl.expand_dims(delta, 0)), A_L)
             dv = _fold(dv, _pv(p16, p_lo, do_ring, PARTS * slot, dv, BLOCK_M, D, PARTS), PARTS)
             dk = _fold(dk, _pv(ds16, ds_lo, q2_ring, PARTS * slot, dk, BLOCK_M, D, PARTS), PARTS)
