@@ -985,41 +985,30 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
         return (*hopper.backward(do, q, k, v, out, stats, scale, causal, grads, scales), None)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    d_pad = pow2(D)
-    cfg = config or bwd_config(q.dtype, d_pad, precision, Nq)
-    prec = PRECISION_CODES[precision]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
     scales = _f16_scales(q, k, v, do) if precision == "fp16x3" else delta
     if dqkv is None:
         dq, dk, dv = new_grads(q, k, v)
-        dq_arg, dk_arg, dv_arg, offsets = dq, dk, dv, (0, 0)
+        dq_arg, dk_arg, dv_arg = dq, dk, dv
     else:  # one tensor: q's part at offset 0, k's and v's one and two [H, D] blocks further (dV unused: q)
         dq, dk, dv = qkv_views(dqkv)
-        dq_arg, dk_arg, dv_arg, offsets = dqkv, dqkv, q, (dqkv.stride(2), 2 * dqkv.stride(2))
-    g_strides = (*dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
+        dq_arg, dk_arg, dv_arg = dqkv, dqkv, q
     bias_arg = bias if bias is not None else q
-    common = dict(D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, PREC=prec,
-                  EXACT=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *_strides4(bias))
     own_delta = not (bias_grad and q.dtype == torch.float32)  # else delta from P and dP (see _bwd_delta_kernel)
-    if not own_delta:
-        launch(_bwd_delta_kernel, (cdiv(Nq, cfg.block_m), B * H),
-            q, k, v, bias_arg, do, stats, delta, scales, *strides, H, Nq, Nk, scale * LOG2E, scale,
-            HAS_BIAS=bias is not None, **common)
-    launch(_bwd_dq_kernel, (cdiv(Nq, cfg.block_m), B * H),
-        q, k, v, bias_arg, do, out, stats, delta, dq_arg, scales, *strides, *out.stride(), *g_strides[:3], H, Nq, Nk,
-        scale * LOG2E, scale, HAS_BIAS=bias is not None, TAIL=tail_width(Nk, cfg.block_n, causal),
-        OWN_DELTA=own_delta, **common)
-    kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
-    early_dp = early_dp_default(q.dtype, d_pad, precision) if early_dp is None else early_dp
-    launch(_bwd_dkdv_kernel, (cdiv(Nk, kv.block_n), B * H),
-        q, k, v, bias_arg, do, stats, delta, dk_arg, dv_arg, scales, *strides, *g_strides[3:], *offsets, H, Nq, Nk,
-        scale * LOG2E, scale, HAS_BIAS=bias is not None, EARLY_DP=early_dp, ONE_BUFFER=dqkv is not None,
-        TAIL=tail_width(Nq, kv.block_m),
-        **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n, "num_warps": kv.num_warps,
-           "num_stages": kv.num_stages})
+    # (the gradients are new contiguous tensors, or dqkv's views: their strides follow from the key's)
+    key = ("attention-bwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), do.dtype,
+           out.stride(), out.dtype, None if bias is None else (bias.shape, bias.stride(), bias.dtype), q.dtype, q.device,
+           scale, causal, precision, own_delta, None if dqkv is None else dqkv.stride(), config, kv, early_dp)
+    delta_launch, dq_launch, kv_launch = prepared(key, _bwd_launches, q, k, v, bias, do, out, dq, dk, dv, dqkv, scale,
+                                                  causal, precision, own_delta, config, kv, early_dp)
+    if delta_launch is not None:
+        delta_launch(q, k, v, bias_arg, do, stats, delta, scales)
+    dq_launch(q, k, v, bias_arg, do, out, stats, delta, dq_arg, scales)
+    kv_launch(q, k, v, bias_arg, do, stats, delta, dk_arg, dv_arg, scales)
     dbias = None
     if bias_grad:
+        cfg, common = _bwd_setup(q, precision, causal, config)
+        strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *_strides4(bias))
         b1, h1 = bias.shape[0] == 1, bias.shape[1] == 1
         Bb, Hb = (1 if b1 else B), (1 if h1 else H)
         dfull = torch.empty((Bb, Hb, Nq, Nk), device=q.device, dtype=torch.float32)
@@ -1037,6 +1026,48 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
             dfull = dfull.sum(dim=red, keepdim=True)
         dbias = dfull.to(bias.dtype)
     return dq, dk, dv, dbias
+
+
+def _bwd_setup(q, precision: str, causal: bool, config: Optional[Config]) -> tuple[Config, dict]:
+    """(the dQ kernel's tile config, the constants every backward kernel takes)."""
+    Nq, D = q.shape[2], q.shape[3]
+    d_pad = pow2(D)
+    cfg = config or bwd_config(q.dtype, d_pad, precision, Nq)
+    return cfg, dict(D=D, D_PAD=d_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+                     PREC=PRECISION_CODES[precision], EXACT=q.dtype == torch.float32, num_warps=cfg.num_warps,
+                     num_stages=cfg.num_stages)
+
+
+def _bwd_launches(q, k, v, bias, do, out, dq, dk, dv, dqkv, scale: float, causal: bool, precision: str,
+                  own_delta: bool, config: Optional[Config], kv: Optional[Config], early_dp: Optional[bool]) -> tuple:
+    """The launches of ``backward`` for this call signature (see launch.Launch): (delta or None, dQ,
+    dK/dV), called with (q, k, v, bias or q, dO, stats, delta, scales), (q, k, v, bias or q, dO,
+    out, stats, delta, dQ or dqkv, scales) and (q, k, v, bias or q, dO, stats, delta, dK or dqkv,
+    dV or q, scales)."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    cfg, common = _bwd_setup(q, precision, causal, config)
+    offsets = (0, 0) if dqkv is None else (dqkv.stride(2), 2 * dqkv.stride(2))
+    g_strides = (*dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *_strides4(bias))
+    has_bias = bias is not None
+    delta_launch = None if own_delta else Launch(
+        _bwd_delta_kernel, (cdiv(Nq, cfg.block_m), B * H), (*strides, H, Nq, Nk, scale * LOG2E, scale),
+        dict(HAS_BIAS=has_bias, **common))
+    dq_launch = Launch(_bwd_dq_kernel, (cdiv(Nq, cfg.block_m), B * H),
+                       (*strides, *out.stride(), *g_strides[:3], H, Nq, Nk, scale * LOG2E, scale),
+                       dict(HAS_BIAS=has_bias, TAIL=tail_width(Nk, cfg.block_n, causal), OWN_DELTA=own_delta,
+                            **common))
+    d_pad = pow2(D)
+    kv = kv or kv_config(q.dtype, d_pad, precision, cfg)
+    early_dp = early_dp_default(q.dtype, d_pad, precision) if early_dp is None else early_dp
+    kv_launch = Launch(_bwd_dkdv_kernel, (cdiv(Nk, kv.block_n), B * H),
+                       (*strides, *g_strides[3:], *offsets, H, Nq, Nk, scale * LOG2E, scale),
+                       dict(HAS_BIAS=has_bias, EARLY_DP=early_dp, ONE_BUFFER=dqkv is not None,
+                            TAIL=tail_width(Nq, kv.block_m),
+                            **{**common, "BLOCK_M": kv.block_m, "BLOCK_N": kv.block_n, "num_warps": kv.num_warps,
+                               "num_stages": kv.num_stages}))
+    return delta_launch, dq_launch, kv_launch
 
 
 # ---------------------------------------------------------------------------------------------
