@@ -935,6 +935,14 @@ SPLIT_CONFIG = (128, 128, 2, 232)
 
 
 @triton.jit
+def _split_program(H, BH):
+    """(t, bh, which, b, h, bh and BH as int64) of a split pass's program (t, bh, which)."""
+    bh = tl.program_id(1)
+    return (tl.program_id(0), bh, tl.program_id(2), (bh // H).to(tl.int64), (bh % H).to(tl.int64), bh.to(tl.int64),
+            tl.cast(BH, tl.int64))
+
+
+@triton.jit
 def _split_kernel(Q, K, V, Scales, Parts, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
                   H, BH, Nq, Nk, D: tl.constexpr, BLOCK: tl.constexpr):
     """fp16x3's operands for the Gluon forward: program (t, bh, which) splits rows [t·BLOCK, +BLOCK)
@@ -943,13 +951,7 @@ def _split_kernel(Q, K, V, Scales, Parts, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk
     (common.split_f16, as the portable forward splits them in its loop). Parts: q's [B·H, 2·Nq, D],
     then k's and v's [B·H, 2·Nk, D], contiguous, one buffer: row r's hi part at row r of its head,
     its lo part at row N + r."""
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
-    which = tl.program_id(2)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    bh64 = bh.to(tl.int64)
-    BH = tl.cast(BH, tl.int64)
+    t, bh, which, b, h, bh64, BH = _split_program(H, BH)
     if which == 0:
         base, s_n, s_d, n, dst = Q + b * sq_b + h * sq_h, sq_m, sq_d, Nq, Parts + bh64 * 2 * Nq * D
     elif which == 1:
@@ -1181,13 +1183,7 @@ def _bwd_split_kernel(Q, K, V, dO, Out, Stats, Scales, Parts, Rows, sq_b, sq_h, 
     Scales [BH, 4]: c_q, c_k, c_v, c_dO (attention._f16_scales_kernel); Stats [BH, 2, Nq] (m, S).
     Parts, one buffer of [BH, 2·N, D] blocks (a row's hi part at row r, its lo part at N + r): q's,
     q's rescaled, dO's (N = Nq), then k's and v's (N = Nk)."""
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
-    which = tl.program_id(2)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    bh64 = bh.to(tl.int64)
-    BH = tl.cast(BH, tl.int64)
+    t, bh, which, b, h, bh64, BH = _split_program(H, BH)
     rows = t * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D)
     cs = Scales + bh64 * 4

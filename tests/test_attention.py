@@ -112,6 +112,51 @@ def test_fp16x3_split_pass(magnitude):
         assert (err <= 2 ** -22 * xc.abs() + 2 ** -25).all(), err.max()
 
 
+@pytest.mark.parametrize("magnitude", [(1.0, 1.0, 1.0, 1.0), (1e-3, 30.0, 1e-6, 1e-8)])
+def test_fp16x3_backward_split_pass(magnitude):
+    """The Gluon backward's fp16x3 operands and row statistics (kernels/hopper._bwd_split, a plain
+    Triton kernel), strided inputs included: q, k, v, dO split at their head scales as split_f16
+    does (hi at row r, lo at row N + r); q once more with both parts times w_i (common.dk_units,
+    exact powers of two); the planes m, delta = rowsum(dO∘O)·c_dO·c_v, 1/S, f (common.ds_units), u,
+    and rows from Nq to the padded length (+inf, 0, 0, 1, 0)."""
+    hopper = pytest.importorskip("elsa_vision.kernels.hopper")
+    from elsa_vision.kernels import attention as K
+    B, H, Nq, Nk, D, nqp = 2, 3, 37, 70, 64, 64
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    q = torch.randn(B, Nq, H, D, generator=g, device=DEVICE).transpose(1, 2) * magnitude[0]
+    k = torch.randn(B, H, Nk, D, generator=g, device=DEVICE) * magnitude[1]
+    v = torch.randn(B, H, Nk, D, generator=g, device=DEVICE) * magnitude[2]
+    do = torch.randn(B, H, Nq, D, generator=g, device=DEVICE) * magnitude[3]
+    out = torch.randn(B, Nq, H, D, generator=g, device=DEVICE).transpose(1, 2)
+    m = torch.randn(B, H, Nq, generator=g, device=DEVICE) * 10
+    s_sum = torch.rand(B, H, Nq, generator=g, device=DEVICE) * 3000 + 1
+    stats = torch.stack([m, s_sum], 2).contiguous()
+    scales = K._f16_scales(q, k, v, do)
+    rows = torch.empty(5, B * H, nqp, device=DEVICE)
+    qp, q2p, dop, kp, vp = hopper._bwd_split(do, q, k, v, out, stats, scales, rows)
+    c = scales.view(B, H, 4, 1, 1)
+    for x, p, cx in ((q, qp, c[:, :, 0]), (k, kp, c[:, :, 1]), (v, vp, c[:, :, 2]), (do, dop, c[:, :, 3])):
+        n = x.shape[2]
+        assert p.dtype == torch.float16 and p.shape == (B, H, 2 * n, D)
+        hi = (x * cx).half()
+        assert torch.equal(p[:, :, :n], hi) and torch.equal(p[:, :, n:], (x * cx - hi.float()).half())
+    r = 1.0 / s_sum
+    t = torch.exp2(torch.clamp(-torch.floor(torch.log2(r)), max=10))  # (dk_units' t_i ≈ S_i)
+    w = (1.0 / t).half()[..., None]
+    assert torch.equal(q2p[:, :, :Nq], qp[:, :, :Nq] * w) and torch.equal(q2p[:, :, Nq:], qp[:, :, Nq:] * w)
+    planes = rows.view(5, B, H, nqp)
+    units = c[:, :, 3, 0] * c[:, :, 2, 0]
+    delta = (out.double() * do.double()).sum(-1) * units  # (float32 sums in another order: to D·2⁻²⁴ of Σ|o·dO|)
+    bound = D * 2 ** -24 * (out.double() * do.double()).abs().sum(-1) * units
+    assert ((planes[1, :, :, :Nq].double() - delta).abs() <= bound).all()
+    f = torch.exp2(-torch.floor(torch.log2(r)) - 16) / D
+    for i, x in ((0, m), (2, r), (3, f), (4, t * 2.0 ** -16 / D)):
+        assert torch.equal(planes[i, :, :, :Nq], x), i
+    pad = planes[:, :, :, Nq:]
+    assert (pad[0] == float("inf")).all() and (pad[1] == 0).all() and (pad[2] == 0).all()
+    assert (pad[3] == 1).all() and (pad[4] == 0).all()
+
+
 @pytest.mark.parametrize("B,H,per", [(1, 16, 5), (3, 5, 2), (3, 5, 10), (3, 5, 15), (4, 2, 7), (2, 3, 100),
                                      (100, 16, 335), (1, 11, 4), (31, 12, 341)])
 def test_fp16x3_split_chunks_cover_once(B, H, per):
