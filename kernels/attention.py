@@ -997,8 +997,9 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     own_delta = not (bias_grad and q.dtype == torch.float32)  # else delta from P and dP (see _bwd_delta_kernel)
     # (the gradients are new contiguous tensors, or dqkv's views: their strides follow from the key's)
     key = ("attention-bwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), do.dtype,
-           out.stride(), out.dtype, None if bias is None else (bias.shape, bias.stride(), bias.dtype), q.dtype, q.device,
-           scale, causal, precision, own_delta, None if dqkv is None else dqkv.stride(), config, kv, early_dp)
+           out.stride(), out.dtype, None if bias is None else (bias.shape, bias.stride(), bias.dtype), q.dtype,
+           q.device, scale, causal, precision, own_delta, None if dqkv is None else dqkv.stride(), config, kv,
+           early_dp)
     delta_launch, dq_launch, kv_launch = prepared(key, _bwd_launches, q, k, v, bias, do, out, dq, dk, dv, dqkv, scale,
                                                   causal, precision, own_delta, config, kv, early_dp)
     if delta_launch is not None:

@@ -146,7 +146,7 @@ def test_fp16x3_backward_split_pass(magnitude):
     assert torch.equal(q2p[:, :, :Nq], qp[:, :, :Nq] * w) and torch.equal(q2p[:, :, Nq:], qp[:, :, Nq:] * w)
     planes = rows.view(5, B, H, nqp)
     units = c[:, :, 3, 0] * c[:, :, 2, 0]
-    delta = (out.double() * do.double()).sum(-1) * units  # (float32 sums in another order: to D·2⁻²⁴ of Σ|o·dO|)
+    delta = (out.double() * do.double()).sum(-1) * units  # (float32 sums: to D·2⁻²⁴ of Σ|o·dO|)
     bound = D * 2 ** -24 * (out.double() * do.double()).abs().sum(-1) * units
     assert ((planes[1, :, :, :Nq].double() - delta).abs() <= bound).all()
     f = torch.exp2(-torch.floor(torch.log2(r)) - 16) / D
