@@ -57,7 +57,7 @@ def test_measure_records_a_failing_variant():
     assert res["ok"].ms is not None and res["bad"].ms is None and "not supported here" in res["bad"].error
 
 
-@pytest.mark.parametrize("args", [["--smoke", "--shapes", "swinT-s3", "--dtypes", "fp32", "--profile"]])
+@pytest.mark.parametrize("args", [["--smoke", "--shapes", "swinT-s4", "--dtypes", "fp32", "--profile"]])
 def test_windows_benchmark_smoke(tmp_path, args):
     from benchmarks import windows
     import csv
