@@ -978,15 +978,16 @@ def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precisio
     kernels get the tensor itself and offsets into it, not views of it); new tensors otherwise."""
     if dqkv is not None and dqkv.stride(-1) != 1:
         raise ValueError("attention backward: the packed gradient needs a unit stride along D")
+    scales = _f16_scales(q, k, v, do) if precision == "fp16x3" else None
     if (config is None and kv is None and early_dp is None and not bias_grad and stats.is_contiguous()
             and _hopper_serves(q, k, v, bias, precision, causal, backward=True)):
         grads = new_grads(q, k, v) if dqkv is None else qkv_views(dqkv)
-        scales = _f16_scales(q, k, v, do) if precision == "fp16x3" else None
         return (*hopper.backward(do, q, k, v, out, stats, scale, causal, grads, scales), None)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    scales = _f16_scales(q, k, v, do) if precision == "fp16x3" else delta
+    if scales is None:  # (an unused pointer argument of the kernels)
+        scales = delta
     if dqkv is None:
         dq, dk, dv = new_grads(q, k, v)
         dq_arg, dk_arg, dv_arg = dq, dk, dv

@@ -144,6 +144,11 @@ def _rows(t: torch.Tensor, C: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
 
 
+def _row_stride(rows: torch.Tensor, C: int) -> int:
+    """The row stride of :func:`_rows`' result (a 1-D one is a single row of C)."""
+    return rows.stride(-2) if rows.dim() > 1 else C
+
+
 def residual_dtype(x: torch.Tensor, y: torch.Tensor, gamma: Optional[torch.Tensor]) -> torch.dtype:
     """The dtype of ``x + y * gamma`` (``x + y`` without gamma) under PyTorch's promotion."""
     p = y.dtype if gamma is None else torch.promote_types(y.dtype, gamma.dtype)
@@ -250,8 +255,7 @@ def _backward(r, dh, dr, mean, rstd, w, gamma, y, sums: bool):
     if M:
         launch(_norm_bwd_kernel, (programs,), r2, dh2, dr2, mean, rstd, w if w is not None else r2,
                gamma if gamma is not None else r2, dx, dy if dy is not None else dx, parts[0] if sums else r2,
-               parts[1] if sums else r2, M, C, r2.stride(-2) if r2.dim() > 1 else C, dh2.stride(-2) if dh2.dim() > 1 else C,
-               dr2.stride(-2) if dr2.dim() > 1 else C, C, C,
+               parts[1] if sums else r2, M, C, _row_stride(r2, C), _row_stride(dh2, C), _row_stride(dr2, C), C, C,
                HAS_DR=dr is not None, HAS_W=w is not None, DY_MODE=0 if y is None else (2 if gamma is not None else 1),
                SUMS=sums, BLOCK_C=block_c, ROWS=rows, CHUNKS=chunks, num_warps=4 if block_c <= 2048 else 8)
     elif sums:
@@ -281,7 +285,7 @@ def _plan(x, y, gamma, norm, w, b, out_dtype, save=False):
     M = x.numel() // C
     if M == 0 or (y is None and norm is None):
         return r_dtype, h_dtype, None
-    row_stride = [_rows(t, C).stride(-2) if t.dim() > 1 else C for t in (x, y if y is not None else x)]
+    row_stride = [_row_stride(_rows(t, C), C) for t in (x, y if y is not None else x)]
     block_c = 1 << (C - 1).bit_length()
     # (the interpreter pays per program: many rows each there)
     rows = max(1, (65536 if INTERPRET else 4096) // block_c)
