@@ -60,7 +60,7 @@ def test_dynamic_shapes_do_not_recompile():
         return elsa_vision.attention(q, k, v, bias=bias, causal=True)
 
     c = torch.compile(step, fullgraph=True, backend=backend, dynamic=True)
-    for B, N in ((3, 40), (5, 57), (4, 100)):
+    for B, N in ((3, 36), (4, 50), (3, 80)):  # (B ≠ H: duck sizing would tie them; N both sides of 64)
         q, k, v = _qkv(B, 2, N, 32, seed=B)
         bias = torch.randn(2, N, N, device=DEVICE, requires_grad=True)
         out, grads = _grads(c, q, k, v, bias)
@@ -82,7 +82,7 @@ def test_window_dynamic_batch():
         return elsa_vision.window_attention(q, k, v, bias=bias, mask=mask)
 
     c = torch.compile(step, fullgraph=True, backend=backend)
-    for batch in (3, 5, 2):
+    for batch in (2, 3, 1):
         q, k, v = _qkv(batch * nW, H, N, D, seed=batch)
         torch._dynamo.mark_dynamic(q, 0), torch._dynamo.mark_dynamic(k, 0), torch._dynamo.mark_dynamic(v, 0)
         out, grads = _grads(c, q, k, v)
@@ -112,7 +112,8 @@ def test_shifted_windows_compiled_in_place(packed):
 
     def step(*args):  # (q, k, v or the packed qkv), then the bias
         return elsa_vision.shifted_window_attention(*args[:-1], window_size=ws, shift_size=sh, bias=args[-1],
-                                                    mask=mask)
+                                                    mask=mask, precision="ieee")  # (one product: the
+        # interpreter's quickest; the kernels' addressing is every precision's)
 
     c = torch.compile(step, fullgraph=True, backend=counting)
     for batch in (2, 3):

@@ -35,83 +35,112 @@ def _full(n: int, dtype, d: int = D, heads: int = H):
     return [torch.randn(B, heads, n, d, generator=g).to(dtype) for _ in range(4)]  # q, k, v, dO
 
 
-def _worker(rank, world, init_file, lengths, causal, backend, dtype, out_dir, grad=True, gpu=False):
-    """One rank: gloo on CPU tensors, or (gpu) NCCL with rank r on cuda:r, the head size of a real model."""
+def _worker(rank, world, init_file, lengths, cases, out_dir, gpu=False):
+    """One rank: gloo on CPU tensors, or (gpu) NCCL with rank r on cuda:r, the head size of a real
+    model. Runs every case (causal, backend, dtype, grad) in one process group, so that a test
+    pays the ranks' start-up once: case i's results go to <rank>-<i>.pt."""
     if gpu:
         torch.cuda.set_device(rank)
     with _group("nccl" if gpu else "gloo", init_file, rank, world):
-        q, k, v, do = (t.to(f"cuda:{rank}" if gpu else "cpu") for t in _full(sum(lengths), dtype, *GPU_SHAPE[gpu]))
-        start = sum(lengths[:rank])
-        rows = slice(start, start + lengths[rank])
-        if not grad:  # the ring schedule: the shards' lengths gathered, or given with the transfers overlapped
-            shard = (q[:, :, rows], k[:, :, rows], v[:, :, rows])
-            with torch.no_grad():
-                out = distributed.attention(*shard, causal=causal, backend=backend)
-                given = distributed.attention(*shard, causal=causal, backend=backend, lengths=lengths, overlap=True)
-                distributed.RING_HEADS = 1  # a pass of the ring per head
+        for i, (causal, backend, dtype, grad) in enumerate(cases):
+            torch.save(_case(rank, lengths, causal, backend, dtype, grad, gpu), os.path.join(out_dir, f"{rank}-{i}.pt"))
+
+
+def _case(rank, lengths, causal, backend, dtype, grad, gpu):
+    """One rank's results of one case: its rows of the output (and of the q/k/v gradients), or
+    without gradients the ring schedule's variants: the shards' lengths gathered, or given with the
+    transfers overlapped, a pass of the ring per head, and whether wrong lengths are refused."""
+    q, k, v, do = (t.to(f"cuda:{rank}" if gpu else "cpu") for t in _full(sum(lengths), dtype, *GPU_SHAPE[gpu]))
+    start = sum(lengths[:rank])
+    rows = slice(start, start + lengths[rank])
+    if not grad:
+        shard = (q[:, :, rows], k[:, :, rows], v[:, :, rows])
+        with torch.no_grad():
+            out = distributed.attention(*shard, causal=causal, backend=backend)
+            given = distributed.attention(*shard, causal=causal, backend=backend, lengths=lengths, overlap=True)
+            heads, distributed.RING_HEADS = distributed.RING_HEADS, 1  # a pass of the ring per head
+            try:
                 by_head = distributed.attention(*shard, causal=causal, backend=backend)
-                try:  # (refused before any collective: every rank raises)
-                    distributed.attention(*shard, backend=backend, lengths=[n + 1 for n in lengths])
-                    refused = False
-                except ValueError as e:
-                    refused = "lengths must give every rank's key count" in str(e)
-            torch.save({"out": out, "given": given, "by_head": by_head, "refused": refused},
-                       os.path.join(out_dir, f"{rank}.pt"))
-            return
-        ql, kl, vl = (t[:, :, rows].clone().requires_grad_() for t in (q, k, v))
-        out = distributed.attention(ql, kl, vl, causal=causal, backend=backend)
-        out.backward(do[:, :, rows])
-        torch.save({"out": out.detach().cpu(), "dq": ql.grad.cpu(), "dk": kl.grad.cpu(), "dv": vl.grad.cpu()},
-                   os.path.join(out_dir, f"{rank}.pt"))
+            finally:
+                distributed.RING_HEADS = heads
+            try:  # (refused before any collective: every rank raises)
+                distributed.attention(*shard, backend=backend, lengths=[n + 1 for n in lengths])
+                refused = False
+            except ValueError as e:
+                refused = "lengths must give every rank's key count" in str(e)
+        return {"out": out, "given": given, "by_head": by_head, "refused": refused}
+    ql, kl, vl = (t[:, :, rows].clone().requires_grad_() for t in (q, k, v))
+    out = distributed.attention(ql, kl, vl, causal=causal, backend=backend)
+    out.backward(do[:, :, rows])
+    return {"out": out.detach().cpu(), "dq": ql.grad.cpu(), "dk": kl.grad.cpu(), "dv": vl.grad.cpu()}
 
 
 GPU_SHAPE = {False: (D, H), True: (64, 16)}  # (head size, heads): the CPU tests' small heads; VGGT's on GPUs
 
 
-def _run(lengths, causal, backend, dtype, grad=True, gpu=False):
+def _run_cases(lengths, cases, gpu=False):
+    """Every case (causal, backend, dtype, grad) over shards of these lengths, one rank per shard,
+    all in one spawned group: per case, the ranks' results joined along the sequence."""
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(len(lengths), init, lengths, causal, backend, dtype, tmp, grad, gpu),
-                 nprocs=len(lengths))
-        parts = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(len(lengths))]
-    return {key: torch.cat([p[key] for p in parts], dim=2) if isinstance(parts[0][key], torch.Tensor)
-            else [p[key] for p in parts] for key in parts[0]}
+        mp.spawn(_worker, args=(len(lengths), init, lengths, cases, tmp, gpu), nprocs=len(lengths))
+        results = []
+        for i in range(len(cases)):
+            parts = [torch.load(os.path.join(tmp, f"{r}-{i}.pt")) for r in range(len(lengths))]
+            results.append({key: torch.cat([p[key] for p in parts], dim=2) if isinstance(parts[0][key], torch.Tensor)
+                            else [p[key] for p in parts] for key in parts[0]})
+    return results
 
 
-@pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3], [6, 0, 5], [0, 7, 4]])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("reference", torch.float32, 2e-6),
-                                               ("triton", torch.float32, 2e-6)])
-def test_sharded_equals_one_process(lengths, causal, backend, dtype, tol):
+def _run(lengths, causal, backend, dtype, grad=True, gpu=False):
+    return _run_cases(lengths, [(causal, backend, dtype, grad)], gpu)[0]
+
+
+def _backends(combos):
+    """combos without the Triton backend's where it does not serve CPU tensors (without
+    TRITON_INTERPRET=1); a test with none left skips."""
+    served = [c for c in combos if c[0] != "triton" or elsa_vision.dispatch.triton_serves("cpu")]
+    if not served:
+        pytest.skip("the Triton kernels serve CPU tensors only under TRITON_INTERPRET=1")
+    return served
+
+
+LENGTHS = [[5, 9], [4, 7, 6], [1, 12, 3], [6, 0, 5], [0, 7, 4]]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+def test_sharded_equals_one_process(lengths):
     """Uneven shards over 2 and 3 ranks: every rank's output rows and its q/k/v gradients equal one
     process's attention over the whole sequence (float32: the ring forward and backward, reference
-    backend and the Triton kernels under the interpreter; float64: the all-gather)."""
-    if backend == "triton" and not elsa_vision.dispatch.triton_serves("cpu"):
-        pytest.skip("the Triton kernels serve CPU tensors only under TRITON_INTERPRET=1")
-    got = _run(lengths, causal, backend, dtype)
-    q, k, v, do = _full(sum(lengths), dtype)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = elsa_vision.attention(q, k, v, causal=causal, backend=backend)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
-    for name, want in (("out", out.detach()), ("dq", dq), ("dk", dk), ("dv", dv)):
-        torch.testing.assert_close(got[name], want, rtol=0, atol=tol, msg=name)
+    backend and the Triton kernels under the interpreter; float64: the all-gather), causal or not."""
+    combos = _backends([("reference", torch.float64, 1e-12), ("reference", torch.float32, 2e-6),
+                        ("triton", torch.float32, 2e-6)])
+    cases = [(causal, backend, dtype, True) for causal in (False, True) for backend, dtype, _ in combos]
+    for (causal, backend, dtype, _), got, tol in zip(cases, _run_cases(lengths, cases), [c[2] for c in combos] * 2):
+        q, k, v, do = _full(sum(lengths), dtype)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = elsa_vision.attention(q, k, v, causal=causal, backend=backend)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+        for name, want in (("out", out.detach()), ("dq", dq), ("dk", dk), ("dv", dv)):
+            torch.testing.assert_close(got[name], want, rtol=0, atol=tol, msg=f"{name} ({backend}, {dtype}, "
+                                                                              f"causal={causal})")
 
 
-@pytest.mark.parametrize("lengths", [[5, 9], [4, 7, 6], [1, 12, 3], [6, 0, 5], [0, 7, 4]])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float32, 2e-6), ("triton", torch.float32, 2e-6)])
-def test_ring_equals_one_process(lengths, causal, backend, dtype, tol):
+@pytest.mark.parametrize("lengths", LENGTHS)
+def test_ring_equals_one_process(lengths):
     """Without gradients the shards travel around the ring and the steps merge by the monoid: the
-    same rows as one process's attention (an empty shard included)."""
-    if backend == "triton" and not elsa_vision.dispatch.triton_serves("cpu"):
-        pytest.skip("the Triton kernels serve CPU tensors only under TRITON_INTERPRET=1")
-    got = _run(lengths, causal, backend, dtype, grad=False)
-    q, k, v, _ = _full(sum(lengths), dtype)
-    want = elsa_vision.attention(q, k, v, causal=causal, backend=backend)
-    torch.testing.assert_close(got["out"], want, rtol=0, atol=tol)
-    assert torch.equal(got["given"], got["out"])  # the same steps: given lengths and the transfers' order change no bit
-    torch.testing.assert_close(got["by_head"], want, rtol=0, atol=tol)
-    assert all(got["refused"])
+    same rows as one process's attention (an empty shard included), causal or not."""
+    combos = _backends([("reference", torch.float32, 2e-6), ("triton", torch.float32, 2e-6)])
+    cases = [(causal, backend, dtype, False) for causal in (False, True) for backend, dtype, _ in combos]
+    for (causal, backend, dtype, _), got, tol in zip(cases, _run_cases(lengths, cases), [c[2] for c in combos] * 2):
+        what = f"({backend}, causal={causal})"
+        q, k, v, _ = _full(sum(lengths), dtype)
+        want = elsa_vision.attention(q, k, v, causal=causal, backend=backend)
+        torch.testing.assert_close(got["out"], want, rtol=0, atol=tol, msg=what)
+        assert torch.equal(got["given"], got["out"]), what  # the same steps: given lengths and the transfers'
+        # order change no bit
+        torch.testing.assert_close(got["by_head"], want, rtol=0, atol=tol, msg=what)
+        assert all(got["refused"]), what
 
 
 def test_ring_bfloat16_follows_the_rule():
