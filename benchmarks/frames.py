@@ -7,6 +7,7 @@ memory; the FastVGGT fork side by side when its source is available.
     python benchmarks/frames.py --dtype bf16 --frames 1000,2000 --parts full --variants elsa-lean-merge
     python benchmarks/frames.py --dtype bf16 --frames 400,2000 --parts full --variants elsa-lean,elsa-lean-offload
     python benchmarks/frames.py --dtype bf16 --frames 400 --parts aggregator --variants elsa,elsa-merge --profile
+    python benchmarks/frames.py --dtype bf16 --frames 100 --parts aggregator --variants native,elsa --compile default
     python benchmarks/frames.py --dtype bf16 --frames 2000,3000 --parts full --variants elsa-lean,elsa-lean-offload \
         --memory-rehearsal                                      # peak memory only (see rehearse_attention)
 
@@ -262,6 +263,117 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
                     free_memory()
             finally:
                 torch.set_float32_matmul_precision(prev)
+    return rows
+
+
+COMPILE_VARIANTS = ("native", "elsa", "elsa-nofuse")  # no merging or lean mode: their Python runs per call
+COMPILE_BACKEND = "inductor"  # (the CPU test of this path compiles with aot_eager)
+
+
+def sweep_compiled(model, variants: list, apply, dtypes, frames_by_dtype, repeats, hw, mode: str, log=print,
+                   rows=None) -> list:
+    """The aggregator of every variant eagerly and under ``torch.compile(mode=mode)``, at each frame
+    count, in one process: ``<variant>`` and ``<variant>+compile`` rows, the compiled ones compared
+    with the compiled native aggregator (``speedup_vs_native``) and with their own eager call
+    (``speedup_vs_eager``). Each patched variant is a copy of the model patched once (patching again
+    would give a compiled graph new modules to guard on). The eager calls run interleaved; each
+    compiled variant then runs on its own, from a fresh dynamo state: native VGGT's RoPE reads
+    positions.max() with .item(), a graph break inside the aggregator's loop over blocks, on which
+    dynamo gives up compiling the aggregator's code as a whole (its blocks compile alone) — a
+    decision kept per code object, which a variant compiled after it would inherit. A compiled
+    variant compiles at the frame count it is timed at, in two warm-up calls, with ``fullgraph=True``
+    where dynamo traces the aggregator whole (column fullgraph; else with graph breaks):
+    graphs_compiled and graph_breaks are the warm-up's, and a graph compiled in the timed calls
+    marks the row not ``steady`` (a graph break too). (Without fullgraph, dynamo breaks the graph at
+    RoPE's positions.max() in every block, native or patched: the patched blocks leave RoPE to the
+    modules in compiled graphs, see adapters/vggt/attention.py's _fused_qk.) ``max_rel_err``: the last block's output against the native eager call's
+    (relative L2)."""
+    import copy
+    rows = [] if rows is None else rows
+    P = 5 + (hw[0] // 14) * (hw[1] // 14)
+    counters = torch._dynamo.utils.counters
+    kw = {"backend": COMPILE_BACKEND} if COMPILE_BACKEND != "inductor" else {"mode": None if mode == "default" else mode}
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        copies, undos = {}, []
+
+        def run(fn, x):
+            with torch.no_grad(), torch.autocast(DEVICE, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                return fn(x)[0][-1].float()
+        try:
+            for v in variants:
+                if VARIANTS[v] is None:
+                    copies[v] = model
+                else:
+                    copies[v] = copy.deepcopy(model)
+                    undos.append(apply(copies[v], v, dtype))
+            for S in frames_by_dtype[dname]:
+                x = synthetic_frames(S, hw)
+                ref = run(model.aggregator, x) if "native" in variants else None
+                best = {}
+
+                def time_it(name, fn, reps):
+                    for _ in range(reps):
+                        out, ms, peak = timed_call(lambda: run(fn, x))
+                        err = None if ref is None else ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                        del out
+                        if name not in best or ms < best[name][0]:
+                            best[name] = (ms, peak, err)
+                for v in variants:  # (warm-up: the kernels compile)
+                    run(copies[v].aggregator, x)
+                for _ in range(repeats):
+                    for v in variants:
+                        time_it(v, copies[v].aggregator, 1)
+                compiled_by = {}
+                for v in variants:
+                    for fullgraph in (True, False):  # (one graph where dynamo can trace it whole)
+                        torch._dynamo.reset()
+                        counters.clear()
+                        fn = torch.compile(copies[v].aggregator, fullgraph=fullgraph, **kw)
+                        try:
+                            for _ in range(2):
+                                run(fn, x)
+                            break
+                        except Exception as e:  # (dynamo's Unsupported and kin: what fullgraph refuses)
+                            if not fullgraph:
+                                raise
+                            log(f"{v}: no single graph ({str(e).splitlines()[0][:120]}); compiled with graph breaks")
+                    graphs = counters["stats"]["unique_graphs"]
+                    breaks = sum(counters["graph_break"].values())
+                    time_it(f"{v}+compile", fn, repeats)
+                    compiled_by[v] = (fullgraph, graphs, breaks,
+                                      counters["stats"]["unique_graphs"] == graphs and not breaks)
+                    del fn
+                torch._dynamo.reset()
+                for name, (ms, peak, err) in best.items():
+                    compiled = name.endswith("+compile")
+                    v = name.removesuffix("+compile")
+                    row = {"part": "aggregator", "dtype": dname, "frames": S, "tokens": S * P, "variant": name,
+                           "repeats": repeats, "warm_up": True, "compile": mode if compiled else "",
+                           "precision": FP32_PRECISION if dname == "fp32" and VARIANTS[v] is not None else "",
+                           "status": "ok", "seconds": ms / 1e3, "peak_gib": peak / 2**30}
+                    base = best.get("native+compile" if compiled else "native")
+                    if base is not None:
+                        row["speedup_vs_native"] = base[0] / ms
+                    if compiled:
+                        row["speedup_vs_eager"] = best[v][0] / ms
+                        row.update(zip(("fullgraph", "graphs_compiled", "graph_breaks", "steady"), compiled_by[v]))
+                    if err is not None:
+                        row["max_rel_err"] = err
+                    rows.append(row)
+                    log(_line(row) + ("" if not compiled else f"  x{row['speedup_vs_eager']:.2f} vs eager"
+                                      f"{'' if row['steady'] else '  NOT STEADY'}"))
+                del x, ref
+                free_memory()
+        finally:
+            for undo in undos:
+                undo()
+            del copies
+            torch._dynamo.reset()
+            torch.set_float32_matmul_precision(prev)
+            free_memory()
     return rows
 
 
@@ -530,6 +642,9 @@ def main():
     p.add_argument("--height", type=int, default=392)
     p.add_argument("--width", type=int, default=518)
     p.add_argument("--name", default="frames", help="output file stem (CSV + PNG)")
+    p.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
+                   help="the aggregator of each variant (" + ",".join(COMPILE_VARIANTS) + ") eagerly and under "
+                        "torch.compile in this mode, in one process (see sweep_compiled) → <name>_compile_<mode>.*")
     p.add_argument("--profile", action="store_true",
                    help="also profile one call per variant (the FastVGGT fork's too) at the largest frame count: "
                         "CUDA time per kernel category and the top kernels → <name>_profile.csv")
@@ -562,6 +677,14 @@ def main():
         if args.profile:
             p.error("--memory-rehearsal computes no attention: nothing to profile")
         args.fastvggt = "none"
+    if args.compile:
+        if args.parts != ["aggregator"] or any(v not in COMPILE_VARIANTS for v in args.variants):
+            p.error(f"--compile measures the aggregator of {','.join(COMPILE_VARIANTS)}: pass --parts aggregator "
+                    f"and --variants from those (merging and lean mode run Python of their own per call)")
+        if args.memory_rehearsal or args.profile:
+            p.error("--compile times compiled calls; not with --memory-rehearsal or --profile")
+        args.fastvggt = "none"
+        args.name += f"_compile_{args.compile.replace('-', '_')}"
     if args.fork_worker:
         return fork_worker(args)
 
@@ -575,8 +698,12 @@ def main():
           f"{hw[0]}x{hw[1]}, {5 + (hw[0] // 14) * (hw[1] // 14)} tokens per frame")
     rows = []
     try:
-        sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
-              not args.no_warmup, hw, rehearsal=args.memory_rehearsal, rows=rows)
+        if args.compile:
+            sweep_compiled(model, list(variants), upstream_apply, args.dtype, frames_by_dtype, args.repeats, hw,
+                           args.compile, rows=rows)
+        else:
+            sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
+                  not args.no_warmup, hw, rehearsal=args.memory_rehearsal, rows=rows)
     except BaseException:
         if rows:  # hours of GPU time: keep what was measured before the failure
             print(f"\nsweep failed; wrote the rows measured so far to "
@@ -608,6 +735,9 @@ def main():
             print(f"no plot ({e}); pip install matplotlib")
     cols = ["part", "dtype", "frames", "variant", "seconds", "peak_gib", "speedup_vs_native", "memory_vs_native",
             "depth_rel_err", "points_rel_err", "pose_max_abs_diff", "status"]
+    if args.compile:
+        cols = ["dtype", "frames", "variant", "seconds", "peak_gib", "speedup_vs_native", "speedup_vs_eager",
+                "max_rel_err", "fullgraph", "graphs_compiled", "graph_breaks", "steady"]
     print("\n" + fmt_table(rows, cols))
     cap = capacity(ok + [r for r in rows if r.get("status") == "memory rehearsal"], total)
     if cap:

@@ -151,6 +151,32 @@ def test_frames_benchmark_logic_on_the_standin(standin, tmp_path, monkeypatch):
     assert (tmp_path / "frames.png").stat().st_size > 0
 
 
+def test_frames_benchmark_compiled_aggregator_on_the_standin(standin, monkeypatch):
+    """--compile: every variant's aggregator eagerly and compiled in one process, the compiled rows
+    against the compiled native one and their own eager call, with the graphs and breaks of each."""
+    from benchmarks import frames as FB
+    monkeypatch.setattr(FB, "DEVICE", "cpu")
+    monkeypatch.setattr(FB, "COMPILE_BACKEND", "aot_eager")
+    m = make_standin()
+
+    def apply(model, variant, dtype):
+        elsa_vision.patch(model)  # (the kernels: the reference backend has no fused q/k norm + RoPE, and
+        # the stand-in's own RoPE reads positions.max() with .item(), a graph break, as VGGT's does)
+        return lambda: elsa_vision.unpatch(model)
+    rows = FB.sweep_compiled(m, ["native", "elsa"], apply, ["fp32"], {"fp32": [2]}, 1, (42, 70), "default",
+                             log=lambda s: None)
+    by = {r["variant"]: r for r in rows}
+    assert set(by) == {"native", "elsa", "native+compile", "elsa+compile"}
+    assert all(r["status"] == "ok" and r["seconds"] > 0 for r in rows)
+    assert by["elsa+compile"]["compile"] == "default" and by["elsa"]["compile"] == ""
+    for v in ("native+compile", "elsa+compile"):  # one graph each, compiled in the warm-up only
+        assert by[v]["fullgraph"] and by[v]["graphs_compiled"] == 1 and by[v]["graph_breaks"] == 0, by[v]
+        assert by[v]["steady"] and by[v]["speedup_vs_eager"] > 0
+    assert by["elsa+compile"]["speedup_vs_native"] > 0 and by["elsa"]["speedup_vs_native"] > 0
+    assert by["native"]["max_rel_err"] == 0
+    assert all(r["max_rel_err"] < 1e-5 for r in rows)  # (float32: the patched blocks agree to rounding)
+
+
 def test_frames_benchmark_records_out_of_memory(standin, monkeypatch):
     """A variant that runs out of device or page-locked host memory (a plain CUDA error) becomes an
     OOM row, is skipped at larger frame counts, and the sweep goes on with the others."""

@@ -219,6 +219,28 @@ def test_autocast_follows_sdpa(standin):
     assert e <= tolerance(r, out.dtype), (e, r)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_a_compiled_graph_is_the_modules(standin, dtype):
+    """Under torch.compile the adapter forms vggt's 2-D RoPE from each token's position (the module
+    sizes its table by positions.max(), a value dynamo cannot trace): one graph, no break, and the
+    module's values (its products and casts, the table rows as the module computes them)."""
+    from elsa_vision.adapters.vggt.attention import _rope
+    mod = V.Attention(64, 2, qk_norm=True, rope=V.RotaryPositionEmbedding2D()).eval()
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(2, 2, 23, 32, generator=g).to(dtype)
+    pos = torch.randint(0, 40, (2, 23, 2), generator=g)
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(lambda t, pos: _rope(mod, t, pos), backend="aot_eager")(t, pos)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    torch._dynamo.reset()
+    want = mod.rope(t, pos)
+    assert got.dtype == want.dtype and torch.allclose(got.float(), want.float(), rtol=0, atol=1e-6 if dtype ==
+                                                      torch.float32 else 0)
+    assert torch.equal(_rope(mod, t, pos), want)  # (eagerly the module itself)
+
+
 def test_unsupported_inputs_go_to_the_original_forward(standin):
     torch.manual_seed(0)
     rope = V.RotaryPositionEmbedding2D()

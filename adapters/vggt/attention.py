@@ -36,14 +36,44 @@ def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
         return None
     if rope is None:  # norms only (nothing to fuse without them: q and k stay views of qkv)
         return None if norms[0] is torch.nn.Identity else ()
-    if (type(rope).__name__ != "RotaryPositionEmbedding2D" or not hasattr(rope, "_compute_frequency_components")
-            or not isinstance(pos, torch.Tensor) or pos.dim() != 3 or pos.shape[-1] != 2
+    if (not _vggt_rope(rope) or not isinstance(pos, torch.Tensor) or pos.dim() != 3 or pos.shape[-1] != 2
             or pos.shape[:2] != x.shape[:2] or pos.is_floating_point() or pos.device != x.device):
         return None
     lo, hi = torch.stack(torch.aminmax(pos)).tolist()  # one device sync, as the module's own max
     if lo < 0:  # the module's embedding lookup raises on these; the kernel would read out of bounds
         return None
     return rope._compute_frequency_components(D // 2, hi + 1, x.device, torch.float32)
+
+
+def _vggt_rope(rope) -> bool:
+    """Whether ``rope`` is vggt's RotaryPositionEmbedding2D (or a copy of it: the FastVGGT fork's),
+    without hooks: what _fused_qk and _rope may compute in its place."""
+    return (type(rope).__name__ == "RotaryPositionEmbedding2D" and hasattr(rope, "_compute_frequency_components")
+            and hasattr(rope, "base_frequency") and not hooked(rope))
+
+
+def _rope(module, t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``module.rope(t, pos)`` for t [B, H, N, D]. Under torch.compile, for vggt's 2-D RoPE, the same
+    rotation with each token's angles formed from its own position (p · inv_freq, in float32, then
+    the module's casts) instead of looked up in a table of positions.max() + 1 rows: that size is a
+    value read from the tensor (``.item()``), which dynamo cannot trace, so every block's graph
+    would break there (vggt's aggregator then compiles block by block). The same products; their
+    cos and sin are inductor's. (Positions are not checked for being ≥ 0 there: that needs a
+    device sync; the module's table lookup raises on them eagerly.)"""
+    rope = module.rope
+    if not torch.compiler.is_compiling() or not _vggt_rope(rope):
+        return rope(t, pos)
+    half = t.shape[-1] // 2  # features per direction (vertical, horizontal)
+    inv_freq = 1.0 / (rope.base_frequency ** (torch.arange(0, half, 2, device=t.device).float() / half))
+
+    def rotate(x, p):  # x [B, H, N, half], p [B, N]: _apply_1d_rope with the table row of each p
+        angles = (p.to(inv_freq.dtype)[..., None] * inv_freq).to(t.dtype)
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(t.dtype)[:, None], angles.sin().to(t.dtype)[:, None]
+        x1, x2 = x[..., :half // 2], x[..., half // 2:]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    vertical, horizontal = t.chunk(2, dim=-1)
+    return torch.cat((rotate(vertical, pos[..., 0]), rotate(horizontal, pos[..., 1])), dim=-1)
 
 
 def project_qkv(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None):
@@ -81,7 +111,7 @@ def project_qkv(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None
         q, k, v = qkv.unbind(0)
         q, k = module.q_norm(q), module.k_norm(k)
         if module.rope is not None:
-            q, k = module.rope(q, pos), module.rope(k, pos)
+            q, k = _rope(module, q, pos), _rope(module, k, pos)
         return q, k, v
     step = max(1, chunk // B)
     bufs = None
@@ -100,7 +130,7 @@ def project_qkv(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None
         q, k = module.q_norm(q).transpose(1, 2), module.k_norm(k).transpose(1, 2)  # [B, H, n, D]
         if module.rope is not None:
             p = pos[:, n0:n1]
-            q, k = module.rope(q, p), module.rope(k, p)
+            q, k = _rope(module, q, p), _rope(module, k, p)
         bufs[0][:, n0:n1] = q.transpose(1, 2)
         bufs[1][:, n0:n1] = k.transpose(1, 2)
         bufs[2][:, n0:n1] = v
