@@ -284,15 +284,16 @@ def sweep_compiled(model, variants: list, apply, dtypes, frames_by_dtype, repeat
     variant compiles at the frame count it is timed at, in two warm-up calls, with ``fullgraph=True``
     where dynamo traces the aggregator whole (column fullgraph; else with graph breaks):
     graphs_compiled and graph_breaks are the warm-up's, and a graph compiled in the timed calls
-    marks the row not ``steady`` (a graph break too). (Without fullgraph, dynamo breaks the graph at
-    RoPE's positions.max() in every block, native or patched: the patched blocks leave RoPE to the
-    modules in compiled graphs, see adapters/vggt/attention.py's _fused_qk.) ``max_rel_err``: the last block's output against the native eager call's
-    (relative L2)."""
+    marks the row not ``steady`` (a graph break too). (vggt's own RoPE breaks the native graph in
+    every block; a patched aggregator forms RoPE traceably and compiles whole: see
+    adapters/vggt/attention.py's _rope.) ``max_rel_err``: the last block's output against the
+    native eager call's (relative L2)."""
     import copy
     rows = [] if rows is None else rows
     P = 5 + (hw[0] // 14) * (hw[1] // 14)
     counters = torch._dynamo.utils.counters
-    kw = {"backend": COMPILE_BACKEND} if COMPILE_BACKEND != "inductor" else {"mode": None if mode == "default" else mode}
+    kw = ({"backend": COMPILE_BACKEND} if COMPILE_BACKEND != "inductor"
+          else {"mode": None if mode == "default" else mode})
     for dname in dtypes:
         dtype = DTYPES[dname]
         prev = torch.get_float32_matmul_precision()
