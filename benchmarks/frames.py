@@ -284,7 +284,7 @@ def sweep_compiled(model, variants: list, apply, dtypes, frames_by_dtype, repeat
     variant compiles at the frame count it is timed at, in two warm-up calls, with ``fullgraph=True``
     where dynamo traces the aggregator whole (column fullgraph; else with graph breaks):
     graphs_compiled and graph_breaks are the warm-up's, and a graph compiled in the timed calls
-    marks the row not ``steady`` (a graph break too). (vggt's own RoPE breaks the native graph in
+    marks the row not ``steady``. (vggt's own RoPE breaks the native graph in
     every block; a patched aggregator forms RoPE traceably and compiles whole: see
     adapters/vggt/attention.py's _rope.) ``max_rel_err``: the last block's output against the
     native eager call's (relative L2)."""
@@ -340,12 +340,12 @@ def sweep_compiled(model, variants: list, apply, dtypes, frames_by_dtype, repeat
                         except Exception as e:  # (dynamo's Unsupported and kin: what fullgraph refuses)
                             if not fullgraph:
                                 raise
-                            log(f"{v}: no single graph ({str(e).splitlines()[0][:120]}); compiled with graph breaks")
+                            why = (str(e).splitlines() or [type(e).__name__])[0][:120]
+                            log(f"{v}: no single graph ({why}); compiled with graph breaks")
                     graphs = counters["stats"]["unique_graphs"]
                     breaks = sum(counters["graph_break"].values())
                     time_it(f"{v}+compile", fn, repeats)
-                    compiled_by[v] = (fullgraph, graphs, breaks,
-                                      counters["stats"]["unique_graphs"] == graphs and not breaks)
+                    compiled_by[v] = (fullgraph, graphs, breaks, counters["stats"]["unique_graphs"] == graphs)
                     del fn
                 torch._dynamo.reset()
                 for name, (ms, peak, err) in best.items():
@@ -364,8 +364,9 @@ def sweep_compiled(model, variants: list, apply, dtypes, frames_by_dtype, repeat
                     if err is not None:
                         row["max_rel_err"] = err
                     rows.append(row)
-                    log(_line(row) + ("" if not compiled else f"  x{row['speedup_vs_eager']:.2f} vs eager"
-                                      f"{'' if row['steady'] else '  NOT STEADY'}"))
+                    log(_line(row) + ("" if not compiled else f"  x{row['speedup_vs_eager']:.2f} vs eager, "
+                                      f"{row['graphs_compiled']} graph(s), {row['graph_breaks']} break(s)"
+                                      f"{'' if row['steady'] else ', NOT STEADY'}"))
                 del x, ref
                 free_memory()
         finally:

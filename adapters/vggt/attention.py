@@ -58,10 +58,13 @@ def _rope(module, t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     the module's casts) instead of looked up in a table of positions.max() + 1 rows: that size is a
     value read from the tensor (``.item()``), which dynamo cannot trace, so every block's graph
     would break there (vggt's aggregator then compiles block by block). The same products; their
-    cos and sin are inductor's. (Positions are not checked for being ≥ 0 there: that needs a
-    device sync; the module's table lookup raises on them eagerly.)"""
+    cos and sin are inductor's, and inductor (as for the module compiled itself) may keep the
+    angles in float32 where the module rounds them to a half-precision t's dtype
+    (``emulate_precision_casts``): vggt's blocks hand RoPE the float32 output of their q/k norms.
+    (Positions are not checked for being ≥ 0 there: that needs a device sync; the module's table
+    lookup raises on them eagerly. Float positions go to the module.)"""
     rope = module.rope
-    if not torch.compiler.is_compiling() or not _vggt_rope(rope):
+    if not torch.compiler.is_compiling() or not _vggt_rope(rope) or pos.is_floating_point():
         return rope(t, pos)
     half = t.shape[-1] // 2  # features per direction (vertical, horizontal)
     inv_freq = 1.0 / (rope.base_frequency ** (torch.arange(0, half, 2, device=t.device).float() / half))
