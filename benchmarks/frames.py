@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -271,7 +272,7 @@ COMPILE_BACKEND = "inductor"  # (the CPU test of this path compiles with aot_eag
 
 
 def sweep_compiled(model, variants: list, apply, dtypes, frames_by_dtype, repeats, hw, mode: str, log=print,
-                   rows=None) -> list:
+                   rows=None, profile: Optional[list] = None) -> list:
     """The aggregator of every variant eagerly and under ``torch.compile(mode=mode)``, at each frame
     count, in one process: ``<variant>`` and ``<variant>+compile`` rows, the compiled ones compared
     with the compiled native aggregator (``speedup_vs_native``) and with their own eager call
@@ -287,7 +288,9 @@ def sweep_compiled(model, variants: list, apply, dtypes, frames_by_dtype, repeat
     marks the row not ``steady``. (vggt's own RoPE breaks the native graph in
     every block; a patched aggregator forms RoPE traceably and compiles whole: see
     adapters/vggt/attention.py's _rope.) ``max_rel_err``: the last block's output against the
-    native eager call's (relative L2)."""
+    native eager call's (relative L2). With ``profile`` (a list), one eagerly and one compiled call
+    of each variant at the dtype's largest frame count are profiled into it (see profile_rows):
+    which kernels a compiled graph runs where the eager call ran ELSA's."""
     import copy
     rows = [] if rows is None else rows
     P = 5 + (hw[0] // 14) * (hw[1] // 14)
@@ -346,6 +349,13 @@ def sweep_compiled(model, variants: list, apply, dtypes, frames_by_dtype, repeat
                     breaks = sum(counters["graph_break"].values())
                     time_it(f"{v}+compile", fn, repeats)
                     compiled_by[v] = (fullgraph, graphs, breaks, counters["stats"]["unique_graphs"] == graphs)
+                    if profile is not None and S == max(frames_by_dtype[dname]):
+                        for name, f in ((v, copies[v].aggregator), (f"{v}+compile", fn)):
+                            head = {"part": "aggregator", "dtype": dname, "frames": S, "variant": name}
+                            new, line = profile_rows(lambda: run(f, x), head,
+                                                     device="cuda" if DEVICE == "cuda" else "cpu")
+                            profile += new
+                            log(f"profile {dname} {S} frames {name}: {line}")
                     del fn
                 torch._dynamo.reset()
                 for name, (ms, peak, err) in best.items():
@@ -648,8 +658,9 @@ def main():
                    help="the aggregator of each variant (" + ",".join(COMPILE_VARIANTS) + ") eagerly and under "
                         "torch.compile in this mode, in one process (see sweep_compiled) → <name>_compile_<mode>.*")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one call per variant (the FastVGGT fork's too) at the largest frame count: "
-                        "CUDA time per kernel category and the top kernels → <name>_profile.csv")
+                   help="also profile one call per variant (the FastVGGT fork's too; with --compile, one eager and "
+                        "one compiled call) at the largest frame count: CUDA time per kernel category and the top "
+                        "kernels → <name>_profile.csv")
     # internal: the FastVGGT worker process
     p.add_argument("--fork-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fork-src", type=Path, help=argparse.SUPPRESS)
@@ -683,8 +694,8 @@ def main():
         if args.parts != ["aggregator"] or any(v not in COMPILE_VARIANTS for v in args.variants):
             p.error(f"--compile measures the aggregator of {','.join(COMPILE_VARIANTS)}: pass --parts aggregator "
                     f"and --variants from those (merging and lean mode run Python of their own per call)")
-        if args.memory_rehearsal or args.profile:
-            p.error("--compile times compiled calls; not with --memory-rehearsal or --profile")
+        if args.memory_rehearsal:
+            p.error("--compile times compiled calls; not with --memory-rehearsal")
         args.fastvggt = "none"
         args.name += f"_compile_{args.compile.replace('-', '_')}"
     if args.fork_worker:
@@ -701,8 +712,9 @@ def main():
     rows = []
     try:
         if args.compile:
+            prof_rows = [] if args.profile else None
             sweep_compiled(model, list(variants), upstream_apply, args.dtype, frames_by_dtype, args.repeats, hw,
-                           args.compile, rows=rows)
+                           args.compile, rows=rows, profile=prof_rows)
         else:
             sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
                   not args.no_warmup, hw, rehearsal=args.memory_rehearsal, rows=rows)
@@ -711,8 +723,10 @@ def main():
             print(f"\nsweep failed; wrote the rows measured so far to "
                   f"{write_csv(rows, results_dir() / (args.name + '_partial.csv'))}")
         raise
-    prof_rows = profile_variants(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, hw) \
-        if args.profile else []
+    if not args.compile:
+        prof_rows = profile_variants(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, hw) \
+            if args.profile else []
+    prof_rows = prof_rows or []
     del model
     free_memory()
 

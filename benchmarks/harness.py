@@ -262,11 +262,12 @@ def cuda_breakdown(fn: Callable[[], object], top: int = 12, device: str = "cuda"
     return by_cat, by_kernel
 
 
-def profile_rows(fn: Callable[[], object], head: dict, top: int = 60) -> tuple[list[dict], str]:
+def profile_rows(fn: Callable[[], object], head: dict, top: int = 60, device: str = "cuda"
+                 ) -> tuple[list[dict], str]:
     """cuda_breakdown of one call of ``fn`` as CSV rows (``head`` + kind "category" / "kernel", the
     ``top`` kernels: enough that two variants' compiled graphs can be compared kernel by kernel) and
     a one-line summary."""
-    by_cat, by_kernel = cuda_breakdown(fn, top)
+    by_cat, by_kernel = cuda_breakdown(fn, top, device)
     if not by_cat:
         return [], "the profiler saw no CUDA kernel (no CUPTI?)"
     rows = [{**head, "kind": "category", **r} for r in by_cat] + [{**head, "kind": "kernel", **r} for r in by_kernel]

@@ -126,17 +126,22 @@ def elsa_forward_calls(gm) -> int:
     """How many ELSA attention forwards a traced graph calls: the forward ops themselves where they
     are opaque custom ops (the CPU interpreter; the host ops of calls the Hopper kernels take), or
     the launches of the forward kernels that torch.compile traced them into (triton_ops on the GPU)."""
+    return op_calls(gm, ("attention_fwd", "attention_packed_fwd", "window_fwd", "window_packed_fwd",
+                         "attention_host_fwd", "attention_packed_host_fwd"), ("_fwd_kernel", "_win_fwd_kernel"))
+
+
+def op_calls(gm, ops, kernels) -> int:
+    """How many calls of the ops ``elsa_vision::<op>`` (op in ``ops``) a traced graph makes, each
+    opaque or traced into launches of one of ``kernels`` (Triton kernels' names)."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     n = 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         target = str(node.target)
-        if target.startswith("elsa_vision.") and target.split(".")[1] in (
-                "attention_fwd", "attention_packed_fwd", "window_fwd", "window_packed_fwd", "attention_host_fwd",
-                "attention_packed_host_fwd"):
+        if target.startswith("elsa_vision.") and target.split(".")[1] in ops:
             n += 1
         elif "triton_kernel_wrapper" in target:
             fn = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
-            n += getattr(fn, "fn", fn).__name__ in ("_fwd_kernel", "_win_fwd_kernel")
+            n += getattr(fn, "fn", fn).__name__ in kernels
     return n

@@ -163,8 +163,9 @@ def test_frames_benchmark_compiled_aggregator_on_the_standin(standin, monkeypatc
         elsa_vision.patch(model)  # (the kernels: the reference backend has no fused q/k norm + RoPE, and
         # the stand-in's own RoPE reads positions.max() with .item(), a graph break, as VGGT's does)
         return lambda: elsa_vision.unpatch(model)
+    prof = []
     rows = FB.sweep_compiled(m, ["native", "elsa"], apply, ["fp32"], {"fp32": [2]}, 1, (42, 70), "default",
-                             log=lambda s: None)
+                             log=lambda s: None, profile=prof)
     by = {r["variant"]: r for r in rows}
     assert set(by) == {"native", "elsa", "native+compile", "elsa+compile"}
     assert all(r["status"] == "ok" and r["seconds"] > 0 for r in rows)
@@ -177,6 +178,8 @@ def test_frames_benchmark_compiled_aggregator_on_the_standin(standin, monkeypatc
     assert by["elsa+compile"]["speedup_vs_native"] > 0 and by["elsa"]["speedup_vs_native"] > 0
     assert by["native"]["max_rel_err"] == 0
     assert all(r["max_rel_err"] < 1e-5 for r in rows)  # (float32: the patched blocks agree to rounding)
+    # one eager and one compiled call of each variant profiled (on the CPU: operator time)
+    assert {r["variant"] for r in prof} == set(by) and all(r["cuda_ms"] >= 0 for r in prof)
 
 
 def test_frames_benchmark_records_out_of_memory(standin, monkeypatch):

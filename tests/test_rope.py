@@ -101,6 +101,42 @@ def test_fused_path_is_taken_only_where_it_is_exact():
         assert A._fused_qk(m, x, pos.float()) is None
 
 
+def test_token_tables_hold_the_modules_rows():
+    """In a compiled graph the fused kernel reads a row per token and direction (_token_tables):
+    that row is the module's own table row of the token's position."""
+    rope, pos = RotaryPositionEmbedding2D(), _pos(2, 3, 5)
+    rows, (cos, sin) = A._token_tables(rope, pos, 32)
+    want = rope._compute_frequency_components(16, int(pos.max()) + 1, pos.device, torch.float32)
+    assert rows.shape == pos.shape and cos.shape == sin.shape == (pos.numel(), 16)
+    assert torch.equal(cos[rows], want[0][pos]) and torch.equal(sin[rows], want[1][pos])
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_fused_qk_in_a_compiled_graph(chunk):
+    """Inside torch.compile (fullgraph, aot_eager) vggt's q and k still come from the fused kernel,
+    through per-token table rows, with the eager call's values, in one graph without a break."""
+    from oracle_check import op_calls
+    torch.manual_seed(3)
+    m = Attention(64, num_heads=2, qk_norm=True, rope=RotaryPositionEmbedding2D()).to(DEVICE)
+    x = torch.randn(2, 17, 64, device=DEVICE)
+    pos = _pos(2, 3, 4)
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(op_calls(gm, ("qk_norm_rope",), ("_qk_norm_rope_kernel",)))
+        return gm.forward
+
+    with torch.no_grad():
+        want = A.project_qkv(m, x, pos, chunk)
+        torch._dynamo.reset()
+        try:
+            got = torch.compile(lambda x, pos: A.project_qkv(m, x, pos, chunk), fullgraph=True, backend=backend)(x, pos)
+        finally:
+            torch._dynamo.reset()
+    assert calls == [1 if chunk is None else 5]  # (one launch per chunk of 8 of the 34 tokens)
+    assert all(torch.allclose(g, w, rtol=0, atol=1e-6) for g, w in zip(got, want))
+
+
 def test_qk_norm_rope_traces_as_one_op():
     """Called inside torch.compile (fullgraph, aot_eager), q and k come from the registered op, which
     writes both outputs (its mutated arguments), with the eager call's values."""

@@ -17,13 +17,16 @@ from .sharded import key_lengths, sharded_group
 
 
 def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
-    """When q/k norm and RoPE can run as one kernel (kernels/rope.py): the RoPE (cos, sin) tables
-    [P, D/2] float32, () without RoPE; None when they go through the modules themselves — with
-    gradients, hooks on them, or modules other than LayerNorm / Identity and vggt's RoPE."""
+    """When q/k norm and RoPE can run as one kernel (kernels/rope.py): (rows, (cos, sin)), the
+    kernel's position operand [B, N, 2] and the RoPE tables [P, D/2] float32 whose rows it indexes,
+    () without RoPE; None when they go through the modules themselves — with gradients, hooks on
+    them, or modules other than LayerNorm / Identity and vggt's RoPE.
+
+    Eagerly the tables are the module's own (row p: position p; rows = pos). Under torch.compile
+    their size would be a value read from the positions, which dynamo cannot trace (see _rope):
+    there each token has its own two rows, formed in the graph (see _token_tables)."""
     if torch.is_grad_enabled() or x.dtype == torch.float64 or not triton_serves(x.device.type):
         return None  # (the kernel computes in float32)
-    if torch.compiler.is_compiling():
-        return None  # (the RoPE tables' size is read from the positions: inductor fuses the modules' ops instead)
     D = module.head_dim
     qn, kn, rope = module.q_norm, module.k_norm, module.rope
     norms = [type(m) for m in (qn, kn)]
@@ -39,10 +42,27 @@ def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
     if (not _vggt_rope(rope) or not isinstance(pos, torch.Tensor) or pos.dim() != 3 or pos.shape[-1] != 2
             or pos.shape[:2] != x.shape[:2] or pos.is_floating_point() or pos.device != x.device):
         return None
+    if torch.compiler.is_compiling():
+        return _token_tables(rope, pos, D)
     lo, hi = torch.stack(torch.aminmax(pos)).tolist()  # one device sync, as the module's own max
     if lo < 0:  # the module's embedding lookup raises on these; the kernel would read out of bounds
         return None
-    return rope._compute_frequency_components(D // 2, hi + 1, x.device, torch.float32)
+    return pos, rope._compute_frequency_components(D // 2, hi + 1, x.device, torch.float32)
+
+
+def _token_tables(rope, pos: torch.Tensor, D: int) -> tuple:
+    """(rows, (cos, sin)) for the fused kernel in a compiled graph: row 2·t + j of the tables
+    [B·N·2, D/2] float32 holds the cos and sin of token t's position pos[t, j] (j = 0: y, 1: x),
+    formed as the module forms its table's row of that position (p · inv_freq in float32, the angles
+    twice), and rows [B, N, 2] indexes them. The same values as the table the module would look up,
+    their cos and sin inductor's (as for _rope); a few bytes a token against the 4·H·D bytes of q
+    and k the kernel reads and writes. (Positions are not checked for being ≥ 0 here, as in _rope.)"""
+    half = D // 2  # features per direction (vertical, horizontal)
+    inv_freq = 1.0 / (rope.base_frequency ** (torch.arange(0, half, 2, device=pos.device).float() / half))
+    angles = pos.to(inv_freq.dtype)[..., None] * inv_freq  # [B, N, 2, half / 2]
+    angles = torch.cat((angles, angles), dim=-1).reshape(-1, half)
+    rows = torch.arange(angles.shape[0], device=pos.device).view(pos.shape)
+    return rows, (angles.cos(), angles.sin())
 
 
 def _vggt_rope(rope) -> bool:
@@ -93,19 +113,20 @@ def project_qkv(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None
     B, N, C = x.shape
     H, D = module.num_heads, module.head_dim
     cast = autocast_dtype(x.device.type)
-    tables = _fused_qk(module, x, pos)
+    fuse = _fused_qk(module, x, pos)
+    rows, tables = fuse if fuse else (None, None)
     norms = (module.q_norm, module.k_norm) if type(module.q_norm) is torch.nn.LayerNorm else (None, None)
 
     def fused(part, n0, n1, bufs):  # q, k of tokens n0:n1 into bufs[0], bufs[1] ([B, N, H, D])
         from ...kernels.rope import qk_norm_rope
-        p = pos[:, n0:n1] if tables else None
-        qk_norm_rope(part, H, (bufs[0][:, n0:n1], bufs[1][:, n0:n1]), norms, p, tables or None)
+        p = rows[:, n0:n1] if rows is not None else None
+        qk_norm_rope(part, H, (bufs[0][:, n0:n1], bufs[1][:, n0:n1]), norms, p, tables)
 
     if chunk is None or B * N <= chunk:
         if prenorm is not None:
             x = prenorm(x)
         y = module.qkv(x)
-        if tables is not None:
+        if fuse is not None:
             qk = [y.new_empty((B, N, H, D), dtype=cast or y.dtype) for _ in range(2)]
             fused(y, 0, N, qk)
             v = y.view(B, N, 3, H, D)[:, :, 2].transpose(1, 2)
@@ -124,7 +145,7 @@ def project_qkv(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None
         part = module.qkv(xc)
         if bufs is None:
             bufs = [x.new_empty((B, N, H, D), dtype=cast or part.dtype) for _ in range(3)]
-        if tables is not None:
+        if fuse is not None:
             fused(part, n0, n1, bufs)
             bufs[2][:, n0:n1] = part.view(B, n1 - n0, 3, H, D)[:, :, 2]
             continue
