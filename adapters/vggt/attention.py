@@ -3,7 +3,7 @@ SDPA replaced by ``elsa_vision.attention``; q/k norm and RoPE fused in inference
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -16,15 +16,17 @@ from .merging import FORK_BLOCKS, AggregatorCall, fork_merge, merge_mean, mergin
 from .sharded import key_lengths, sharded_group
 
 
-def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
-    """When q/k norm and RoPE can run as one kernel (kernels/rope.py): (rows, (cos, sin)), the
-    kernel's position operand [B, N, 2] and the RoPE tables [P, D/2] float32 whose rows it indexes,
-    () without RoPE; None when they go through the modules themselves — with gradients, hooks on
-    them, or modules other than LayerNorm / Identity and vggt's RoPE.
+def _fused_qk(module, x: torch.Tensor, pos) -> Optional[Callable[[int, int], tuple]]:
+    """When q/k norm and RoPE can run as one kernel (kernels/rope.py): a function of a token range
+    (n0, n1) → (rows, (cos, sin)), the kernel's position operand [B, n1 − n0, 2] for those tokens
+    and the RoPE tables [P, D/2] float32 whose rows it indexes ((None, None) without RoPE); None
+    when they go through the modules themselves — with gradients, hooks on them, or modules other
+    than LayerNorm / Identity and vggt's RoPE.
 
-    Eagerly the tables are the module's own (row p: position p; rows = pos). Under torch.compile
-    their size would be a value read from the positions, which dynamo cannot trace (see _rope):
-    there each token has its own two rows, formed in the graph (see _token_tables)."""
+    Eagerly the tables are the module's own (row p: position p; rows = the positions). Under
+    torch.compile their size would be a value read from the positions, which dynamo cannot trace
+    (see _rope): there the range's tokens each have their own two rows, formed in the graph (see
+    _token_tables), one range at a time (lean mode's chunks: no tables of the whole sequence)."""
     if torch.is_grad_enabled() or x.dtype == torch.float64 or not triton_serves(x.device.type):
         return None  # (the kernel computes in float32)
     D = module.head_dim
@@ -38,16 +40,17 @@ def _fused_qk(module, x: torch.Tensor, pos) -> Optional[tuple]:
     if D < ROPE_MIN_HEAD_DIM or D & (D - 1) or any(hooked(m) for m in (qn, kn, rope)):
         return None
     if rope is None:  # norms only (nothing to fuse without them: q and k stay views of qkv)
-        return None if norms[0] is torch.nn.Identity else ()
+        return None if norms[0] is torch.nn.Identity else (lambda n0, n1: (None, None))
     if (not _vggt_rope(rope) or not isinstance(pos, torch.Tensor) or pos.dim() != 3 or pos.shape[-1] != 2
             or pos.shape[:2] != x.shape[:2] or pos.is_floating_point() or pos.device != x.device):
         return None
     if torch.compiler.is_compiling():
-        return _token_tables(rope, pos, D)
+        return lambda n0, n1: _token_tables(rope, pos[:, n0:n1], D)
     lo, hi = torch.stack(torch.aminmax(pos)).tolist()  # one device sync, as the module's own max
     if lo < 0:  # the module's embedding lookup raises on these; the kernel would read out of bounds
         return None
-    return pos, rope._compute_frequency_components(D // 2, hi + 1, x.device, torch.float32)
+    tables = rope._compute_frequency_components(D // 2, hi + 1, x.device, torch.float32)
+    return lambda n0, n1: (pos[:, n0:n1], tables)
 
 
 def _token_tables(rope, pos: torch.Tensor, D: int) -> tuple:
@@ -55,8 +58,9 @@ def _token_tables(rope, pos: torch.Tensor, D: int) -> tuple:
     [B·N·2, D/2] float32 holds the cos and sin of token t's position pos[t, j] (j = 0: y, 1: x),
     formed as the module forms its table's row of that position (p · inv_freq in float32, the angles
     twice), and rows [B, N, 2] indexes them. The same values as the table the module would look up,
-    their cos and sin inductor's (as for _rope); a few bytes a token against the 4·H·D bytes of q
-    and k the kernel reads and writes. (Positions are not checked for being ≥ 0 here, as in _rope.)"""
+    their cos and sin inductor's (as for _rope). The tables are 8·D bytes a token, written once and
+    read once, against the 8·H·D bytes of half-precision q and k that the kernel reads and writes.
+    (Positions are not checked for being ≥ 0 here, as in _rope.)"""
     half = D // 2  # features per direction (vertical, horizontal)
     inv_freq = 1.0 / (rope.base_frequency ** (torch.arange(0, half, 2, device=pos.device).float() / half))
     angles = pos.to(inv_freq.dtype)[..., None] * inv_freq  # [B, N, 2, half / 2]
@@ -114,13 +118,11 @@ def project_qkv(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None
     H, D = module.num_heads, module.head_dim
     cast = autocast_dtype(x.device.type)
     fuse = _fused_qk(module, x, pos)
-    rows, tables = fuse if fuse else (None, None)
     norms = (module.q_norm, module.k_norm) if type(module.q_norm) is torch.nn.LayerNorm else (None, None)
 
     def fused(part, n0, n1, bufs):  # q, k of tokens n0:n1 into bufs[0], bufs[1] ([B, N, H, D])
         from ...kernels.rope import qk_norm_rope
-        p = rows[:, n0:n1] if rows is not None else None
-        qk_norm_rope(part, H, (bufs[0][:, n0:n1], bufs[1][:, n0:n1]), norms, p, tables)
+        qk_norm_rope(part, H, (bufs[0][:, n0:n1], bufs[1][:, n0:n1]), norms, *fuse(n0, n1))
 
     if chunk is None or B * N <= chunk:
         if prenorm is not None:
