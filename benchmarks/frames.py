@@ -285,10 +285,10 @@ def sweep_compiled(model, variants: list, apply, dtypes, frames_by_dtype, repeat
     variant compiles at the frame count it is timed at, in two warm-up calls, with ``fullgraph=True``
     where dynamo traces the aggregator whole (column fullgraph; else with graph breaks):
     graphs_compiled and graph_breaks are the warm-up's, and a graph compiled in the timed calls
-    marks the row not ``steady``. (vggt's own RoPE breaks the native graph in
-    every block; a patched aggregator forms RoPE traceably and compiles whole: see
-    adapters/vggt/attention.py's _rope.) ``max_rel_err``: the last block's output against the
-    native eager call's (relative L2). With ``profile`` (a list), one eagerly and one compiled call
+    marks the row not ``steady``. (vggt's own RoPE breaks the native graph in every block; a
+    patched aggregator forms RoPE traceably and compiles whole: see adapters/vggt/attention.py's
+    _rope and _token_tables.) ``max_rel_err``: the last block's output against the native eager
+    call's (relative L2). With ``profile`` (a list), one eagerly and one compiled call
     of each variant at the dtype's largest frame count are profiled into it (see profile_rows):
     which kernels a compiled graph runs where the eager call ran ELSA's."""
     import copy
