@@ -709,12 +709,11 @@ def main():
     print(f"VGGT ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, random weights"
           f"{'' if not args.weights else ' → ' + args.weights}) on {metadata()['device']}; "
           f"{hw[0]}x{hw[1]}, {5 + (hw[0] // 14) * (hw[1] // 14)} tokens per frame")
-    rows = []
+    rows, prof_rows = [], []
     try:
         if args.compile:
-            prof_rows = [] if args.profile else None
             sweep_compiled(model, list(variants), upstream_apply, args.dtype, frames_by_dtype, args.repeats, hw,
-                           args.compile, rows=rows, profile=prof_rows)
+                           args.compile, rows=rows, profile=prof_rows if args.profile else None)
         else:
             sweep(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, args.repeats,
                   not args.no_warmup, hw, rehearsal=args.memory_rehearsal, rows=rows)
@@ -723,10 +722,8 @@ def main():
             print(f"\nsweep failed; wrote the rows measured so far to "
                   f"{write_csv(rows, results_dir() / (args.name + '_partial.csv'))}")
         raise
-    if not args.compile:
-        prof_rows = profile_variants(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, hw) \
-            if args.profile else []
-    prof_rows = prof_rows or []
+    if args.profile and not args.compile:
+        prof_rows = profile_variants(model, variants, upstream_apply, args.parts, args.dtype, frames_by_dtype, hw)
     del model
     free_memory()
 

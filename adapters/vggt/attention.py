@@ -61,12 +61,17 @@ def _token_tables(rope, pos: torch.Tensor, D: int) -> tuple:
     their cos and sin inductor's (as for _rope). The tables are 8·D bytes a token, written once and
     read once, against the 8·H·D bytes of half-precision q and k that the kernel reads and writes.
     (Positions are not checked for being ≥ 0 here, as in _rope.)"""
-    half = D // 2  # features per direction (vertical, horizontal)
-    inv_freq = 1.0 / (rope.base_frequency ** (torch.arange(0, half, 2, device=pos.device).float() / half))
-    angles = pos.to(inv_freq.dtype)[..., None] * inv_freq  # [B, N, 2, half / 2]
-    angles = torch.cat((angles, angles), dim=-1).reshape(-1, half)
+    angles = _angles(rope, pos, D // 2).reshape(-1, D // 2)
     rows = torch.arange(angles.shape[0], device=pos.device).view(pos.shape)
     return rows, (angles.cos(), angles.sin())
+
+
+def _angles(rope, p: torch.Tensor, half: int) -> torch.Tensor:
+    """The float32 angles [..., half] of integer positions p [...] for ``half`` features of one
+    direction: the row of each p in the module's table before its cos and sin (p · inv_freq, twice)."""
+    inv_freq = 1.0 / (rope.base_frequency ** (torch.arange(0, half, 2, device=p.device).float() / half))
+    angles = p.to(inv_freq.dtype)[..., None] * inv_freq
+    return torch.cat((angles, angles), dim=-1)
 
 
 def _vggt_rope(rope) -> bool:
@@ -91,11 +96,9 @@ def _rope(module, t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     if not torch.compiler.is_compiling() or not _vggt_rope(rope) or pos.is_floating_point():
         return rope(t, pos)
     half = t.shape[-1] // 2  # features per direction (vertical, horizontal)
-    inv_freq = 1.0 / (rope.base_frequency ** (torch.arange(0, half, 2, device=t.device).float() / half))
 
     def rotate(x, p):  # x [B, H, N, half], p [B, N]: _apply_1d_rope with the table row of each p
-        angles = (p.to(inv_freq.dtype)[..., None] * inv_freq).to(t.dtype)
-        angles = torch.cat((angles, angles), dim=-1)
+        angles = _angles(rope, p, half).to(t.dtype)
         cos, sin = angles.cos().to(t.dtype)[:, None], angles.sin().to(t.dtype)[:, None]
         x1, x2 = x[..., :half // 2], x[..., half // 2:]
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
