@@ -19,6 +19,9 @@ forward. What differs is how the work is laid out:
     P·V_(j−1) asynchronously and runs tile j's softmax while P·V_(j−1) is in flight
     (FlashAttention-3's intra-warpgroup overlap); the scheduler interleaves one warpgroup's
     softmax with another's products.
+  * Each warpgroup stores its rows of O by TMA, from a staging tile in shared memory (TMA_OUT):
+    attention's O is a [B, H, N, D] view of a token-major [B, N, H, D] buffer, whose rows a
+    st.global from the wgmma accumulator layout writes 4 bytes per thread at a time, H·D apart.
 
 Tiles with no visible key are never loaded (causal: the triangle's dead tiles; keys past Nk); the
 mask is applied only where a tile straddles the diagonal or the end of the keys.
@@ -51,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E, dk_units, ds_units, split_f16
-from .launch import CHECKED, cdiv, launch, sm_count
+from .launch import CHECKED, cdiv, launch, sm_count, tracing
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -63,6 +66,9 @@ SPLIT_HEAD_DIMS = (64,)
 # sends every call the kernel supports here, whatever the measured policy of ``serves`` says.
 ENABLED = os.environ.get("ELSA_HOPPER", "1").strip() != "0" and CHECKED
 EVERYWHERE = False
+# TMA_OUT = False stores O from registers (gl.store), as before the staging tiles (an A/B switch:
+# benchmarks/results/<device>/tma_out_ab.csv); float32's fp16x3 forward always does
+TMA_OUT = True
 # BACKWARD = False keeps every backward on the portable kernels (serves_backward does not depend
 # on which forward ran: the statistics are the same)
 BACKWARD = True
@@ -262,9 +268,9 @@ def _step(j, g, p16, p_lo, acc, m_i, s_i, q, q_lo, k_ring, v_ring, k_ready, k_em
 
 @gluon.jit
 def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
-              Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              PARTS: gl.constexpr):
+              o_desc, o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2,
+              D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
     """Warpgroup wg: per item, its 64 query rows [q0 + wg·64, +64) scanned over the item's key
     tiles, then the rows' output and statistics. Every warpgroup visits all of an item's tiles (a
     tile past a row's diagonal scores −inf there), so that each releases every slot; in a tail item
@@ -278,10 +284,12 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_read
             _pass(it, g, n_tiles, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, STAGES)
         else:
             _fold_item(wg, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-                       v_ready, v_empty, Out, Stats, Scales, so_b, so_h, so_m, Nq, Nk, qk_scale2, D, BLOCK_M,
-                       BLOCK_N, STAGES, CAUSAL, PARTS)
+                       v_ready, v_empty, Out, o_desc, o_smem, Stats, Scales, so_b, so_h, so_m, Nq, Nk, qk_scale2, D,
+                       BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)
         g += n_tiles
         it += 1
+    if TMA_OUT:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -302,9 +310,9 @@ def _pass(it, g, n_tiles, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, 
 
 @gluon.jit
 def _fold_item(wg: gl.constexpr, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
-               k_empty, v_ready, v_empty, Out, Stats, Scales, so_b, so_h, so_m, Nq, Nk, qk_scale2, D: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               PARTS: gl.constexpr):
+               k_empty, v_ready, v_empty, Out, o_desc, o_smem, Stats, Scales, so_b, so_h, so_m, Nq, Nk, qk_scale2,
+               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
     """Warpgroup wg's 64 rows [q0 + wg·64, +64) of one item (ring position g, Q buffer it % 2):
     the scan over the item's key tiles, then the rows' output and statistics. PARTS = 2 (fp16x3):
     q, k, v arrive scaled by the head's powers of two in Scales [BH, 2 + D] (c_q, c_k, then c_v per
@@ -359,10 +367,17 @@ def _fold_item(wg: gl.constexpr, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v
     nonempty = s_i > 0
     inv = gl.convert_layout(1.0 / gl.where(nonempty, s_i, 1.0), ROW_O)
     out = (acc * gl.expand_dims(inv, 1)).to(Out.dtype.element_ty)
-    rows_o = r0 + gl.arange(0, WG_M, layout=ROW_O)
-    o_ptrs = (Out + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h
-              + gl.expand_dims(rows_o.to(gl.int64) * so_m, 1) + gl.expand_dims(cols_o, 0))
-    gl.store(o_ptrs, out, mask=gl.expand_dims(rows_o < Nq, 1))
+    if TMA_OUT:  # through this warpgroup's staging tile; the TMA store clips the rows past Nq
+        buf = o_smem.index(wg)
+        tma.store_wait(0)  # (its previous item's store has read the tile)
+        buf.reshape([WG_M, D]).store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], buf)
+    else:
+        rows_o = r0 + gl.arange(0, WG_M, layout=ROW_O)
+        o_ptrs = (Out + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h
+                  + gl.expand_dims(rows_o.to(gl.int64) * so_m, 1) + gl.expand_dims(cols_o, 0))
+        gl.store(o_ptrs, out, mask=gl.expand_dims(rows_o < Nq, 1))
     row_ok = offs_m < Nq
     st = Stats + bh.to(gl.int64) * 2 * Nq + offs_m
     gl.store(st, gl.where(nonempty, m_i, float("inf")), mask=row_ok)
@@ -399,9 +414,9 @@ def _query_stationary_buffers(q_desc, k_desc, v_desc, NUM_WG: gl.constexpr, STAG
 
 
 @gluon.jit(do_not_specialize=_COUNTS)
-def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0,
+def _fwd_kernel(q_desc, k_desc, v_desc, Out, o_desc, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0,
                 qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr):
+                CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
     """Persistent: program p takes work items p, p + programs, … (see _item), each BLOCK_M query
     rows of one batch·head (BLOCK_M − 64 from item t0 on), with BLOCK_M / 64 consumer warpgroups of
     64 rows and a producer warp (num_warps = 4: the first warpgroup).
@@ -412,32 +427,36 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, Stats, Scales, so_b, so_h, so_m, H,
     NUM_WG: gl.constexpr = BLOCK_M // 64
     q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = _query_stationary_buffers(
         q_desc, k_desc, v_desc, NUM_WG, STAGES, PARTS)
+    if TMA_OUT:  # one output staging tile per warpgroup
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [NUM_WG] + o_desc.block_type.shape, o_desc.layout)
+    else:
+        o_smem = q_smem
 
     # one literal partition list per warpgroup count: Gluon 3.6 builds it at compile time and takes
     # neither a comprehension nor the consumers' arguments grouped into tuples
     if NUM_WG == 3:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N,
-                         STAGES, CAUSAL, PARTS)),
-            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N,
-                         STAGES, CAUSAL, PARTS)),
-            (_consumer, (2, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N,
-                         STAGES, CAUSAL, PARTS)),
+            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
+                         o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
+            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
+                         o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
+            (_consumer, (2, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
+                         o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
             (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                        k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                        False, PARTS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N,
-                         STAGES, CAUSAL, PARTS)),
-            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Stats,
-                         Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M, BLOCK_N,
-                         STAGES, CAUSAL, PARTS)),
+            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
+                         o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
+            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
+                         o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
             (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                        k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                        False, PARTS)),
@@ -896,11 +915,12 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision:
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool,
            traced: bool = False) -> bool:
     """Whether this forward takes the call: ``supports`` it, and it measured faster than the
-    portable forward there (benchmarks/results/<device>/attention_hopper.csv, bf16, CUDA-graph
-    replays): at D = 128 every non-causal call and causal ones from 2048 keys; at D = 64 from 1280
-    keys, causal from 4096. Below, a block of 128 or 192 rows is mostly padding or the diagonal's
-    masked tile, and the portable kernel's 64-row tiles are ahead (VGGT's 1041-token frames among
-    them; the Gluon kernel leads from 1536 tokens; README, "Short rows in the portable forward").
+    portable forward there (benchmarks/results/<device>/attention_hopper_fwd.csv, bf16, CUDA-graph
+    replays, with O stored by TMA): at D = 128 every non-causal call and causal ones from 512 keys
+    (1–2% ahead at 577 and 1041, 10% behind at 197); at D = 64 from 1280 keys, causal from 4096.
+    Below, a block of 128 or 192 rows is mostly padding or the diagonal's masked tile, and the
+    portable kernel's 64-row tiles are ahead (VGGT's 1041-token frames among them, by 2%; README,
+    "Short rows in the portable forward").
     ``fp16x3`` (benchmarks/results/<device>/attention_hopper_fp32.csv): from 768 keys, causal from
     2048; at 577 keys the portable forward is ahead (5%, causal 23%), and so it is below and at
     causal 1041.
@@ -913,7 +933,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     if q.dtype == torch.float32:
         return nk >= (2048 if causal else 768)
     if q.shape[-1] == 128:
-        return not causal or nk >= 2048
+        return not causal or nk >= 512
     return nk >= (4096 if causal else 1280)
 
 
@@ -1054,9 +1074,11 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     # round robin over SMs aliases with the items' order); others run one persistent program per SM
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))
     t0, n_items = (n_items, n_items) if causal else _tail(n_items, n_m, bm, Nq, B * H, programs)
-    launch(_fwd_kernel, (programs,), qd, kd, vd, out, stats, stats if scales is None else scales, out.stride(0),
-           out.stride(1), out.stride(2), H, Nq, Nk, n_m, n_items, t0, scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn,
-           STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts, num_warps=4)
+    tma_out = TMA_OUT and parts == 1 and _tma_readable(out, tracing())
+    launch(_fwd_kernel, (programs,), qd, kd, vd, out, _descriptor(out, 64) if tma_out else qd, stats,
+           stats if scales is None else scales, out.stride(0), out.stride(1), out.stride(2), H, Nq, Nk, n_m, n_items, t0,
+           scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts,
+           TMA_OUT=tma_out, num_warps=4)
 
 
 def _tail(n_items: int, n_m: int, bm: int, nq: int, bh: int, programs: int) -> tuple[int, int]:

@@ -282,6 +282,37 @@ def test_forward_tail_items(B, H, n, d, dtype, monkeypatch):
                            rel_l2=2e-6 if split else None)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_output_stored_by_tma(d, causal, monkeypatch):
+    """O stored by TMA from the warpgroups' staging tiles (hopper.TMA_OUT) is the st.global path's bit
+    for bit: into attention's token-major buffer, and into a view of a longer one, whose rows past Nq
+    the TMA store clips (they keep their guard values). An O that TMA cannot write (a row stride of
+    136 bytes) takes the st.global path."""
+    from elsa_vision.kernels import hopper
+    B, H, n = 2, 3, 1000
+    q, k, v = qkv(B, H, n, n, d, torch.bfloat16, seed=d)
+
+    def run(out, tma):
+        monkeypatch.setattr(hopper, "TMA_OUT", tma)
+        stats = torch.empty(B, H, 2, n, device="cuda")
+        hopper.forward(q, k, v, out, stats, d ** -0.5, causal)
+        return stats
+
+    want = torch.empty(B, n, H, d, device="cuda", dtype=q.dtype).transpose(1, 2)
+    want_stats = run(want, False)
+    guard = torch.full((B, n + 70, H, d), 7.0, device="cuda", dtype=q.dtype)
+    out = guard[:, :n].transpose(1, 2)
+    assert hopper._tma_readable(out)
+    stats = run(out, True)
+    assert torch.equal(out, want) and torch.equal(stats, want_stats)
+    assert bool((guard[:, n:] == 7.0).all())
+    odd = torch.empty(B, H, n, d + 4, device="cuda", dtype=q.dtype)[..., :d]
+    assert not hopper._tma_readable(odd)
+    run(odd, True)
+    assert torch.equal(odd, want)
+
+
 def test_deterministic():
     """Bitwise the same output and statistics on repeated calls (no atomics, a fixed schedule)."""
     from elsa_vision.kernels import attention as K
@@ -311,14 +342,14 @@ def test_backward_dispatch_policy(monkeypatch):
 
 
 def test_dispatch_policy(monkeypatch):
-    """Without EVERYWHERE, the measured policy: D = 128 (causal from 2048 keys), D = 64 from 1280
+    """Without EVERYWHERE, the measured policy: D = 128 (causal from 512 keys), D = 64 from 1280
     keys (causal from 4096); shorter rows stay on the portable forward. float32 in fp16x3 likewise."""
     from elsa_vision.kernels import hopper
     monkeypatch.setattr(hopper, "EVERYWHERE", False)
     for n, d, causal, want in [(577, 64, False, False), (1041, 64, False, False), (1536, 64, False, True),
                                (2048, 64, True, False),
-                               (4096, 64, True, True), (197, 128, False, True), (1041, 128, True, False),
-                               (2048, 128, True, True)]:
+                               (4096, 64, True, True), (197, 128, False, True), (197, 128, True, False),
+                               (577, 128, True, True), (2048, 128, True, True)]:
         q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
         assert hopper.serves(q, k, v, None, "native", causal) == want, (n, d, causal)
     # float32 in fp16x3 (d = 64 only): from 768 keys, causal from 2048; never another precision
