@@ -97,7 +97,7 @@ def _item(w, t0, n_m, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
     they re-cut the rows that items t0, t0 + 1, … of BLOCK_M rows would have covered (the rest of
     head t0 // n_m, then every later head), so that a last round of items that would fill only
     part of the programs spreads over all of them (see _tail). Not with CAUSAL."""
-    TAIL_M: gl.constexpr = BLOCK_M - 64
+    TAIL_M: gl.constexpr = BLOCK_M - 64 if BLOCK_M > 64 else 64  # (64-row items have no tail: t0 = n_items)
     pid_m = w % n_m
     bh = w // n_m
     if CAUSAL:
@@ -449,6 +449,15 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, o_desc, Stats, Scales, so_b, so_h, 
                        k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                        False, PARTS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    elif NUM_WG == 1:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
+                         o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
+            (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+                       k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                       False, PARTS)),
+        ], [1], [24])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
@@ -537,9 +546,10 @@ def _split_p(p, A_L: gl.constexpr):
 
 @gluon.jit
 def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready, q_ready, q_empty, do_ready,
-                 do_empty, Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale,
-                 qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, PREFETCH: gl.constexpr, PARTS: gl.constexpr):
+                 do_empty, Rows, PLANE, Scales, dK, dV, dk_desc, dv_desc, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq,
+                 Nk, NQP, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH: gl.constexpr, PARTS: gl.constexpr,
+                 TMA_GRADS: gl.constexpr):
     """Warpgroup wg: keys [n0 + 64·wg, +64) against every query tile that sees them, in the
     transposed (key-major) orientation, so that Pᵀ and dSᵀ are born in the A-operand registers of
     the dV and dK products and never go through shared memory:
@@ -642,21 +652,31 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_
     if PARTS == 2:  # one power of two at a time: their product may leave float32's range
         dk = dk * (65536.0 * D) * (1.0 / gl.load(cs)) * (1.0 / gl.load(cs + 3)) * (1.0 / gl.load(cs + 2))
         dv = dv * (1.0 / 16384.0) * (1.0 / gl.load(cs + 3))
-    rows = k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
-    cols_d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, O_L)), 0)
-    ok = gl.expand_dims(rows < Nk, 1)
-    r64 = gl.expand_dims(rows.to(gl.int64), 1)
-    gl.store(dK + b.to(gl.int64) * sk_b + h.to(gl.int64) * sk_h + r64 * sk_n + cols_d,
-             (dk * scale).to(dK.dtype.element_ty), mask=ok)
-    gl.store(dV + b.to(gl.int64) * sv_b + h.to(gl.int64) * sv_h + r64 * sv_n + cols_d,
-             dv.to(dV.dtype.element_ty), mask=ok)
+    if TMA_GRADS:  # through this warpgroup's own K and V tiles, whose products have all retired
+        kb = k_smem.index(wg)
+        vb = v_smem.index(wg)
+        kb.reshape([64, D]).store((dk * scale).to(dtype))
+        vb.reshape([64, D]).store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b, h, k0, 0], kb)
+        tma.async_copy_shared_to_global(dv_desc, [b, h, k0, 0], vb)
+        tma.store_wait(0)
+    else:
+        rows = k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+        cols_d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, O_L)), 0)
+        ok = gl.expand_dims(rows < Nk, 1)
+        r64 = gl.expand_dims(rows.to(gl.int64), 1)
+        gl.store(dK + b.to(gl.int64) * sk_b + h.to(gl.int64) * sk_h + r64 * sk_n + cols_d,
+                 (dk * scale).to(dK.dtype.element_ty), mask=ok)
+        gl.store(dV + b.to(gl.int64) * sv_b + h.to(gl.int64) * sv_h + r64 * sv_n + cols_d,
+                 dv.to(dV.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
-def _bwd_dkdv_kernel(q_desc, q2_desc, do_desc, k_desc, v_desc, Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b,
-                     sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr):
+def _bwd_dkdv_kernel(q_desc, q2_desc, do_desc, k_desc, v_desc, Rows, PLANE, Scales, dK, dV, dk_desc, dv_desc, sk_b,
+                     sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr, TMA_GRADS: gl.constexpr):
     """Grid (cdiv(Nk, BLOCK_N), B·H): BLOCK_N = 128 keys per program, two consumer warpgroups of
     64 keys each holding their dK, dV [64, D] float32 accumulators in registers, a producer warp
     streaming the query tiles (BLOCK_M rows of Q and dO) through a STAGES-deep ring.
@@ -691,11 +711,11 @@ def _bwd_dkdv_kernel(q_desc, q2_desc, do_desc, k_desc, v_desc, Rows, PLANE, Scal
     PREFETCH: gl.constexpr = D <= 64 and PARTS == 1
     gl.warp_specialize([
         (_kv_consumer, (0, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty,
-                        Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale,
-                        qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH, PARTS)),
+                        Rows, PLANE, Scales, dK, dV, dk_desc, dv_desc, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq,
+                        Nk, NQP, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH, PARTS, TMA_GRADS)),
         (_kv_consumer, (1, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty,
-                        Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale,
-                        qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH, PARTS)),
+                        Rows, PLANE, Scales, dK, dV, dk_desc, dv_desc, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq,
+                        Nk, NQP, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH, PARTS, TMA_GRADS)),
         (_kv_loader, (q_desc, q2_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready,
                       q_ready, q_empty, do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -725,9 +745,10 @@ def _o_rows(Out, so_b, so_h, so_m, w, wg: gl.constexpr, n_m, n_items, H, Nq, Nk,
 
 @gluon.jit
 def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                 v_empty, Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP,
-                 n_m, n_items, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, PARTS: gl.constexpr):
+                 v_empty, Out, Stats, Rows, PLANE, Scales, dQ, dq_desc, dq_smem, so_b, so_h, so_m, sq_b, sq_h, sq_m, H,
+                 Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PARTS: gl.constexpr,
+                 TMA_GRADS: gl.constexpr):
     """Warpgroup wg: per item (as the forward's), its 64 query rows' statistics and dQ over the
     item's key tiles. Statistics: lse2 = m + log2(S) from the forward's, delta = rowsum(dO∘O) from
     dO in shared memory and O's rows (loaded one item ahead), both stored into Rows' first two
@@ -820,17 +841,26 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
         if PARTS == 2:  # one power of two at a time: their product may leave float32's range
             dq = (dq * gl.expand_dims(gl.convert_layout(1.0 / f, ROW_O, assert_trivial=True), 1)
                   * (1.0 / gl.load(cs + 1)) * (1.0 / gl.load(cs + 3)) * (1.0 / gl.load(cs + 2)))
-        rows = r0 + gl.arange(0, WG_M, layout=ROW_O)
-        ptrs = (dQ + b.to(gl.int64) * sq_b + h.to(gl.int64) * sq_h + gl.expand_dims(rows.to(gl.int64) * sq_m, 1)
-                + gl.expand_dims(cols_o, 0))
-        gl.store(ptrs, (dq * scale).to(dQ.dtype.element_ty), mask=gl.expand_dims(rows < Nq, 1))
+        if TMA_GRADS:  # through this warpgroup's staging tile (as the forward's O); rows past Nq clipped
+            buf = dq_smem.index(wg)
+            tma.store_wait(0)  # (its previous item's store has read the tile)
+            buf.reshape([WG_M, D]).store((dq * scale).to(dq_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dq_desc, [b, h, r0, 0], buf)
+        else:
+            rows = r0 + gl.arange(0, WG_M, layout=ROW_O)
+            ptrs = (dQ + b.to(gl.int64) * sq_b + h.to(gl.int64) * sq_h
+                    + gl.expand_dims(rows.to(gl.int64) * sq_m, 1) + gl.expand_dims(cols_o, 0))
+            gl.store(ptrs, (dq * scale).to(dQ.dtype.element_ty), mask=gl.expand_dims(rows < Nq, 1))
+    if TMA_GRADS:
+        tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=_COUNTS[:2])
-def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b,
-                   sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D: gl.constexpr,
+def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Rows, PLANE, Scales, dQ, dq_desc, so_b, so_h, so_m,
+                   sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr):
+                   CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr, TMA_GRADS: gl.constexpr):
     """Persistent like _fwd_kernel (the same items and producer warp, which also brings each item's
     dO rows): two consumer warpgroups of 64 query rows. O, dQ [B, H, Nq, D] (any strides, last 1),
     Stats [B, H, 2, Nq] (contiguous); writes Rows' planes lse2, delta [B·H, NQP] float32 (PLANE
@@ -841,13 +871,19 @@ def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Rows, PLANE, Sca
     q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = _query_stationary_buffers(
         q_desc, k_desc, v_desc, NUM_WG, STAGES, PARTS)
     do_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG * PARTS] + do_desc.block_type.shape, do_desc.layout)
+    if TMA_GRADS:  # one dQ staging tile per warpgroup
+        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [NUM_WG] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        dq_smem = do_smem
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m,
-                        n_items, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS)),
+                        Out, Stats, Rows, PLANE, Scales, dQ, dq_desc, dq_smem, so_b, so_h, so_m, sq_b, sq_h, sq_m, H,
+                        Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS,
+                        TMA_GRADS)),
         (_dq_consumer, (1, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m,
-                        n_items, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS)),
+                        Out, Stats, Rows, PLANE, Scales, dQ, dq_desc, dq_smem, so_b, so_h, so_m, sq_b, sq_h, sq_m, H,
+                        Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS,
+                        TMA_GRADS)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                    k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                    True, PARTS)),
@@ -1072,13 +1108,20 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     n_items = n_m * B * H
     # causal items differ in length: one program per item lets the hardware balance them (a static
     # round robin over SMs aliases with the items' order); others run one persistent program per SM
-    programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))
-    t0, n_items = (n_items, n_items) if causal else _tail(n_items, n_m, bm, Nq, B * H, programs)
+    per_sm = per_sm_programs(bm)
+    programs = n_items if causal else min(n_items, per_sm * sm_count(q.device.index or 0))
+    t0, n_items = (n_items, n_items) if causal or bm == 64 else _tail(n_items, n_m, bm, Nq, B * H, programs)
     tma_out = TMA_OUT and parts == 1 and _tma_readable(out, tracing())
     launch(_fwd_kernel, (programs,), qd, kd, vd, out, _descriptor(out, 64) if tma_out else qd, stats,
            stats if scales is None else scales, out.stride(0), out.stride(1), out.stride(2), H, Nq, Nk, n_m, n_items, t0,
            scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts,
-           TMA_OUT=tma_out, num_warps=4)
+           TMA_OUT=tma_out, num_warps=4, **({"maxnreg": 256 // per_sm} if per_sm > 1 else {}))
+
+
+def per_sm_programs(bm: int) -> int:
+    """Resident programs per SM of the forward: two with one consumer warpgroup (64-row items;
+    launched at 128 registers a thread, the consumer raising its own to CONSUMER_REGS), else one."""
+    return 2 if bm == 64 else 1
 
 
 def _tail(n_items: int, n_m: int, bm: int, nq: int, bh: int, programs: int) -> tuple[int, int]:
@@ -1176,15 +1219,20 @@ def _backward(do, q, k, v, out, stats, scale: float, causal: bool, grads: tuple,
         q2, scales = q, rows
     # dQ first: it writes the rows' lse2 and delta, which the dK/dV kernel reads
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
-    launch(_bwd_dq_kernel, (programs,), _descriptor(q, 64), _descriptor(do, 64), _descriptor(k, qn),
-           _descriptor(v, qn), out, stats, rows, BH * nqp, scales, dq, out.stride(0), out.stride(1), out.stride(2),
-           dq.stride(0), dq.stride(1), dq.stride(2), H, Nq, Nk, nqp, n_m, n_items, scale, scale * LOG2E, D=D,
-           BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal, CONSUMER_REGS=qregs, PARTS=2 if split else 1,
-           num_warps=4)
-    launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), BH), _descriptor(q, km), _descriptor(q2, km), _descriptor(do, km),
-           _descriptor(k, 64), _descriptor(v, 64), rows, BH * nqp, scales, dk, dv, dk.stride(0), dk.stride(1),
-           dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, Nq, Nk, nqp, scale, scale * LOG2E, D=D,
-           BLOCK_M=km, BLOCK_N=kn, STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, PARTS=2 if split else 1,
+    qd = _descriptor(q, 64)
+    tma_dq = TMA_OUT and not split and _tma_readable(dq, tracing())
+    launch(_bwd_dq_kernel, (programs,), qd, _descriptor(do, 64), _descriptor(k, qn), _descriptor(v, qn), out, stats,
+           rows, BH * nqp, scales, dq, _descriptor(dq, 64) if tma_dq else qd, out.stride(0), out.stride(1),
+           out.stride(2), dq.stride(0), dq.stride(1), dq.stride(2), H, Nq, Nk, nqp, n_m, n_items, scale,
+           scale * LOG2E, D=D, BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal, CONSUMER_REGS=qregs,
+           PARTS=2 if split else 1, TMA_GRADS=tma_dq, num_warps=4)
+    kd = _descriptor(k, 64)
+    tma_dkv = TMA_OUT and not split and _tma_readable(dk, tracing()) and _tma_readable(dv, tracing())
+    launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), BH), _descriptor(q, km), _descriptor(q2, km), _descriptor(do, km), kd,
+           _descriptor(v, 64), rows, BH * nqp, scales, dk, dv, _descriptor(dk, 64) if tma_dkv else kd,
+           _descriptor(dv, 64) if tma_dkv else kd, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
+           dv.stride(1), dv.stride(2), H, Nq, Nk, nqp, scale, scale * LOG2E, D=D, BLOCK_M=km, BLOCK_N=kn,
+           STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, PARTS=2 if split else 1, TMA_GRADS=tma_dkv,
            num_warps=4)
     return dq, dk, dv
 
