@@ -287,8 +287,8 @@ def test_forward_tail_items(B, H, n, d, dtype, monkeypatch):
 def test_output_stored_by_tma(d, causal, monkeypatch):
     """O stored by TMA from the warpgroups' staging tiles (hopper.TMA_OUT) is the st.global path's bit
     for bit: into attention's token-major buffer, and into a view of a longer one, whose rows past Nq
-    the TMA store clips (they keep their guard values). An O that TMA cannot write (a row stride of
-    136 bytes) takes the st.global path."""
+    the TMA store clips (they keep their guard values). An O that TMA cannot write (a row stride that
+    is not a multiple of 16 bytes) takes the st.global path."""
     from elsa_vision.kernels import hopper
     B, H, n = 2, 3, 1000
     q, k, v = qkv(B, H, n, n, d, torch.bfloat16, seed=d)
