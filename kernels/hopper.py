@@ -653,6 +653,7 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_
         dk = dk * (65536.0 * D) * (1.0 / gl.load(cs)) * (1.0 / gl.load(cs + 3)) * (1.0 / gl.load(cs + 2))
         dv = dv * (1.0 / 16384.0) * (1.0 / gl.load(cs + 3))
     if TMA_GRADS:  # through this warpgroup's own K and V tiles, whose products have all retired
+        gl.static_assert(PARTS == 1, "dK/dV by TMA: half precision only (the tiles are q's dtype)")
         kb = k_smem.index(wg)
         vb = v_smem.index(wg)
         kb.reshape([64, D]).store((dk * scale).to(dtype))
@@ -842,6 +843,7 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
             dq = (dq * gl.expand_dims(gl.convert_layout(1.0 / f, ROW_O, assert_trivial=True), 1)
                   * (1.0 / gl.load(cs + 1)) * (1.0 / gl.load(cs + 3)) * (1.0 / gl.load(cs + 2)))
         if TMA_GRADS:  # through this warpgroup's staging tile (as the forward's O); rows past Nq clipped
+            gl.static_assert(PARTS == 1, "dQ by TMA: half precision only")
             buf = dq_smem.index(wg)
             tma.store_wait(0)  # (its previous item's store has read the tile)
             buf.reshape([WG_M, D]).store((dq * scale).to(dq_desc.dtype))
@@ -1108,7 +1110,7 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     n_items = n_m * B * H
     # causal items differ in length: one program per item lets the hardware balance them (a static
     # round robin over SMs aliases with the items' order); others run one persistent program per SM
-    per_sm = per_sm_programs(bm)
+    per_sm = per_sm_programs(bm, bn, stages, D, q.element_size(), parts)
     programs = n_items if causal else min(n_items, per_sm * sm_count(q.device.index or 0))
     t0, n_items = (n_items, n_items) if causal or bm == 64 else _tail(n_items, n_m, bm, Nq, B * H, programs)
     tma_out = TMA_OUT and parts == 1 and _tma_readable(out, tracing())
@@ -1118,10 +1120,19 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
            TMA_OUT=tma_out, num_warps=4, **({"maxnreg": 256 // per_sm} if per_sm > 1 else {}))
 
 
-def per_sm_programs(bm: int) -> int:
-    """Resident programs per SM of the forward: two with one consumer warpgroup (64-row items;
-    launched at 128 registers a thread, the consumer raising its own to CONSUMER_REGS), else one."""
-    return 2 if bm == 64 else 1
+# shared memory an SM gives its resident programs (H100 / H200: 228 KiB, 1 KiB of it reserved per program)
+SM_SHARED_BYTES = 233472
+
+
+def per_sm_programs(bm: int, bn: int, stages: int, d: int, itemsize: int, parts: int) -> int:
+    """Resident programs per SM of the forward: two with one consumer warpgroup (64-row items),
+    where two programs' shared memory fits (two Q buffers, the K and V rings, the output staging
+    tile; launched at maxnreg = 128, Triton 3.6 gives the consumer 232 registers and the producer
+    warp's padded warpgroup 24), else one."""
+    if bm != 64:
+        return 1
+    smem = itemsize * d * parts * (2 * 64 + 2 * stages * bn) + itemsize * d * 64 + 1024  # (+ barriers)
+    return 2 if 2 * (smem + 1024) <= SM_SHARED_BYTES else 1
 
 
 def _tail(n_items: int, n_m: int, bm: int, nq: int, bh: int, programs: int) -> tuple[int, int]:
@@ -1220,14 +1231,15 @@ def _backward(do, q, k, v, out, stats, scale: float, causal: bool, grads: tuple,
     # dQ first: it writes the rows' lse2 and delta, which the dK/dV kernel reads
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
     qd = _descriptor(q, 64)
-    tma_dq = TMA_OUT and not split and _tma_readable(dq, tracing())
+    tma_dq = TMA_OUT and not split and dq.dtype == q.dtype and _tma_readable(dq, tracing())
     launch(_bwd_dq_kernel, (programs,), qd, _descriptor(do, 64), _descriptor(k, qn), _descriptor(v, qn), out, stats,
            rows, BH * nqp, scales, dq, _descriptor(dq, 64) if tma_dq else qd, out.stride(0), out.stride(1),
            out.stride(2), dq.stride(0), dq.stride(1), dq.stride(2), H, Nq, Nk, nqp, n_m, n_items, scale,
            scale * LOG2E, D=D, BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal, CONSUMER_REGS=qregs,
            PARTS=2 if split else 1, TMA_GRADS=tma_dq, num_warps=4)
     kd = _descriptor(k, 64)
-    tma_dkv = TMA_OUT and not split and _tma_readable(dk, tracing()) and _tma_readable(dv, tracing())
+    tma_dkv = (TMA_OUT and not split and dk.dtype == dv.dtype == q.dtype and _tma_readable(dk, tracing())
+               and _tma_readable(dv, tracing()))
     launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), BH), _descriptor(q, km), _descriptor(q2, km), _descriptor(do, km), kd,
            _descriptor(v, 64), rows, BH * nqp, scales, dk, dv, _descriptor(dk, 64) if tma_dkv else kd,
            _descriptor(dv, 64) if tma_dkv else kd, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),

@@ -313,32 +313,43 @@ def test_output_stored_by_tma(d, causal, monkeypatch):
     assert torch.equal(odd, want)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1000, 1041])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gradients_stored_by_tma(d, monkeypatch):
+def test_gradients_stored_by_tma(d, n, causal, monkeypatch):
     """dQ, dK, dV stored by TMA (hopper.TMA_OUT) are the st.global path's bit for bit: into timm's
-    packed [B, N, 3, H, D] layout with guard rows past N (clipped, untouched), and into gradient
-    buffers TMA cannot write (a row stride of 136 bytes), which take the st.global path."""
+    packed [B, N, 3, H, D] layout with guard rows past N (clipped, untouched; at 1041 tokens a
+    warpgroup's 64 rows lie wholly past N), with both backward kernels launched with TMA_GRADS; and
+    into gradient buffers TMA cannot write (a row stride that is not a multiple of 16 bytes), which
+    take the st.global path."""
     from elsa_vision.kernels import attention as K, hopper
-    B, H, n = 2, 3, 1000
+    B, H = 2, 3
     q, k, v = qkv(B, H, n, n, d, torch.bfloat16, seed=d)
     do = torch.randn_like(q)
-    out, stats = K.forward(q, k, v, None, d ** -0.5, False, "native")
+    out, stats = K.forward(q, k, v, None, d ** -0.5, causal, "native")
+    flags = []
+    real_launch = hopper.launch
+    monkeypatch.setattr(hopper, "launch", lambda fn, grid, *a, **meta: flags.append(meta.get("TMA_GRADS"))
+                        or real_launch(fn, grid, *a, **meta))
 
     def run(grads, tma):
         monkeypatch.setattr(hopper, "TMA_OUT", tma)
-        hopper.backward(do, q, k, v, out, stats, d ** -0.5, False, grads)
+        flags.clear()
+        hopper.backward(do, q, k, v, out, stats, d ** -0.5, causal, grads)
         return grads
 
     want = run(K.new_grads(q, k, v), False)
-    guard = torch.full((B, n + 70, 3, H, d), 7.0, device="cuda", dtype=q.dtype)
+    guard = torch.full((B, n + 140, 3, H, d), 7.0, device="cuda", dtype=q.dtype)
     packed = guard[:, :n].permute(2, 0, 3, 1, 4).unbind(0)
     assert all(hopper._tma_readable(g) for g in packed)
     run(packed, True)
+    assert flags == [True, True]
     assert all(torch.equal(a, b) for a, b in zip(packed, want))
     assert bool((guard[:, n:] == 7.0).all())
     odd = tuple(torch.empty(B, H, n, d + 4, device="cuda", dtype=q.dtype)[..., :d] for _ in range(3))
     assert not any(hopper._tma_readable(g) for g in odd)
     run(odd, True)
+    assert flags == [False, False]
     assert all(torch.equal(a, b) for a, b in zip(odd, want))
 
 
