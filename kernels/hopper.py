@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E, dk_units, ds_units, split_f16
-from .launch import CHECKED, cdiv, launch, sm_count, tracing
+from .launch import CHECKED, cdiv, launch, sm_count
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -1074,7 +1074,7 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     # round robin over SMs aliases with the items' order); others run one persistent program per SM
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))
     t0, n_items = (n_items, n_items) if causal else _tail(n_items, n_m, bm, Nq, B * H, programs)
-    tma_out = TMA_OUT and parts == 1 and _tma_readable(out, tracing())
+    tma_out = TMA_OUT and parts == 1 and _tma_readable(out)  # (never traced: see attention._hopper_serves)
     launch(_fwd_kernel, (programs,), qd, kd, vd, out, _descriptor(out, 64) if tma_out else qd, stats,
            stats if scales is None else scales, out.stride(0), out.stride(1), out.stride(2), H, Nq, Nk, n_m, n_items, t0,
            scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts,
