@@ -955,10 +955,12 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     """Whether this forward takes the call: ``supports`` it, and it measured faster than the
     portable forward there (benchmarks/results/<device>/attention_hopper_fwd.csv, bf16, CUDA-graph
     replays, with O stored by TMA): at D = 128 every non-causal call and causal ones from 512 keys
-    (1–2% ahead at 577 and 1041, 10% behind at 197); at D = 64 from 1280 keys, causal from 4096.
-    Below, a block of 128 or 192 rows is mostly padding or the diagonal's masked tile, and the
-    portable kernel's 64-row tiles are ahead (VGGT's 1041-token frames among them, by 2%; README,
-    "Short rows in the portable forward").
+    (1–2% ahead at 577 and 1041, 10% behind at 197); at D = 64 from 1280 keys, causal from 4096,
+    and non-causal rows of at most SHORT_ROWS queries and keys (ViT's 197 tokens: 64-row items of
+    one warpgroup, 4–5% ahead; short_rows_ab.csv). Between, a block of 128 or 192 rows is mostly
+    padding or the diagonal's masked tile, and the portable kernel's 64-row tiles are ahead (at
+    257 and 401 keys by 9–13%, VGGT's 1041-token frames by 2%; README, "Short rows in the portable
+    forward").
     ``fp16x3`` (benchmarks/results/<device>/attention_hopper_fp32.csv): from 768 keys, causal from
     2048; at 577 keys the portable forward is ahead (5%, causal 23%), and so it is below and at
     causal 1041.
@@ -972,20 +974,29 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
         return nk >= (2048 if causal else 768)
     if q.shape[-1] == 128:
         return not causal or nk >= 512
-    return nk >= (4096 if causal else 1280)
+    if causal:
+        return nk >= 4096
+    return nk >= 1280 or max(q.shape[2], nk) <= SHORT_ROWS
 
 
 def config(d: int, nq: int, split: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, consumer registers): BLOCK_M / 64 consumer warpgroups. At D = 64
     a third warpgroup (192 rows, 160 registers each) keeps the tensor cores busier while the
-    others run their softmax; at D = 128 its accumulators would not fit, and for short rows its
-    last block is mostly padding. ``split`` (fp16x3, D = 64): every tile is a hi and a lo buffer,
-    and SPLIT_CONFIG is what fits the shared memory and measured fastest."""
+    others run their softmax; at D = 128 its accumulators would not fit. Rows of at most
+    SHORT_ROWS queries (D <= 64) run as 64-row items of one warpgroup, two programs per SM
+    (per_sm_programs): a block of 128 or 192 rows would be mostly padding. ``split`` (fp16x3,
+    D = 64): every tile is a hi and a lo buffer, and SPLIT_CONFIG is what fits the shared memory
+    and measured fastest."""
     if split:
         return SPLIT_CONFIG
     if d <= 64:
-        return (192, 128, 3, 160) if nq > 256 else (128, 128, 3, 232)
+        return (64, 128, 2, 232) if nq <= SHORT_ROWS else (192, 128, 3, 160)
     return 128, 128, 2, 232
+
+
+# D <= 64: rows this short run as 64-row items of one consumer warpgroup, two programs per SM (at
+# 197 tokens 10% faster than two warpgroups and 4–5% than the portable forward; short_rows_ab.csv)
+SHORT_ROWS = 256
 
 
 # (192 rows at 160 registers with 64-key tiles in 3 stages: 4% faster at 1041 keys, 10–12% slower from 4K)
@@ -1152,10 +1163,11 @@ def _tail(n_items: int, n_m: int, bm: int, nq: int, bh: int, programs: int) -> t
 
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
     """Whether the backward below takes the call: ``supports`` it, and it measured faster than the
-    portable backward there (benchmarks/results/<device>/attention_hopper_fwdbwd.csv, bf16 forward
-    + backward, CUDA-graph replays; thresh_ab.csv for the short rows): every call at D = 128; at
-    D = 64 from 300 keys, causal from 1024. Below, the portable backward's 32-row tiles waste less
-    on padding and on the diagonal. float32 in ``fp16x3`` (D = 64): from 512 keys, and shorter rows
+    portable backward there (benchmarks/results/<device>/attention_hopper.csv, bf16 forward +
+    backward, CUDA-graph replays; short_rows_ab.csv for 197–401 keys): every call at D = 128 and
+    every non-causal one at D = 64 (with dQ, dK, dV stored by TMA: 2–3% ahead at 197 keys, 10% at
+    321 and 401); causal D = 64 from 1024 keys, below which the portable backward's 32-row tiles
+    waste less on the diagonal. float32 in ``fp16x3`` (D = 64): from 512 keys, and shorter rows
     where the work items fill the GPU (``fills``). Its forward + backward measured faster than with
     the portable backward from ViT's 197 tokens on, causal or not, with 3072 batch·heads there
     (attention_hopper_fp32_fwdbwd.csv); with few batch·heads a short call is the host's (ViT-T at
@@ -1163,11 +1175,11 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
     call it supports."""
     if not (BACKWARD and (_half(q, precision) or _split(q, precision)) and supports(q, k, v, bias, precision)):
         return False
-    if EVERYWHERE or q.shape[-1] == 128:
+    if EVERYWHERE or q.shape[-1] == 128 or not causal:
         return True
     if q.dtype == torch.float32:
         return k.shape[2] >= 512 or fills(q)
-    return k.shape[2] >= (1024 if causal else 300)
+    return k.shape[2] >= 1024
 
 
 def bwd_config(d: int, split: bool = False) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:

@@ -366,8 +366,8 @@ def test_backward_dispatch_policy(monkeypatch):
     """Without EVERYWHERE, the backward's measured policy (see hopper.serves_backward)."""
     from elsa_vision.kernels import hopper
     monkeypatch.setattr(hopper, "EVERYWHERE", False)
-    for n, d, causal, want in [(197, 64, False, False), (257, 64, False, False), (321, 64, False, True),
-                               (577, 64, False, True), (577, 64, True, False),
+    for n, d, causal, want in [(197, 64, False, True), (257, 64, False, True), (321, 64, False, True),
+                               (577, 64, False, True), (197, 64, True, False), (577, 64, True, False),
                                (1041, 64, True, True), (197, 128, True, True)]:
         q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
         assert hopper.serves_backward(q, k, v, None, "native", causal) == want, (n, d, causal)
@@ -383,10 +383,12 @@ def test_backward_dispatch_policy(monkeypatch):
 
 def test_dispatch_policy(monkeypatch):
     """Without EVERYWHERE, the measured policy: D = 128 (causal from 512 keys), D = 64 from 1280
-    keys (causal from 4096); shorter rows stay on the portable forward. float32 in fp16x3 likewise."""
+    keys (causal from 4096) and non-causal rows of at most SHORT_ROWS; rows between stay on the portable forward. float32 in fp16x3 likewise."""
     from elsa_vision.kernels import hopper
     monkeypatch.setattr(hopper, "EVERYWHERE", False)
-    for n, d, causal, want in [(577, 64, False, False), (1041, 64, False, False), (1536, 64, False, True),
+    for n, d, causal, want in [(197, 64, False, True), (256, 64, False, True), (257, 64, False, False),
+                               (197, 64, True, False),
+                               (577, 64, False, False), (1041, 64, False, False), (1536, 64, False, True),
                                (2048, 64, True, False),
                                (4096, 64, True, True), (197, 128, False, True), (197, 128, True, False),
                                (577, 128, True, True), (2048, 128, True, True)]:
