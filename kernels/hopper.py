@@ -1175,11 +1175,11 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
     call it supports."""
     if not (BACKWARD and (_half(q, precision) or _split(q, precision)) and supports(q, k, v, bias, precision)):
         return False
-    if EVERYWHERE or q.shape[-1] == 128 or not causal:
+    if EVERYWHERE or q.shape[-1] == 128:
         return True
     if q.dtype == torch.float32:
         return k.shape[2] >= 512 or fills(q)
-    return k.shape[2] >= 1024
+    return not causal or k.shape[2] >= 1024
 
 
 def bwd_config(d: int, split: bool = False) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
