@@ -964,7 +964,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     ``fp16x3`` (benchmarks/results/<device>/attention_hopper_fp32.csv): from 768 keys, causal from
     2048; at 577 keys the portable forward is ahead (5%, causal 23%), and so it is below and at
     causal 1041.
-    ``EVERYWHERE`` (tests, benchmarks) takes every call it supports. ``traced``: see _tma_readable."""
+    ``EVERYWHERE`` (tests, benchmarks) takes every call it supports. ``traced`` (the call is in a
+    graph torch.compile builds): see _tma_readable; and no short rows."""
     if not supports(q, k, v, bias, precision, traced):
         return False
     if EVERYWHERE:
@@ -976,7 +977,9 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
         return not causal or nk >= 512
     if causal:
         return nk >= 4096
-    return nk >= 1280 or max(q.shape[2], nk) <= SHORT_ROWS
+    # (short rows not in a compiled graph: there inductor launches the portable kernels, and the
+    # host op a served call takes costs more than the kernels' difference; models_vit_bf16_compiled*)
+    return nk >= 1280 or (not traced and max(q.shape[2], nk) <= SHORT_ROWS)
 
 
 def config(d: int, nq: int, split: bool = False) -> tuple[int, int, int, int]:

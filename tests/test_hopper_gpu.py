@@ -394,6 +394,10 @@ def test_dispatch_policy(monkeypatch):
                                (577, 128, True, True), (2048, 128, True, True)]:
         q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
         assert hopper.serves(q, k, v, None, "native", causal) == want, (n, d, causal)
+    # in a compiled graph short rows stay on the traced portable kernels (no host op)
+    for n, want in [(197, False), (1536, True)]:
+        q, k, v = qkv(1, 1, n, n, 64, torch.bfloat16)
+        assert hopper.serves(q, k, v, None, "native", False, traced=True) == want, n
     # float32 in fp16x3 (d = 64 only): from 768 keys, causal from 2048; never another precision
     for n, d, causal, precision, want in [(577, 64, False, "fp16x3", False), (1041, 64, False, "fp16x3", True),
                                           (1041, 64, True, "fp16x3", False), (2048, 64, True, "fp16x3", True),
