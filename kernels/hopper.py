@@ -97,7 +97,7 @@ def _item(w, t0, n_m, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
     they re-cut the rows that items t0, t0 + 1, … of BLOCK_M rows would have covered (the rest of
     head t0 // n_m, then every later head), so that a last round of items that would fill only
     part of the programs spreads over all of them (see _tail). Not with CAUSAL."""
-    TAIL_M: gl.constexpr = BLOCK_M - 64
+    TAIL_M: gl.constexpr = BLOCK_M - 64 if BLOCK_M > 64 else 64  # (64-row items have no tail: t0 = n_items)
     pid_m = w % n_m
     bh = w // n_m
     if CAUSAL:
@@ -449,6 +449,15 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, o_desc, Stats, Scales, so_b, so_h, 
                        k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                        False, PARTS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    elif NUM_WG == 1:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
+                         o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
+            (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+                       k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                       False, PARTS)),
+        ], [1], [24])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
@@ -537,9 +546,10 @@ def _split_p(p, A_L: gl.constexpr):
 
 @gluon.jit
 def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready, q_ready, q_empty, do_ready,
-                 do_empty, Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale,
-                 qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, PREFETCH: gl.constexpr, PARTS: gl.constexpr):
+                 do_empty, Rows, PLANE, Scales, dK, dV, dk_desc, dv_desc, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq,
+                 Nk, NQP, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH: gl.constexpr, PARTS: gl.constexpr,
+                 TMA_GRADS: gl.constexpr):
     """Warpgroup wg: keys [n0 + 64·wg, +64) against every query tile that sees them, in the
     transposed (key-major) orientation, so that Pᵀ and dSᵀ are born in the A-operand registers of
     the dV and dK products and never go through shared memory:
@@ -642,21 +652,32 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_
     if PARTS == 2:  # one power of two at a time: their product may leave float32's range
         dk = dk * (65536.0 * D) * (1.0 / gl.load(cs)) * (1.0 / gl.load(cs + 3)) * (1.0 / gl.load(cs + 2))
         dv = dv * (1.0 / 16384.0) * (1.0 / gl.load(cs + 3))
-    rows = k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
-    cols_d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, O_L)), 0)
-    ok = gl.expand_dims(rows < Nk, 1)
-    r64 = gl.expand_dims(rows.to(gl.int64), 1)
-    gl.store(dK + b.to(gl.int64) * sk_b + h.to(gl.int64) * sk_h + r64 * sk_n + cols_d,
-             (dk * scale).to(dK.dtype.element_ty), mask=ok)
-    gl.store(dV + b.to(gl.int64) * sv_b + h.to(gl.int64) * sv_h + r64 * sv_n + cols_d,
-             dv.to(dV.dtype.element_ty), mask=ok)
+    if TMA_GRADS:  # through this warpgroup's own K and V tiles, whose products have all retired
+        gl.static_assert(PARTS == 1, "dK/dV by TMA: half precision only (the tiles are q's dtype)")
+        kb = k_smem.index(wg)
+        vb = v_smem.index(wg)
+        kb.reshape([64, D]).store((dk * scale).to(dtype))
+        vb.reshape([64, D]).store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b, h, k0, 0], kb)
+        tma.async_copy_shared_to_global(dv_desc, [b, h, k0, 0], vb)
+        tma.store_wait(0)
+    else:
+        rows = k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+        cols_d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, O_L)), 0)
+        ok = gl.expand_dims(rows < Nk, 1)
+        r64 = gl.expand_dims(rows.to(gl.int64), 1)
+        gl.store(dK + b.to(gl.int64) * sk_b + h.to(gl.int64) * sk_h + r64 * sk_n + cols_d,
+                 (dk * scale).to(dK.dtype.element_ty), mask=ok)
+        gl.store(dV + b.to(gl.int64) * sv_b + h.to(gl.int64) * sv_h + r64 * sv_n + cols_d,
+                 dv.to(dV.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
-def _bwd_dkdv_kernel(q_desc, q2_desc, do_desc, k_desc, v_desc, Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b,
-                     sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr):
+def _bwd_dkdv_kernel(q_desc, q2_desc, do_desc, k_desc, v_desc, Rows, PLANE, Scales, dK, dV, dk_desc, dv_desc, sk_b,
+                     sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr, TMA_GRADS: gl.constexpr):
     """Grid (cdiv(Nk, BLOCK_N), B·H): BLOCK_N = 128 keys per program, two consumer warpgroups of
     64 keys each holding their dK, dV [64, D] float32 accumulators in registers, a producer warp
     streaming the query tiles (BLOCK_M rows of Q and dO) through a STAGES-deep ring.
@@ -691,11 +712,11 @@ def _bwd_dkdv_kernel(q_desc, q2_desc, do_desc, k_desc, v_desc, Rows, PLANE, Scal
     PREFETCH: gl.constexpr = D <= 64 and PARTS == 1
     gl.warp_specialize([
         (_kv_consumer, (0, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty,
-                        Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale,
-                        qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH, PARTS)),
+                        Rows, PLANE, Scales, dK, dV, dk_desc, dv_desc, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq,
+                        Nk, NQP, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH, PARTS, TMA_GRADS)),
         (_kv_consumer, (1, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready, q_ready, q_empty, do_ready, do_empty,
-                        Rows, PLANE, Scales, dK, dV, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale,
-                        qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH, PARTS)),
+                        Rows, PLANE, Scales, dK, dV, dk_desc, dv_desc, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq,
+                        Nk, NQP, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH, PARTS, TMA_GRADS)),
         (_kv_loader, (q_desc, q2_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_ready,
                       q_ready, q_empty, do_ready, do_empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -725,9 +746,10 @@ def _o_rows(Out, so_b, so_h, so_m, w, wg: gl.constexpr, n_m, n_items, H, Nq, Nk,
 
 @gluon.jit
 def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                 v_empty, Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP,
-                 n_m, n_items, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, PARTS: gl.constexpr):
+                 v_empty, Out, Stats, Rows, PLANE, Scales, dQ, dq_desc, dq_smem, so_b, so_h, so_m, sq_b, sq_h, sq_m, H,
+                 Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PARTS: gl.constexpr,
+                 TMA_GRADS: gl.constexpr):
     """Warpgroup wg: per item (as the forward's), its 64 query rows' statistics and dQ over the
     item's key tiles. Statistics: lse2 = m + log2(S) from the forward's, delta = rowsum(dO∘O) from
     dO in shared memory and O's rows (loaded one item ahead), both stored into Rows' first two
@@ -820,17 +842,27 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
         if PARTS == 2:  # one power of two at a time: their product may leave float32's range
             dq = (dq * gl.expand_dims(gl.convert_layout(1.0 / f, ROW_O, assert_trivial=True), 1)
                   * (1.0 / gl.load(cs + 1)) * (1.0 / gl.load(cs + 3)) * (1.0 / gl.load(cs + 2)))
-        rows = r0 + gl.arange(0, WG_M, layout=ROW_O)
-        ptrs = (dQ + b.to(gl.int64) * sq_b + h.to(gl.int64) * sq_h + gl.expand_dims(rows.to(gl.int64) * sq_m, 1)
-                + gl.expand_dims(cols_o, 0))
-        gl.store(ptrs, (dq * scale).to(dQ.dtype.element_ty), mask=gl.expand_dims(rows < Nq, 1))
+        if TMA_GRADS:  # through this warpgroup's staging tile (as the forward's O); rows past Nq clipped
+            gl.static_assert(PARTS == 1, "dQ by TMA: half precision only")
+            buf = dq_smem.index(wg)
+            tma.store_wait(0)  # (its previous item's store has read the tile)
+            buf.reshape([WG_M, D]).store((dq * scale).to(dq_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dq_desc, [b, h, r0, 0], buf)
+        else:
+            rows = r0 + gl.arange(0, WG_M, layout=ROW_O)
+            ptrs = (dQ + b.to(gl.int64) * sq_b + h.to(gl.int64) * sq_h
+                    + gl.expand_dims(rows.to(gl.int64) * sq_m, 1) + gl.expand_dims(cols_o, 0))
+            gl.store(ptrs, (dq * scale).to(dQ.dtype.element_ty), mask=gl.expand_dims(rows < Nq, 1))
+    if TMA_GRADS:
+        tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=_COUNTS[:2])
-def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b,
-                   sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D: gl.constexpr,
+def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Rows, PLANE, Scales, dQ, dq_desc, so_b, so_h, so_m,
+                   sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr):
+                   CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr, TMA_GRADS: gl.constexpr):
     """Persistent like _fwd_kernel (the same items and producer warp, which also brings each item's
     dO rows): two consumer warpgroups of 64 query rows. O, dQ [B, H, Nq, D] (any strides, last 1),
     Stats [B, H, 2, Nq] (contiguous); writes Rows' planes lse2, delta [B·H, NQP] float32 (PLANE
@@ -841,13 +873,19 @@ def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Rows, PLANE, Sca
     q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = _query_stationary_buffers(
         q_desc, k_desc, v_desc, NUM_WG, STAGES, PARTS)
     do_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG * PARTS] + do_desc.block_type.shape, do_desc.layout)
+    if TMA_GRADS:  # one dQ staging tile per warpgroup
+        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [NUM_WG] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        dq_smem = do_smem
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m,
-                        n_items, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS)),
+                        Out, Stats, Rows, PLANE, Scales, dQ, dq_desc, dq_smem, so_b, so_h, so_m, sq_b, sq_h, sq_m, H,
+                        Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS,
+                        TMA_GRADS)),
         (_dq_consumer, (1, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                        Out, Stats, Rows, PLANE, Scales, dQ, so_b, so_h, so_m, sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m,
-                        n_items, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS)),
+                        Out, Stats, Rows, PLANE, Scales, dQ, dq_desc, dq_smem, so_b, so_h, so_m, sq_b, sq_h, sq_m, H,
+                        Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS,
+                        TMA_GRADS)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                    k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, n_items, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                    True, PARTS)),
@@ -917,14 +955,17 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     """Whether this forward takes the call: ``supports`` it, and it measured faster than the
     portable forward there (benchmarks/results/<device>/attention_hopper_fwd.csv, bf16, CUDA-graph
     replays, with O stored by TMA): at D = 128 every non-causal call and causal ones from 512 keys
-    (1–2% ahead at 577 and 1041, 10% behind at 197); at D = 64 from 1280 keys, causal from 4096.
-    Below, a block of 128 or 192 rows is mostly padding or the diagonal's masked tile, and the
-    portable kernel's 64-row tiles are ahead (VGGT's 1041-token frames among them, by 2%; README,
-    "Short rows in the portable forward").
+    (1–2% ahead at 577 and 1041, 10% behind at 197); at D = 64 from 1280 keys, causal from 4096,
+    and non-causal rows of at most SHORT_ROWS queries and keys (ViT's 197 tokens: 64-row items of
+    one warpgroup, 4–5% ahead; short_rows_ab.csv). Between, a block of 128 or 192 rows is mostly
+    padding or the diagonal's masked tile, and the portable kernel's 64-row tiles are ahead (at
+    257 and 401 keys by 9–13%, VGGT's 1041-token frames by 2%; README, "Short rows in the portable
+    forward").
     ``fp16x3`` (benchmarks/results/<device>/attention_hopper_fp32.csv): from 768 keys, causal from
     2048; at 577 keys the portable forward is ahead (5%, causal 23%), and so it is below and at
     causal 1041.
-    ``EVERYWHERE`` (tests, benchmarks) takes every call it supports. ``traced``: see _tma_readable."""
+    ``EVERYWHERE`` (tests, benchmarks) takes every call it supports. ``traced`` (the call is in a
+    graph torch.compile builds): see _tma_readable; and no short rows."""
     if not supports(q, k, v, bias, precision, traced):
         return False
     if EVERYWHERE:
@@ -934,20 +975,31 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
         return nk >= (2048 if causal else 768)
     if q.shape[-1] == 128:
         return not causal or nk >= 512
-    return nk >= (4096 if causal else 1280)
+    if causal:
+        return nk >= 4096
+    # (short rows not in a compiled graph: there inductor launches the portable kernels, and the
+    # host op a served call takes costs more than the kernels' difference; models_vit_bf16_compiled*)
+    return nk >= 1280 or (not traced and max(q.shape[2], nk) <= SHORT_ROWS)
 
 
 def config(d: int, nq: int, split: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, consumer registers): BLOCK_M / 64 consumer warpgroups. At D = 64
     a third warpgroup (192 rows, 160 registers each) keeps the tensor cores busier while the
-    others run their softmax; at D = 128 its accumulators would not fit, and for short rows its
-    last block is mostly padding. ``split`` (fp16x3, D = 64): every tile is a hi and a lo buffer,
-    and SPLIT_CONFIG is what fits the shared memory and measured fastest."""
+    others run their softmax; at D = 128 its accumulators would not fit. Rows of at most
+    SHORT_ROWS queries (D <= 64) run as 64-row items of one warpgroup, two programs per SM
+    (per_sm_programs): a block of 128 or 192 rows would be mostly padding. ``split`` (fp16x3,
+    D = 64): every tile is a hi and a lo buffer, and SPLIT_CONFIG is what fits the shared memory
+    and measured fastest."""
     if split:
         return SPLIT_CONFIG
     if d <= 64:
-        return (192, 128, 3, 160) if nq > 256 else (128, 128, 3, 232)
+        return (64, 128, 2, 232) if nq <= SHORT_ROWS else (192, 128, 3, 160)
     return 128, 128, 2, 232
+
+
+# D <= 64: rows this short run as 64-row items of one consumer warpgroup, two programs per SM (at
+# 197 tokens 10% faster than two warpgroups and 4–5% than the portable forward; short_rows_ab.csv)
+SHORT_ROWS = 256
 
 
 # (192 rows at 160 registers with 64-key tiles in 3 stages: 4% faster at 1041 keys, 10–12% slower from 4K)
@@ -1072,13 +1124,29 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     n_items = n_m * B * H
     # causal items differ in length: one program per item lets the hardware balance them (a static
     # round robin over SMs aliases with the items' order); others run one persistent program per SM
-    programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))
-    t0, n_items = (n_items, n_items) if causal else _tail(n_items, n_m, bm, Nq, B * H, programs)
+    per_sm = per_sm_programs(bm, bn, stages, D, q.element_size(), parts)
+    programs = n_items if causal else min(n_items, per_sm * sm_count(q.device.index or 0))
+    t0, n_items = (n_items, n_items) if causal or bm == 64 else _tail(n_items, n_m, bm, Nq, B * H, programs)
     tma_out = TMA_OUT and parts == 1 and _tma_readable(out)  # (never traced: see attention._hopper_serves)
     launch(_fwd_kernel, (programs,), qd, kd, vd, out, _descriptor(out, 64) if tma_out else qd, stats,
            stats if scales is None else scales, out.stride(0), out.stride(1), out.stride(2), H, Nq, Nk, n_m, n_items, t0,
            scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts,
-           TMA_OUT=tma_out, num_warps=4)
+           TMA_OUT=tma_out, num_warps=4, **({"maxnreg": 256 // per_sm} if per_sm > 1 else {}))
+
+
+# shared memory an SM gives its resident programs (H100 / H200: 228 KiB, 1 KiB of it reserved per program)
+SM_SHARED_BYTES = 233472
+
+
+def per_sm_programs(bm: int, bn: int, stages: int, d: int, itemsize: int, parts: int) -> int:
+    """Resident programs per SM of the forward: two with one consumer warpgroup (64-row items),
+    where two programs' shared memory fits (two Q buffers, the K and V rings, the output staging
+    tile; launched at maxnreg = 128, Triton 3.6 gives the consumer 232 registers and the producer
+    warp's padded warpgroup 24), else one."""
+    if bm != 64:
+        return 1
+    smem = itemsize * d * parts * (2 * 64 + 2 * stages * bn) + itemsize * d * 64 + 1024  # (+ barriers)
+    return 2 if 2 * (smem + 1024) <= SM_SHARED_BYTES else 1
 
 
 def _tail(n_items: int, n_m: int, bm: int, nq: int, bh: int, programs: int) -> tuple[int, int]:
@@ -1098,10 +1166,11 @@ def _tail(n_items: int, n_m: int, bm: int, nq: int, bh: int, programs: int) -> t
 
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
     """Whether the backward below takes the call: ``supports`` it, and it measured faster than the
-    portable backward there (benchmarks/results/<device>/attention_hopper_fwdbwd.csv, bf16 forward
-    + backward, CUDA-graph replays; thresh_ab.csv for the short rows): every call at D = 128; at
-    D = 64 from 300 keys, causal from 1024. Below, the portable backward's 32-row tiles waste less
-    on padding and on the diagonal. float32 in ``fp16x3`` (D = 64): from 512 keys, and shorter rows
+    portable backward there (benchmarks/results/<device>/attention_hopper.csv, bf16 forward +
+    backward, CUDA-graph replays; short_rows_ab.csv for 197–401 keys): every call at D = 128 and
+    every non-causal one at D = 64 (with dQ, dK, dV stored by TMA: 2–3% ahead at 197 keys, 10% at
+    321 and 401); causal D = 64 from 1024 keys, below which the portable backward's 32-row tiles
+    waste less on the diagonal. float32 in ``fp16x3`` (D = 64): from 512 keys, and shorter rows
     where the work items fill the GPU (``fills``). Its forward + backward measured faster than with
     the portable backward from ViT's 197 tokens on, causal or not, with 3072 batch·heads there
     (attention_hopper_fp32_fwdbwd.csv); with few batch·heads a short call is the host's (ViT-T at
@@ -1113,7 +1182,7 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
         return True
     if q.dtype == torch.float32:
         return k.shape[2] >= 512 or fills(q)
-    return k.shape[2] >= (1024 if causal else 300)
+    return not causal or k.shape[2] >= 1024
 
 
 def bwd_config(d: int, split: bool = False) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
@@ -1176,15 +1245,21 @@ def _backward(do, q, k, v, out, stats, scale: float, causal: bool, grads: tuple,
         q2, scales = q, rows
     # dQ first: it writes the rows' lse2 and delta, which the dK/dV kernel reads
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
-    launch(_bwd_dq_kernel, (programs,), _descriptor(q, 64), _descriptor(do, 64), _descriptor(k, qn),
-           _descriptor(v, qn), out, stats, rows, BH * nqp, scales, dq, out.stride(0), out.stride(1), out.stride(2),
-           dq.stride(0), dq.stride(1), dq.stride(2), H, Nq, Nk, nqp, n_m, n_items, scale, scale * LOG2E, D=D,
-           BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal, CONSUMER_REGS=qregs, PARTS=2 if split else 1,
-           num_warps=4)
-    launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), BH), _descriptor(q, km), _descriptor(q2, km), _descriptor(do, km),
-           _descriptor(k, 64), _descriptor(v, 64), rows, BH * nqp, scales, dk, dv, dk.stride(0), dk.stride(1),
-           dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, Nq, Nk, nqp, scale, scale * LOG2E, D=D,
-           BLOCK_M=km, BLOCK_N=kn, STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, PARTS=2 if split else 1,
+    qd = _descriptor(q, 64)
+    tma_dq = TMA_OUT and not split and dq.dtype == q.dtype and _tma_readable(dq)
+    launch(_bwd_dq_kernel, (programs,), qd, _descriptor(do, 64), _descriptor(k, qn), _descriptor(v, qn), out, stats,
+           rows, BH * nqp, scales, dq, _descriptor(dq, 64) if tma_dq else qd, out.stride(0), out.stride(1),
+           out.stride(2), dq.stride(0), dq.stride(1), dq.stride(2), H, Nq, Nk, nqp, n_m, n_items, scale,
+           scale * LOG2E, D=D, BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal, CONSUMER_REGS=qregs,
+           PARTS=2 if split else 1, TMA_GRADS=tma_dq, num_warps=4)
+    kd = _descriptor(k, 64)
+    tma_dkv = (TMA_OUT and not split and dk.dtype == dv.dtype == q.dtype and _tma_readable(dk)
+               and _tma_readable(dv))
+    launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), BH), _descriptor(q, km), _descriptor(q2, km), _descriptor(do, km), kd,
+           _descriptor(v, 64), rows, BH * nqp, scales, dk, dv, _descriptor(dk, 64) if tma_dkv else kd,
+           _descriptor(dv, 64) if tma_dkv else kd, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
+           dv.stride(1), dv.stride(2), H, Nq, Nk, nqp, scale, scale * LOG2E, D=D, BLOCK_M=km, BLOCK_N=kn,
+           STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, PARTS=2 if split else 1, TMA_GRADS=tma_dkv,
            num_warps=4)
     return dq, dk, dv
 

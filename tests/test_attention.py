@@ -793,3 +793,16 @@ def test_hopper_tail_plan(bh, nq, bm):
             rows[head] = rows.get(head, 0) + min(bm, nq - first * bm)
         assert total - t0 == sum(cdiv(r, bm - 64) for r in rows.values())
         assert cdiv(total, programs) == cdiv(n_items, programs)
+
+
+def test_hopper_programs_per_sm():
+    """hopper.per_sm_programs: two resident forward programs per SM only with one consumer
+    warpgroup (64-row items) and where two programs' shared memory (two Q buffers, the K and V
+    rings, the output staging tile) fits an SM's; the short-row config (hopper.config) is one."""
+    hopper = pytest.importorskip("elsa_vision.kernels.hopper")
+    bm, bn, stages, _ = hopper.config(64, 197)
+    assert bm == 64 and hopper.per_sm_programs(bm, bn, stages, 64, 2, 1) == 2
+    assert hopper.config(64, 257)[0] > 64 and hopper.per_sm_programs(*hopper.config(64, 257)[:3], 64, 2, 1) == 1
+    assert hopper.per_sm_programs(64, 128, 2, 128, 2, 1) == 1  # d = 128: 177 KiB a program
+    assert hopper.per_sm_programs(64, 128, 2, 64, 2, 2) == 1  # fp16x3's hi and lo tiles
+    assert hopper.per_sm_programs(64, 64, 2, 128, 2, 1) == 2

@@ -313,6 +313,46 @@ def test_output_stored_by_tma(d, causal, monkeypatch):
     assert torch.equal(odd, want)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1000, 1041])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gradients_stored_by_tma(d, n, causal, monkeypatch):
+    """dQ, dK, dV stored by TMA (hopper.TMA_OUT) are the st.global path's bit for bit: into timm's
+    packed [B, N, 3, H, D] layout with guard rows past N (clipped, untouched; at 1041 tokens a
+    warpgroup's 64 rows lie wholly past N), with both backward kernels launched with TMA_GRADS; and
+    into gradient buffers TMA cannot write (a row stride that is not a multiple of 16 bytes), which
+    take the st.global path."""
+    from elsa_vision.kernels import attention as K, hopper
+    B, H = 2, 3
+    q, k, v = qkv(B, H, n, n, d, torch.bfloat16, seed=d)
+    do = torch.randn_like(q)
+    out, stats = K.forward(q, k, v, None, d ** -0.5, causal, "native")
+    flags = []
+    real_launch = hopper.launch
+    monkeypatch.setattr(hopper, "launch", lambda fn, grid, *a, **meta: flags.append(meta.get("TMA_GRADS"))
+                        or real_launch(fn, grid, *a, **meta))
+
+    def run(grads, tma):
+        monkeypatch.setattr(hopper, "TMA_OUT", tma)
+        flags.clear()
+        hopper.backward(do, q, k, v, out, stats, d ** -0.5, causal, grads)
+        return grads
+
+    want = run(K.new_grads(q, k, v), False)
+    guard = torch.full((B, n + 140, 3, H, d), 7.0, device="cuda", dtype=q.dtype)
+    packed = guard[:, :n].permute(2, 0, 3, 1, 4).unbind(0)
+    assert all(hopper._tma_readable(g) for g in packed)
+    run(packed, True)
+    assert flags == [True, True]
+    assert all(torch.equal(a, b) for a, b in zip(packed, want))
+    assert bool((guard[:, n:] == 7.0).all())
+    odd = tuple(torch.empty(B, H, n, d + 4, device="cuda", dtype=q.dtype)[..., :d] for _ in range(3))
+    assert not any(hopper._tma_readable(g) for g in odd)
+    run(odd, True)
+    assert flags == [False, False]
+    assert all(torch.equal(a, b) for a, b in zip(odd, want))
+
+
 def test_deterministic():
     """Bitwise the same output and statistics on repeated calls (no atomics, a fixed schedule)."""
     from elsa_vision.kernels import attention as K
@@ -326,8 +366,8 @@ def test_backward_dispatch_policy(monkeypatch):
     """Without EVERYWHERE, the backward's measured policy (see hopper.serves_backward)."""
     from elsa_vision.kernels import hopper
     monkeypatch.setattr(hopper, "EVERYWHERE", False)
-    for n, d, causal, want in [(197, 64, False, False), (257, 64, False, False), (321, 64, False, True),
-                               (577, 64, False, True), (577, 64, True, False),
+    for n, d, causal, want in [(197, 64, False, True), (257, 64, False, True), (321, 64, False, True),
+                               (577, 64, False, True), (197, 64, True, False), (577, 64, True, False),
                                (1041, 64, True, True), (197, 128, True, True)]:
         q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
         assert hopper.serves_backward(q, k, v, None, "native", causal) == want, (n, d, causal)
@@ -343,15 +383,21 @@ def test_backward_dispatch_policy(monkeypatch):
 
 def test_dispatch_policy(monkeypatch):
     """Without EVERYWHERE, the measured policy: D = 128 (causal from 512 keys), D = 64 from 1280
-    keys (causal from 4096); shorter rows stay on the portable forward. float32 in fp16x3 likewise."""
+    keys (causal from 4096) and non-causal rows of at most SHORT_ROWS; rows between stay on the portable forward. float32 in fp16x3 likewise."""
     from elsa_vision.kernels import hopper
     monkeypatch.setattr(hopper, "EVERYWHERE", False)
-    for n, d, causal, want in [(577, 64, False, False), (1041, 64, False, False), (1536, 64, False, True),
+    for n, d, causal, want in [(197, 64, False, True), (256, 64, False, True), (257, 64, False, False),
+                               (197, 64, True, False),
+                               (577, 64, False, False), (1041, 64, False, False), (1536, 64, False, True),
                                (2048, 64, True, False),
                                (4096, 64, True, True), (197, 128, False, True), (197, 128, True, False),
                                (577, 128, True, True), (2048, 128, True, True)]:
         q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
         assert hopper.serves(q, k, v, None, "native", causal) == want, (n, d, causal)
+    # in a compiled graph short rows stay on the traced portable kernels (no host op)
+    for n, want in [(197, False), (1536, True)]:
+        q, k, v = qkv(1, 1, n, n, 64, torch.bfloat16)
+        assert hopper.serves(q, k, v, None, "native", False, traced=True) == want, n
     # float32 in fp16x3 (d = 64 only): from 768 keys, causal from 2048; never another precision
     for n, d, causal, precision, want in [(577, 64, False, "fp16x3", False), (1041, 64, False, "fp16x3", True),
                                           (1041, 64, True, "fp16x3", False), (2048, 64, True, "fp16x3", True),
