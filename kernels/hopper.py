@@ -956,8 +956,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     portable forward there (benchmarks/results/<device>/attention_hopper_fwd.csv, bf16, CUDA-graph
     replays, with O stored by TMA): at D = 128 every non-causal call and causal ones from 512 keys
     (1–2% ahead at 577 and 1041, 10% behind at 197); at D = 64 from 1280 keys, causal from 4096,
-    and non-causal rows of at most SHORT_ROWS queries and keys (ViT's 197 tokens: 64-row items of
-    one warpgroup, 4–5% ahead; short_rows_ab.csv). Between, a block of 128 or 192 rows is mostly
+    and non-causal rows of at most SHORT_ROWS queries and keys where ``_short_served`` (ViT's 197
+    tokens: 64-row items of one warpgroup, 2–5% ahead; short_rows_ab.csv). Between, a block of 128 or 192 rows is mostly
     padding or the diagonal's masked tile, and the portable kernel's 64-row tiles are ahead (at
     257 and 401 keys by 9–13%, VGGT's 1041-token frames by 2%; README, "Short rows in the portable
     forward").
@@ -965,7 +965,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     2048; at 577 keys the portable forward is ahead (5%, causal 23%), and so it is below and at
     causal 1041.
     ``EVERYWHERE`` (tests, benchmarks) takes every call it supports. ``traced`` (the call is in a
-    graph torch.compile builds): see _tma_readable; and no short rows."""
+    graph torch.compile builds): see _tma_readable and _short_served."""
     if not supports(q, k, v, bias, precision, traced):
         return False
     if EVERYWHERE:
@@ -977,9 +977,23 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
         return not causal or nk >= 512
     if causal:
         return nk >= 4096
-    # (short rows not in a compiled graph: there inductor launches the portable kernels, and the
-    # host op a served call takes costs more than the kernels' difference; models_vit_bf16_compiled*)
-    return nk >= 1280 or (not traced and max(q.shape[2], nk) <= SHORT_ROWS)
+    return nk >= 1280 or (max(q.shape[2], nk) <= SHORT_ROWS and _short_served(q, traced))
+
+
+def _short_served(q: torch.Tensor, traced: bool = False) -> bool:
+    """Whether a short-row call (D = 64, bf16/fp16) is worth the Gluon kernels' host time: with at
+    least SHORT_CALL_HEADS batch·heads and not in a compiled graph. A Gluon launch costs more host
+    time than a planned portable one (its TMA descriptors are encoded at every launch): eager ViT
+    steps, host-paced, were 3–14% slower with the Gluon kernels at 768 batch·heads while the
+    kernels' gain there is a few µs a call (vit_host_ab.csv); in a compiled graph the host op such
+    a call takes costs more still (compiled ViT-S 224 bf16 0.66× native against 0.97× on the traced
+    portable kernels; models_vit_bf16_compiled_short*.csv)."""
+    return not traced and q.shape[0] * q.shape[1] >= SHORT_CALL_HEADS
+
+
+# the fewest batch·heads of a short-row call the Gluon kernels take (_short_served): there a forward
+# call is long beside its host time (197 tokens × 3072 heads: 167 µs, 1.02× cuDNN)
+SHORT_CALL_HEADS = 2048
 
 
 def config(d: int, nq: int, split: bool = False) -> tuple[int, int, int, int]:
@@ -1167,10 +1181,11 @@ def _tail(n_items: int, n_m: int, bm: int, nq: int, bh: int, programs: int) -> t
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, causal: bool) -> bool:
     """Whether the backward below takes the call: ``supports`` it, and it measured faster than the
     portable backward there (benchmarks/results/<device>/attention_hopper.csv, bf16 forward +
-    backward, CUDA-graph replays; short_rows_ab.csv for 197–401 keys): every call at D = 128 and
-    every non-causal one at D = 64 (with dQ, dK, dV stored by TMA: 2–3% ahead at 197 keys, 10% at
-    321 and 401); causal D = 64 from 1024 keys, below which the portable backward's 32-row tiles
-    waste less on the diagonal. float32 in ``fp16x3`` (D = 64): from 512 keys, and shorter rows
+    backward, CUDA-graph replays; short_rows_ab.csv for 197–401 keys): every call at D = 128; at
+    D = 64 non-causal ones from 300 keys (with dQ, dK, dV stored by TMA: 10% ahead at 321 and 401)
+    and shorter ones where ``_short_served`` (2–4% ahead at 197 keys: only where that is more than
+    the launch's extra host time); causal D = 64 from 1024 keys, below which the portable
+    backward's 32-row tiles waste less on the diagonal. float32 in ``fp16x3`` (D = 64): from 512 keys, and shorter rows
     where the work items fill the GPU (``fills``). Its forward + backward measured faster than with
     the portable backward from ViT's 197 tokens on, causal or not, with 3072 batch·heads there
     (attention_hopper_fp32_fwdbwd.csv); with few batch·heads a short call is the host's (ViT-T at
@@ -1182,7 +1197,9 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
         return True
     if q.dtype == torch.float32:
         return k.shape[2] >= 512 or fills(q)
-    return not causal or k.shape[2] >= 1024
+    if causal:
+        return k.shape[2] >= 1024
+    return k.shape[2] >= 300 or _short_served(q)
 
 
 def bwd_config(d: int, split: bool = False) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:

@@ -366,11 +366,12 @@ def test_backward_dispatch_policy(monkeypatch):
     """Without EVERYWHERE, the backward's measured policy (see hopper.serves_backward)."""
     from elsa_vision.kernels import hopper
     monkeypatch.setattr(hopper, "EVERYWHERE", False)
-    for n, d, causal, want in [(197, 64, False, True), (257, 64, False, True), (321, 64, False, True),
-                               (577, 64, False, True), (197, 64, True, False), (577, 64, True, False),
-                               (1041, 64, True, True), (197, 128, True, True)]:
-        q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
-        assert hopper.serves_backward(q, k, v, None, "native", causal) == want, (n, d, causal)
+    for bh, n, d, causal, want in [(1, 197, 64, False, False), (1, 257, 64, False, False),
+                                   (1, 321, 64, False, True), (1, 577, 64, False, True),
+                                   (2048, 197, 64, False, True), (2048, 197, 64, True, False),
+                                   (1, 577, 64, True, False), (1, 1041, 64, True, True), (1, 197, 128, True, True)]:
+        q, k, v = qkv(1, bh, n, n, d, torch.bfloat16)
+        assert hopper.serves_backward(q, k, v, None, "native", causal) == want, (bh, n, d, causal)
     # float32 in fp16x3: from 512 keys, or where the items fill the GPU (ViT's 197 tokens at batch
     # 64 × 12 heads, not at 16 × 3)
     for bh, n, want in [(48, 197, False), (768, 197, True), (1, 512, True), (1, 511, False)]:
@@ -383,21 +384,25 @@ def test_backward_dispatch_policy(monkeypatch):
 
 def test_dispatch_policy(monkeypatch):
     """Without EVERYWHERE, the measured policy: D = 128 (causal from 512 keys), D = 64 from 1280
-    keys (causal from 4096) and non-causal rows of at most SHORT_ROWS; rows between stay on the portable forward. float32 in fp16x3 likewise."""
+    keys (causal from 4096) and non-causal rows of at most SHORT_ROWS with SHORT_CALL_HEADS
+    batch·heads, not traced; rows between stay on the portable forward. float32 in fp16x3 likewise."""
     from elsa_vision.kernels import hopper
     monkeypatch.setattr(hopper, "EVERYWHERE", False)
-    for n, d, causal, want in [(197, 64, False, True), (256, 64, False, True), (257, 64, False, False),
-                               (197, 64, True, False),
-                               (577, 64, False, False), (1041, 64, False, False), (1536, 64, False, True),
+    many = hopper.SHORT_CALL_HEADS
+    for bh, n, traced, want in [(many, 197, False, True), (many, 256, False, True), (many, 257, False, False),
+                                (many - 1, 197, False, False), (many, 197, True, False)]:
+        q, k, v = qkv(1, bh, n, n, 64, torch.bfloat16)
+        assert hopper.serves(q, k, v, None, "native", False, traced=traced) == want, (bh, n, traced)
+    q, k, v = qkv(1, many, 197, 197, 64, torch.bfloat16)
+    assert not hopper.serves(q, k, v, None, "native", True)  # (causal)
+    for n, d, causal, want in [(577, 64, False, False), (1041, 64, False, False), (1536, 64, False, True),
                                (2048, 64, True, False),
                                (4096, 64, True, True), (197, 128, False, True), (197, 128, True, False),
                                (577, 128, True, True), (2048, 128, True, True)]:
         q, k, v = qkv(1, 1, n, n, d, torch.bfloat16)
         assert hopper.serves(q, k, v, None, "native", causal) == want, (n, d, causal)
-    # in a compiled graph short rows stay on the traced portable kernels (no host op)
-    for n, want in [(197, False), (1536, True)]:
-        q, k, v = qkv(1, 1, n, n, 64, torch.bfloat16)
-        assert hopper.serves(q, k, v, None, "native", False, traced=True) == want, n
+    q, k, v = qkv(1, 1, 1536, 1536, 64, torch.bfloat16)
+    assert hopper.serves(q, k, v, None, "native", False, traced=True)  # (long rows in a compiled graph)
     # float32 in fp16x3 (d = 64 only): from 768 keys, causal from 2048; never another precision
     for n, d, causal, precision, want in [(577, 64, False, "fp16x3", False), (1041, 64, False, "fp16x3", True),
                                           (1041, 64, True, "fp16x3", False), (2048, 64, True, "fp16x3", True),
