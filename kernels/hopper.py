@@ -957,10 +957,10 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     replays, with O stored by TMA): at D = 128 every non-causal call and causal ones from 512 keys
     (1–2% ahead at 577 and 1041, 10% behind at 197); at D = 64 from 1280 keys, causal from 4096,
     and non-causal rows of at most SHORT_ROWS queries and keys where ``_short_served`` (ViT's 197
-    tokens: 64-row items of one warpgroup, 2–5% ahead; short_rows_ab.csv). Between, a block of 128 or 192 rows is mostly
-    padding or the diagonal's masked tile, and the portable kernel's 64-row tiles are ahead (at
-    257 and 401 keys by 9–13%, VGGT's 1041-token frames by 2%; README, "Short rows in the portable
-    forward").
+    tokens: 64-row items of one warpgroup, 2–5% ahead; short_rows_ab.csv). Between, a block of 128
+    or 192 rows is mostly padding or the diagonal's masked tile, and the portable kernel's 64-row
+    tiles are ahead (at 257 and 401 keys by 9–13%, VGGT's 1041-token frames by 2%; README, "Short
+    rows in the portable forward").
     ``fp16x3`` (benchmarks/results/<device>/attention_hopper_fp32.csv): from 768 keys, causal from
     2048; at 577 keys the portable forward is ahead (5%, causal 23%), and so it is below and at
     causal 1041.
@@ -983,11 +983,11 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
 def _short_served(q: torch.Tensor, traced: bool = False) -> bool:
     """Whether a short-row call (D = 64, bf16/fp16) is worth the Gluon kernels' host time: with at
     least SHORT_CALL_HEADS batch·heads and not in a compiled graph. A Gluon launch costs more host
-    time than a planned portable one (its TMA descriptors are encoded at every launch): eager ViT
-    steps, host-paced, were 3–14% slower with the Gluon kernels at 768 batch·heads while the
-    kernels' gain there is a few µs a call (vit_host_ab.csv); in a compiled graph the host op such
-    a call takes costs more still (compiled ViT-S 224 bf16 0.66× native against 0.97× on the traced
-    portable kernels; models_vit_bf16_compiled_short*.csv)."""
+    time than a planned portable one (its TMA descriptors are encoded at every launch): eager ViT-S
+    224 inference at batch 64, paced by the host, was 12% slower with the Gluon forward (about 70 µs
+    a call) while the kernel's gain there is a few µs (vit_host_ab_gluon768.csv); in a compiled
+    graph the host op such a call takes costs more still (compiled ViT-S 224 bf16 0.66× native
+    against 0.97× on the traced portable kernels; models_vit_bf16_compiled_short*.csv)."""
     return not traced and q.shape[0] * q.shape[1] >= SHORT_CALL_HEADS
 
 
@@ -1012,7 +1012,7 @@ def config(d: int, nq: int, split: bool = False) -> tuple[int, int, int, int]:
 
 
 # D <= 64: rows this short run as 64-row items of one consumer warpgroup, two programs per SM (at
-# 197 tokens 10% faster than two warpgroups and 4–5% than the portable forward; short_rows_ab.csv)
+# 197 tokens 8–38% faster than two warpgroups and 2–5% than the portable forward; short_rows_ab.csv)
 SHORT_ROWS = 256
 
 
@@ -1185,12 +1185,12 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
     D = 64 non-causal ones from 300 keys (with dQ, dK, dV stored by TMA: 10% ahead at 321 and 401)
     and shorter ones where ``_short_served`` (2–4% ahead at 197 keys: only where that is more than
     the launch's extra host time); causal D = 64 from 1024 keys, below which the portable
-    backward's 32-row tiles waste less on the diagonal. float32 in ``fp16x3`` (D = 64): from 512 keys, and shorter rows
-    where the work items fill the GPU (``fills``). Its forward + backward measured faster than with
-    the portable backward from ViT's 197 tokens on, causal or not, with 3072 batch·heads there
-    (attention_hopper_fp32_fwdbwd.csv); with few batch·heads a short call is the host's (ViT-T at
-    224 px, batch 16: 48 of them), and its extra pass is one more launch. ``EVERYWHERE`` takes every
-    call it supports."""
+    backward's 32-row tiles waste less on the diagonal. float32 in ``fp16x3`` (D = 64): from 512
+    keys, and shorter rows where the work items fill the GPU (``fills``). Its forward + backward
+    measured faster than with the portable backward from ViT's 197 tokens on, causal or not, with
+    3072 batch·heads there (attention_hopper_fp32_fwdbwd.csv); with few batch·heads a short call is
+    the host's (ViT-T at 224 px, batch 16: 48 of them), and its extra pass is one more launch.
+    ``EVERYWHERE`` takes every call it supports."""
     if not (BACKWARD and (_half(q, precision) or _split(q, precision)) and supports(q, k, v, bias, precision)):
         return False
     if EVERYWHERE or q.shape[-1] == 128:
