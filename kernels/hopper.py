@@ -367,21 +367,32 @@ def _fold_item(wg: gl.constexpr, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v
     nonempty = s_i > 0
     inv = gl.convert_layout(1.0 / gl.where(nonempty, s_i, 1.0), ROW_O)
     out = (acc * gl.expand_dims(inv, 1)).to(Out.dtype.element_ty)
-    if TMA_OUT:  # through this warpgroup's staging tile; the TMA store clips the rows past Nq
-        buf = o_smem.index(wg)
-        tma.store_wait(0)  # (its previous item's store has read the tile)
-        buf.reshape([WG_M, D]).store(out)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], buf)
-    else:
-        rows_o = r0 + gl.arange(0, WG_M, layout=ROW_O)
-        o_ptrs = (Out + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h
-                  + gl.expand_dims(rows_o.to(gl.int64) * so_m, 1) + gl.expand_dims(cols_o, 0))
-        gl.store(o_ptrs, out, mask=gl.expand_dims(rows_o < Nq, 1))
+    _store_rows(out, Out, o_desc, o_smem, wg, b, h, r0, so_b, so_h, so_m, Nq, cols_o, WG_M, D, ROW_O, TMA_OUT)
     row_ok = offs_m < Nq
     st = Stats + bh.to(gl.int64) * 2 * Nq + offs_m
     gl.store(st, gl.where(nonempty, m_i, float("inf")), mask=row_ok)
     gl.store(st + Nq, gl.where(nonempty, s_i, 1.0), mask=row_ok)
+
+
+@gluon.jit
+def _store_rows(val, Ptr, desc, smem, wg: gl.constexpr, b, h, r0, s_b, s_h, s_m, Nq, cols, ROWS: gl.constexpr,
+                D: gl.constexpr, ROW_L: gl.constexpr, TMA: gl.constexpr):
+    """val [ROWS, D] (Ptr's dtype) into rows [r0, r0 + ROWS) of head (b, h) of a [B, H, N, D]
+    tensor (strides s_b, s_h, s_m, last 1; cols: the column indices in val's layout, ROW_L the row
+    one): with ``TMA``, through warpgroup wg's staging tile smem.index(wg) and one TMA store by
+    ``desc`` (once the tile's previous store has read it), which clips the rows past Nq; else by
+    gl.store, masked to rows < Nq. The forward's O and the backward's dQ."""
+    if TMA:
+        buf = smem.index(wg)
+        tma.store_wait(0)  # (its previous item's store has read the tile)
+        buf.reshape([ROWS, D]).store(val)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [b, h, r0, 0], buf)
+    else:
+        rows = r0 + gl.arange(0, ROWS, layout=ROW_L)
+        ptrs = (Ptr + b.to(gl.int64) * s_b + h.to(gl.int64) * s_h + gl.expand_dims(rows.to(gl.int64) * s_m, 1)
+                + gl.expand_dims(cols, 0))
+        gl.store(ptrs, val, mask=gl.expand_dims(rows < Nq, 1))
 
 
 @gluon.jit
@@ -842,18 +853,10 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
         if PARTS == 2:  # one power of two at a time: their product may leave float32's range
             dq = (dq * gl.expand_dims(gl.convert_layout(1.0 / f, ROW_O, assert_trivial=True), 1)
                   * (1.0 / gl.load(cs + 1)) * (1.0 / gl.load(cs + 3)) * (1.0 / gl.load(cs + 2)))
-        if TMA_GRADS:  # through this warpgroup's staging tile (as the forward's O); rows past Nq clipped
+        if TMA_GRADS:
             gl.static_assert(PARTS == 1, "dQ by TMA: half precision only")
-            buf = dq_smem.index(wg)
-            tma.store_wait(0)  # (its previous item's store has read the tile)
-            buf.reshape([WG_M, D]).store((dq * scale).to(dq_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dq_desc, [b, h, r0, 0], buf)
-        else:
-            rows = r0 + gl.arange(0, WG_M, layout=ROW_O)
-            ptrs = (dQ + b.to(gl.int64) * sq_b + h.to(gl.int64) * sq_h
-                    + gl.expand_dims(rows.to(gl.int64) * sq_m, 1) + gl.expand_dims(cols_o, 0))
-            gl.store(ptrs, (dq * scale).to(dQ.dtype.element_ty), mask=gl.expand_dims(rows < Nq, 1))
+        _store_rows((dq * scale).to(dQ.dtype.element_ty), dQ, dq_desc, dq_smem, wg, b, h, r0, sq_b, sq_h, sq_m, Nq,
+                    cols_o, WG_M, D, ROW_O, TMA_GRADS)
     if TMA_GRADS:
         tma.store_wait(0)
 
