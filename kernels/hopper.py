@@ -66,8 +66,9 @@ SPLIT_HEAD_DIMS = (64,)
 # sends every call the kernel supports here, whatever the measured policy of ``serves`` says.
 ENABLED = os.environ.get("ELSA_HOPPER", "1").strip() != "0" and CHECKED
 EVERYWHERE = False
-# TMA_OUT = False stores O from registers (gl.store), as before the staging tiles (an A/B switch:
-# benchmarks/results/<device>/tma_out_ab.csv); float32's fp16x3 forward always does
+# TMA_OUT = False stores O and the gradients from registers (gl.store), as before the staging tiles
+# (an A/B switch: benchmarks/results/<device>/tma_out_ab.csv, tma_grads_ab.csv); float32's fp16x3
+# always does (_tma_writable)
 TMA_OUT = True
 # BACKWARD = False keeps every backward on the portable kernels (serves_backward does not depend
 # on which forward ran: the statistics are the same)
@@ -910,6 +911,13 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return d
 
 
+def _tma_writable(split: bool, dtype: torch.dtype, *outs: torch.Tensor) -> bool:
+    """Whether the kernels store ``outs`` (O, or dQ / dK and dV) by TMA through their staging tiles:
+    TMA_OUT, not fp16x3 (``split``: float32 outputs, staged in tiles of the float16 parts' dtype),
+    each of ``dtype`` (the tiles') and TMA-writable in place (_tma_readable)."""
+    return TMA_OUT and not split and all(t.dtype == dtype and _tma_readable(t) for t in outs)
+
+
 _SM90: dict = {}
 
 
@@ -1144,7 +1152,7 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     per_sm = per_sm_programs(bm, bn, stages, D, q.element_size(), parts)
     programs = n_items if causal else min(n_items, per_sm * sm_count(q.device.index or 0))
     t0, n_items = (n_items, n_items) if causal or bm == 64 else _tail(n_items, n_m, bm, Nq, B * H, programs)
-    tma_out = TMA_OUT and parts == 1 and _tma_readable(out)  # (never traced: see attention._hopper_serves)
+    tma_out = _tma_writable(parts == 2, q.dtype, out)  # (never traced: see attention._hopper_serves)
     launch(_fwd_kernel, (programs,), qd, kd, vd, out, _descriptor(out, 64) if tma_out else qd, stats,
            stats if scales is None else scales, out.stride(0), out.stride(1), out.stride(2), H, Nq, Nk, n_m, n_items, t0,
            scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts,
@@ -1266,15 +1274,14 @@ def _backward(do, q, k, v, out, stats, scale: float, causal: bool, grads: tuple,
     # dQ first: it writes the rows' lse2 and delta, which the dK/dV kernel reads
     programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
     qd = _descriptor(q, 64)
-    tma_dq = TMA_OUT and not split and dq.dtype == q.dtype and _tma_readable(dq)
+    tma_dq = _tma_writable(split, q.dtype, dq)
     launch(_bwd_dq_kernel, (programs,), qd, _descriptor(do, 64), _descriptor(k, qn), _descriptor(v, qn), out, stats,
            rows, BH * nqp, scales, dq, _descriptor(dq, 64) if tma_dq else qd, out.stride(0), out.stride(1),
            out.stride(2), dq.stride(0), dq.stride(1), dq.stride(2), H, Nq, Nk, nqp, n_m, n_items, scale,
            scale * LOG2E, D=D, BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal, CONSUMER_REGS=qregs,
            PARTS=2 if split else 1, TMA_GRADS=tma_dq, num_warps=4)
     kd = _descriptor(k, 64)
-    tma_dkv = (TMA_OUT and not split and dk.dtype == dv.dtype == q.dtype and _tma_readable(dk)
-               and _tma_readable(dv))
+    tma_dkv = _tma_writable(split, q.dtype, dk, dv)
     launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), BH), _descriptor(q, km), _descriptor(q2, km), _descriptor(do, km), kd,
            _descriptor(v, 64), rows, BH * nqp, scales, dk, dv, _descriptor(dk, 64) if tma_dkv else kd,
            _descriptor(dv, 64) if tma_dkv else kd, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
