@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E, dk_units, ds_units, split_f16
-from .launch import CHECKED, cdiv, launch, sm_count
+from .launch import CHECKED, Launch, cdiv, launch, prepared, sm_count
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -686,7 +686,7 @@ def _kv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, q2_ring, do_ring, kv_
 
 
 @gluon.jit
-def _bwd_dkdv_kernel(q_desc, q2_desc, do_desc, k_desc, v_desc, Rows, PLANE, Scales, dK, dV, dk_desc, dv_desc, sk_b,
+def _bwd_dkdv_kernel(q_desc, q2_desc, do_desc, k_desc, v_desc, Rows, Scales, dK, dV, dk_desc, dv_desc, PLANE, sk_b,
                      sk_h, sk_n, sv_b, sv_h, sv_n, H, Nq, Nk, NQP, scale, qk_scale2, D: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr, TMA_GRADS: gl.constexpr):
@@ -863,7 +863,7 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, q_ready, q_e
 
 
 @gluon.jit(do_not_specialize=_COUNTS[:2])
-def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Rows, PLANE, Scales, dQ, dq_desc, so_b, so_h, so_m,
+def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, Out, Stats, Rows, Scales, dQ, dq_desc, PLANE, so_b, so_h, so_m,
                    sq_b, sq_h, sq_m, H, Nq, Nk, NQP, n_m, n_items, scale, qk_scale2, D: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr, TMA_GRADS: gl.constexpr):
@@ -911,6 +911,11 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return d
 
 
+def _blocks(n: int):
+    """What makes a tensor's descriptor with blocks of n rows (a Launch's ``leading``)."""
+    return functools.partial(_descriptor, rows=n)
+
+
 def _tma_writable(split: bool, dtype: torch.dtype, *outs: torch.Tensor) -> bool:
     """Whether the kernels store ``outs`` (O, or dQ / dK and dV) by TMA through their staging tiles:
     TMA_OUT, not fp16x3 (``split``: float32 outputs, staged in tiles of the float16 parts' dtype),
@@ -935,8 +940,14 @@ def _tma_readable(t: torch.Tensor, traced: bool = False) -> bool:
     and no broadcast (zero-stride) dimension. ``traced`` (torch.compile's tensors, which have no
     address, and whose storage offset it does not trace): the strides only (the host code checks
     the address per call)."""
-    return (t.stride(-1) == 1 and (traced or t.data_ptr() % 16 == 0)
-            and not any(s * t.element_size() % 16 or (s == 0 and n > 1) for s, n in zip(t.stride()[:-1], t.shape)))
+    strides = t.stride()
+    if strides[-1] != 1 or not (traced or t.data_ptr() % 16 == 0):
+        return False
+    size = t.element_size()
+    for s, n in zip(strides[:-1], t.shape):  # (a loop: host time on every call)
+        if s * size % 16 or (s == 0 and n > 1):
+            return False
+    return True
 
 
 def _half(q: torch.Tensor, precision: str) -> bool:
@@ -967,8 +978,13 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     portable forward there (benchmarks/results/<device>/attention_hopper_fwd.csv, bf16, CUDA-graph
     replays, with O stored by TMA): at D = 128 every non-causal call and causal ones from 512 keys
     (1–2% ahead at 577 and 1041, 10% behind at 197); at D = 64 from 1280 keys, causal from 4096,
-    and non-causal rows of at most SHORT_ROWS queries and keys where ``_short_served`` (ViT's 197
-    tokens: 64-row items of one warpgroup, 2–5% ahead; short_rows_ab.csv). Between, a block of 128
+    and non-causal rows of at most SHORT_ROWS queries and keys (ViT's 197 tokens: 64-row items of
+    one warpgroup, 2–5% ahead; short_rows_ab.csv) except in a compiled graph (``traced``): there
+    such a call would take the host op (kernels/ops.py), whose host time costs more than the traced
+    portable kernels lose (compiled ViT-S 224 bf16 0.66× native through the host ops against 0.97×;
+    models_vit_bf16_compiled_short*.csv). Eagerly the launches are planned once per call
+    signature (Launch, the TMA maps kept per address), no more host time than the portable
+    kernels' (gluon_host.csv), at any batch·heads. Between, a block of 128
     or 192 rows is mostly padding or the diagonal's masked tile, and the portable kernel's 64-row
     tiles are ahead (at 257 and 401 keys by 9–13%, VGGT's 1041-token frames by 2%; README, "Short
     rows in the portable forward").
@@ -976,7 +992,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     2048; at 577 keys the portable forward is ahead (5%, causal 23%), and so it is below and at
     causal 1041.
     ``EVERYWHERE`` (tests, benchmarks) takes every call it supports. ``traced`` (the call is in a
-    graph torch.compile builds): see _tma_readable and _short_served."""
+    graph torch.compile builds): see _tma_readable and above."""
     if not supports(q, k, v, bias, precision, traced):
         return False
     if EVERYWHERE:
@@ -988,23 +1004,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
         return not causal or nk >= 512
     if causal:
         return nk >= 4096
-    return nk >= 1280 or (max(q.shape[2], nk) <= SHORT_ROWS and _short_served(q, traced))
-
-
-def _short_served(q: torch.Tensor, traced: bool = False) -> bool:
-    """Whether a short-row call (D = 64, bf16/fp16) is worth the Gluon kernels' host time: with at
-    least SHORT_CALL_HEADS batch·heads and not in a compiled graph. A Gluon launch costs more host
-    time than a planned portable one (its TMA descriptors are encoded at every launch): eager ViT-S
-    224 inference at batch 64, paced by the host, was 12% slower with the Gluon forward (about 70 µs
-    a call) while the kernel's gain there is a few µs (vit_host_ab_gluon768.csv); in a compiled
-    graph the host op such a call takes costs more still (compiled ViT-S 224 bf16 0.66× native
-    against 0.97× on the traced portable kernels; models_vit_bf16_compiled_short*.csv)."""
-    return not traced and q.shape[0] * q.shape[1] >= SHORT_CALL_HEADS
-
-
-# the fewest batch·heads of a short-row call the Gluon kernels take (_short_served): there a forward
-# call is long beside its host time (197 tokens × 3072 heads: 167 µs, 1.02× cuDNN)
-SHORT_CALL_HEADS = 2048
+    return nk >= 1280 or (max(q.shape[2], nk) <= SHORT_ROWS and not traced)
 
 
 def config(d: int, nq: int, split: bool = False) -> tuple[int, int, int, int]:
@@ -1137,14 +1137,22 @@ def forward(q, k, v, out, stats, scale: float, causal: bool, scales=None) -> Non
 
 def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     """One launch of the forward kernel; q, k, v are fp16x3's float16 parts (``split``) when
-    ``scales`` is given, Nq and Nk then half their rows."""
+    ``scales`` is given, Nq and Nk then half their rows. Planned once per call signature
+    (_forward_launch): a repeat binds the addresses and reuses the descriptors' tensor maps."""
+    key = ("hopper-fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device,
+           scale, causal, scales is None, TMA_OUT, out.data_ptr() & 15 == 0)
+    prepared(key, _forward_launch, q, k, v, out, scale, causal, scales is not None)(
+        q, k, v, out, stats, stats if scales is None else scales)
+
+
+def _forward_launch(q, k, v, out, scale: float, causal: bool, split: bool) -> Launch:
+    """The forward's launch for this call signature, called with (q, k, v, out, stats, scales)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    parts = 1 if scales is None else 2
-    if parts == 2:
+    parts = 2 if split else 1
+    if split:
         Nq, Nk = Nq // 2, Nk // 2
-    bm, bn, stages, regs = config(D, Nq, parts == 2)
-    qd, kd, vd = _descriptor(q, 64), _descriptor(k, bn), _descriptor(v, bn)
+    bm, bn, stages, regs = config(D, Nq, split)
     n_m = cdiv(Nq, bm)
     n_items = n_m * B * H
     # causal items differ in length: one program per item lets the hardware balance them (a static
@@ -1152,11 +1160,12 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     per_sm = per_sm_programs(bm, bn, stages, D, q.element_size(), parts)
     programs = n_items if causal else min(n_items, per_sm * sm_count(q.device.index or 0))
     t0, n_items = (n_items, n_items) if causal or bm == 64 else _tail(n_items, n_m, bm, Nq, B * H, programs)
-    tma_out = _tma_writable(parts == 2, q.dtype, out)  # (never traced: see attention._hopper_serves)
-    launch(_fwd_kernel, (programs,), qd, kd, vd, out, _descriptor(out, 64) if tma_out else qd, stats,
-           stats if scales is None else scales, out.stride(0), out.stride(1), out.stride(2), H, Nq, Nk, n_m, n_items, t0,
-           scale * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts,
-           TMA_OUT=tma_out, num_warps=4, **({"maxnreg": 256 // per_sm} if per_sm > 1 else {}))
+    tma_out = _tma_writable(split, q.dtype, out)  # (never traced: see attention._hopper_serves)
+    d64, dkeys = _blocks(64), _blocks(bn)
+    return Launch(_fwd_kernel, (programs,), (*out.stride()[:3], H, Nq, Nk, n_m, n_items, t0, scale * LOG2E),
+                  dict(D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts,
+                       TMA_OUT=tma_out, num_warps=4, **({"maxnreg": 256 // per_sm} if per_sm > 1 else {})),
+                  leading=((0, d64), (1, dkeys), (2, dkeys), 3, (3, d64) if tma_out else (0, d64), 4, 5))
 
 
 # shared memory an SM gives its resident programs (H100 / H200: 228 KiB, 1 KiB of it reserved per program)
@@ -1193,9 +1202,8 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
     """Whether the backward below takes the call: ``supports`` it, and it measured faster than the
     portable backward there (benchmarks/results/<device>/attention_hopper.csv, bf16 forward +
     backward, CUDA-graph replays; short_rows_ab.csv for 197–401 keys): every call at D = 128; at
-    D = 64 non-causal ones from 300 keys (with dQ, dK, dV stored by TMA: 10% ahead at 321 and 401)
-    and shorter ones where ``_short_served`` (2–4% ahead at 197 keys: only where that is more than
-    the launch's extra host time); causal D = 64 from 1024 keys, below which the portable
+    D = 64 every non-causal one (with dQ, dK, dV stored by TMA: 10% ahead at 321 and 401 keys,
+    2–4% at 197; its launches planned as the forward's); causal D = 64 from 1024 keys, below which the portable
     backward's 32-row tiles waste less on the diagonal. float32 in ``fp16x3`` (D = 64): from 512
     keys, and shorter rows where the work items fill the GPU (``fills``). Its forward + backward
     measured faster than with the portable backward from ViT's 197 tokens on, causal or not, with
@@ -1208,9 +1216,7 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
         return True
     if q.dtype == torch.float32:
         return k.shape[2] >= 512 or fills(q)
-    if causal:
-        return k.shape[2] >= 1024
-    return k.shape[2] >= 300 or _short_served(q)
+    return not causal or k.shape[2] >= 1024
 
 
 def bwd_config(d: int, split: bool = False) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
@@ -1254,15 +1260,12 @@ def backward(do, q, k, v, out, stats, scale: float, causal: bool, grads: tuple, 
 def _backward(do, q, k, v, out, stats, scale: float, causal: bool, grads: tuple, scales=None):
     """The two kernels' launches (with ``scales``, fp16x3: after _bwd_split_kernel's pass)."""
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
     BH = B * H
     split = scales is not None
     if out.stride(-1) != 1:  # (the dQ kernel reads rows of out with a unit stride)
         out = out.contiguous()
-    (km, kn, kst, kregs), (qm, qn, qst, qregs) = bwd_config(D, split)
-    n_m = cdiv(Nq, qm)
-    n_items = n_m * BH
-    nqp = n_m * qm  # (≥ every dK/dV query tile's end: its statistics loads are unmasked)
+    qm = bwd_config(D, split)[1][0]
+    nqp = cdiv(Nq, qm) * qm  # (≥ every dK/dV query tile's end: its statistics loads are unmasked)
     # the rows' statistics, planes of [B·H, nqp]: lse2, delta (written by the dQ kernel); with
     # fp16x3 m, delta, 1/S, f, u (written by the split pass)
     rows = torch.empty((5 if split else 2, BH, nqp), device=q.device, dtype=torch.float32)
@@ -1271,24 +1274,49 @@ def _backward(do, q, k, v, out, stats, scale: float, causal: bool, grads: tuple,
         q, q2, do, k, v = _bwd_split(do, q, k, v, out, stats, scales, rows)
     else:
         q2, scales = q, rows
+    key = ("hopper-bwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), out.stride(),
+           dq.stride(), dk.stride(), dv.stride(), q.dtype, q.device, scale, causal, split, TMA_OUT,
+           *[g.data_ptr() & 15 == 0 for g in grads])
+    dq_launch, dkdv_launch = prepared(key, _backward_launches, q, k, out, grads, nqp, scale, causal, split)
     # dQ first: it writes the rows' lse2 and delta, which the dK/dV kernel reads
-    programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
-    qd = _descriptor(q, 64)
-    tma_dq = _tma_writable(split, q.dtype, dq)
-    launch(_bwd_dq_kernel, (programs,), qd, _descriptor(do, 64), _descriptor(k, qn), _descriptor(v, qn), out, stats,
-           rows, BH * nqp, scales, dq, _descriptor(dq, 64) if tma_dq else qd, out.stride(0), out.stride(1),
-           out.stride(2), dq.stride(0), dq.stride(1), dq.stride(2), H, Nq, Nk, nqp, n_m, n_items, scale,
-           scale * LOG2E, D=D, BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal, CONSUMER_REGS=qregs,
-           PARTS=2 if split else 1, TMA_GRADS=tma_dq, num_warps=4)
-    kd = _descriptor(k, 64)
-    tma_dkv = _tma_writable(split, q.dtype, dk, dv)
-    launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), BH), _descriptor(q, km), _descriptor(q2, km), _descriptor(do, km), kd,
-           _descriptor(v, 64), rows, BH * nqp, scales, dk, dv, _descriptor(dk, 64) if tma_dkv else kd,
-           _descriptor(dv, 64) if tma_dkv else kd, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
-           dv.stride(1), dv.stride(2), H, Nq, Nk, nqp, scale, scale * LOG2E, D=D, BLOCK_M=km, BLOCK_N=kn,
-           STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs, PARTS=2 if split else 1, TMA_GRADS=tma_dkv,
-           num_warps=4)
+    dq_launch(q, do, k, v, out, stats, rows, scales, dq)
+    dkdv_launch(q, q2, do, k, v, rows, scales, dk, dv)
     return dq, dk, dv
+
+
+def _backward_launches(q, k, out, grads: tuple, nqp: int, scale: float, causal: bool,
+                       split: bool) -> tuple[Launch, Launch]:
+    """The backward's two launches for this call signature (q, k: fp16x3's parts when ``split``):
+    the dQ kernel's, called with (q, do, k, v, out, stats, rows, scales, dq), and the dK/dV
+    kernel's, called with (q, q2, do, k, v, rows, scales, dk, dv)."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    if split:
+        Nq, Nk = Nq // 2, Nk // 2
+    BH = B * H
+    dq, dk, dv = grads
+    (km, kn, kst, kregs), (qm, qn, qst, qregs) = bwd_config(D, split)
+    n_m = cdiv(Nq, qm)
+    n_items = n_m * BH
+    parts = 2 if split else 1
+    programs = n_items if causal else min(n_items, sm_count(q.device.index or 0))  # (as the forward's)
+    d64, dq_keys, dk_rows = _blocks(64), _blocks(qn), _blocks(km)
+    tma_dq = _tma_writable(split, q.dtype, dq)
+    dq_launch = Launch(_bwd_dq_kernel, (programs,),
+                       (BH * nqp, *out.stride()[:3], *dq.stride()[:3], H, Nq, Nk, nqp, n_m, n_items, scale,
+                        scale * LOG2E),
+                       dict(D=D, BLOCK_M=qm, BLOCK_N=qn, STAGES=qst, CAUSAL=causal, CONSUMER_REGS=qregs, PARTS=parts,
+                            TMA_GRADS=tma_dq, num_warps=4),
+                       leading=((0, d64), (1, d64), (2, dq_keys), (3, dq_keys), 4, 5, 6, 7, 8,
+                                (8, d64) if tma_dq else (0, d64)))
+    tma_dkv = _tma_writable(split, q.dtype, dk, dv)
+    dkdv_launch = Launch(_bwd_dkdv_kernel, (cdiv(Nk, kn), BH),
+                         (BH * nqp, *dk.stride()[:3], *dv.stride()[:3], H, Nq, Nk, nqp, scale, scale * LOG2E),
+                         dict(D=D, BLOCK_M=km, BLOCK_N=kn, STAGES=kst, CAUSAL=causal, CONSUMER_REGS=kregs,
+                              PARTS=parts, TMA_GRADS=tma_dkv, num_warps=4),
+                         leading=((0, dk_rows), (1, dk_rows), (2, dk_rows), (3, d64), (4, d64), 5, 6, 7, 8,
+                                  (7, d64) if tma_dkv else (3, d64), (8, d64) if tma_dkv else (3, d64)))
+    return dq_launch, dkdv_launch
 
 
 @triton.jit

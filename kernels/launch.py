@@ -243,39 +243,138 @@ class Launch:
     specialises a pointer argument on; the scalars are fixed, so their specialisation is too), and a
     repeat passes it the addresses as integers: no :func:`_signature` of 40-odd arguments, no
     per-tensor ``data_ptr`` call and driver pointer query inside Triton's C launcher. The first call
-    of each pattern, and every call where :func:`tritons_own_path` holds, take :func:`launch`'s path."""
+    of each pattern, and every call where :func:`tritons_own_path` holds, take :func:`launch`'s path.
 
-    __slots__ = ("fn", "grid", "scalars", "meta", "_bound")
+    ``leading`` (kernels that take TMA tensor descriptors, kernels/hopper.py): the arguments before
+    the scalars, each an int ``i`` (the call's i-th tensor) or a pair ``(i, describe)`` (the
+    descriptor ``describe(tensors[i])``, whose shape and strides the plan fixes: only its address
+    changes between calls). Triton's launcher encodes every descriptor's tensor map (a driver call)
+    at every launch; a repeat here reuses the map encoded for the same address and calls the
+    launcher beneath that step (_TmaCall)."""
 
-    def __init__(self, fn, grid: tuple, scalars: tuple, meta: dict):
-        self.fn, self.scalars, self.meta = fn, tuple(scalars), meta
+    __slots__ = ("fn", "grid", "scalars", "meta", "leading", "_bound")
+
+    def __init__(self, fn, grid: tuple, scalars: tuple, meta: dict, leading: "tuple | None" = None):
+        self.fn, self.scalars, self.meta, self.leading = fn, tuple(scalars), meta, leading
         self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         self._bound: dict = {}
         if not INTERPRET and not tracing():
             check_grid(fn, self.grid)
 
+    def _args(self, tensors: tuple) -> tuple:
+        """The kernel's positional arguments for these tensors (descriptors made afresh)."""
+        if self.leading is None:
+            return (*tensors, *self.scalars)
+        return (*(tensors[a] if type(a) is int else a[1](tensors[a[0]]) for a in self.leading), *self.scalars)
+
     def __call__(self, *tensors: torch.Tensor) -> None:
         if _MODE is not None:
-            _other_launch(self.fn, self.grid, (*tensors, *self.scalars), self.meta)
+            _other_launch(self.fn, self.grid, self._args(tensors), self.meta)
             return
         if tritons_own_path():
-            self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+            self.fn[self.grid](*self._args(tensors), **self.meta)
             return
         ptrs = [t.data_ptr() for t in tensors]
         dev = torch.cuda.current_device()
         key = (dev, _knobs.runtime.debug, *[p & 15 == 0 for p in ptrs])
         hit = self._bound.get(key)
         if hit is None:
-            args = (*tensors, *self.scalars)
+            args = self._args(tensors)
             lkey = (self.fn, dev, _signature(args), tuple(self.meta.items()), key[1])
             found = _LAUNCHED.get(lkey)
             kernel, tail = found or _first_launch(lkey, self.fn, self.grid, args, self.meta)
-            self._bound[key] = hit = (kernel, (*self.scalars, *tail))
+            if self.leading is None:
+                hit = (kernel, (*self.scalars, *tail))
+            else:
+                hit = _TmaCall.plan(kernel, self.leading, args, tail)
+            self._bound[key] = hit
             if found is None:
                 return  # (_first_launch launched it)
-        kernel, rest = hit
-        kernel.run(*self.grid, _driver.active.get_current_stream(dev), kernel.function, kernel.packed_metadata,
-                   None, None, None, *ptrs, *rest)
+        stream = _driver.active.get_current_stream(dev)
+        if self.leading is None:
+            kernel, rest = hit
+            kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *ptrs, *rest)
+        elif hit is _TRITONS_OWN:  # (a launcher this module does not know how to call beneath)
+            self.fn[self.grid](*self._args(tensors), **self.meta)
+        else:
+            hit(self.grid, stream, ptrs)
+
+
+_TRITONS_OWN = object()
+
+
+def _encode(fill, rest: tuple, address: int):
+    return fill(address, *rest)
+
+
+class _TmaCall:
+    """A planned launch of a kernel with TMA descriptor arguments, through Triton 3.6's C launcher
+    beneath its Python wrapper (``CudaLauncher.launch``, wrap_handle_tensordesc), which expands each
+    descriptor into (tensor map, shape, strides) and encodes the map on every launch. Here the
+    expanded argument list is kept, and per call only the tensors' addresses and the maps change;
+    each descriptor's maps are kept per address (the shape, strides, block and swizzle are the
+    plan's: a map is a function of the address alone)."""
+
+    __slots__ = ("launcher", "head", "template", "pointers", "maps")
+
+    # tensor maps kept per descriptor (a model's buffers take a few addresses; more are re-encoded)
+    MAPS = 64
+
+    def __init__(self, launcher, head: tuple, template: list, pointers: list, maps: list):
+        self.launcher, self.head, self.template, self.pointers, self.maps = launcher, head, template, pointers, maps
+
+    @classmethod
+    def plan(cls, kernel, leading: tuple, args: tuple, tail: tuple):
+        """The call for ``kernel`` compiled for ``args`` (leading arguments made, then scalars) and
+        ``tail`` (the parameters after them), or _TRITONS_OWN where the launcher is not the one this
+        was written against (then every call takes Triton's own launch)."""
+        run = kernel.run
+        metas = getattr(kernel.metadata, "tensordesc_meta", None)
+        wrapped = getattr(run, "launch", None)
+        names = getattr(getattr(wrapped, "__code__", None), "co_freevars", ())
+        if not metas or "launcher" not in names or run.global_scratch_size or run.profile_scratch_size:
+            return _TRITONS_OWN
+        cells = dict(zip(names, (c.cell_contents for c in wrapped.__closure__)))
+        full = (*args, *tail)
+        at = [i for i, a in enumerate(full) if hasattr(a, "block_shape")]
+        if sorted(cells.get("tensordesc_indices", ())) != at or len(at) != len(metas):
+            return _TRITONS_OWN
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST as host_dtype
+        utils = _driver.active.utils
+        template, pointers, maps = [], [], []
+        for i, a in enumerate(full):
+            if i < len(leading) and type(leading[i]) is int:
+                pointers.append((len(template), leading[i]))
+                template.append(None)
+            elif hasattr(a, "block_shape"):
+                meta = metas[len(maps)]
+                shape, strides = list(a.shape), list(a.strides)
+                if meta["fp4_padded"]:
+                    shape[-1] *= 2
+                rest = (meta["swizzle"], meta["elem_size"], host_dtype[meta["elem_type"]], meta["block_size"], shape,
+                        strides, 1 if a.padding == "nan" else 0)  # (make_tensordesc_arg's encoding)
+                encode = functools.partial(_encode, utils.fill_tma_descriptor, rest)
+                maps.append((len(template), leading[i][0], {}, encode))
+                template.extend([None, *shape, *strides])
+            else:
+                template.append(a)
+        head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
+                None, None, None)
+        return cls(cells["launcher"], head, template, pointers, maps)
+
+    def __call__(self, grid: tuple, stream: int, ptrs: list) -> None:
+        args = self.template.copy()
+        for at, i in self.pointers:
+            args[at] = ptrs[i]
+        for at, i, kept, encode in self.maps:
+            p = ptrs[i]
+            m = kept.get(p)
+            if m is None:
+                if len(kept) >= self.MAPS:
+                    kept.clear()
+                m = kept[p] = encode(p)
+            args[at] = m
+        self.launcher(*grid, stream, *self.head, *args)
 
 
 # Launches planned per call signature (dtype, device, shape, strides, flags; the caller's key): see
