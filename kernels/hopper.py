@@ -982,9 +982,9 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     one warpgroup, 2–5% ahead; short_rows_ab.csv) except in a compiled graph (``traced``): there
     such a call would take the host op (kernels/ops.py), whose host time costs more than the traced
     portable kernels lose (compiled ViT-S 224 bf16 0.66× native through the host ops against 0.97×;
-    models_vit_bf16_compiled_short*.csv). Eagerly the launches are planned once per call
-    signature (Launch, the TMA maps kept per address), no more host time than the portable
-    kernels' (gluon_host.csv), at any batch·heads. Between, a block of 128
+    models_vit_bf16_compiled_short*.csv). Eagerly, at any batch·heads: the launches are planned
+    once per call signature (Launch, the TMA maps kept per address), up to about 20 µs more host
+    time a call than the portable kernels' where it was 60–90 µs (gluon_host.csv). Between, a block of 128
     or 192 rows is mostly padding or the diagonal's masked tile, and the portable kernel's 64-row
     tiles are ahead (at 257 and 401 keys by 9–13%, VGGT's 1041-token frames by 2%; README, "Short
     rows in the portable forward").
@@ -1203,8 +1203,8 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, pre
     portable backward there (benchmarks/results/<device>/attention_hopper.csv, bf16 forward +
     backward, CUDA-graph replays; short_rows_ab.csv for 197–401 keys): every call at D = 128; at
     D = 64 every non-causal one (with dQ, dK, dV stored by TMA: 10% ahead at 321 and 401 keys,
-    2–4% at 197; its launches planned as the forward's); causal D = 64 from 1024 keys, below which the portable
-    backward's 32-row tiles waste less on the diagonal. float32 in ``fp16x3`` (D = 64): from 512
+    2–4% at 197; its launches planned as the forward's); causal D = 64 from 1024 keys, below which
+    the portable backward's 32-row tiles waste less on the diagonal. float32 in ``fp16x3`` (D = 64): from 512
     keys, and shorter rows where the work items fill the GPU (``fills``). Its forward + backward
     measured faster than with the portable backward from ViT's 197 tokens on, causal or not, with
     3072 batch·heads there (attention_hopper_fp32_fwdbwd.csv); with few batch·heads a short call is

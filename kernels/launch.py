@@ -8,11 +8,13 @@ later stages that host work, not the GPU, sets the pace. :func:`launch` and :cla
 what a first launch of the same signature compiled and bound, and call the compiled kernel's
 launcher directly.
 
-That reaches into two Triton internals: ``JITFunction.device_caches[device][4]`` (the binder, for
-the values of the parameters after the positional ones) and ``CompiledKernel.run`` (the C
-launcher). Both are only used where :data:`FAST_LAUNCH` holds: a Triton version this module was
-checked against (:data:`CHECKED_TRITON`), and the environment variable ``ELSA_TRITON_LAUNCH`` not
-set to ``"triton"``. Otherwise — and under the interpreter, or while a profiler's launch hooks are
+That reaches into Triton internals: ``JITFunction.device_caches[device][4]`` (the binder, for
+the values of the parameters after the positional ones), ``CompiledKernel.run`` (the C
+launcher) and, for kernels that take TMA descriptors (:class:`_TmaCall`), the launcher beneath
+``CudaLauncher.launch``'s descriptor wrapper and its descriptor encoding. They are only used where
+:data:`FAST_LAUNCH` holds: a Triton version this module was checked against
+(:data:`CHECKED_TRITON`), and the environment variable ``ELSA_TRITON_LAUNCH`` not set to
+``"triton"``. Otherwise — and under the interpreter, or while a profiler's launch hooks are
 set — every launch is Triton's own.
 
 Caches. Every cache of the kernel layer (compiled launches, planned launches, tile plans) registers
