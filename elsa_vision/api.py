@@ -298,8 +298,11 @@ def _call_key(op, tensors, args):
     """The signature of a call (None: not kept — under torch.compile, or arguments other than plain
     numbers / strings, which take the checks every time). ``args`` go in with their types: 1, 1.0
     and True hash alike, but the checks refuse a bool scale."""
-    if torch.compiler.is_compiling() or any(type(a) not in _PLAIN_ARGS for a in args):
+    if torch.compiler.is_compiling():
         return None
+    for a in args:  # (a loop: host time on every call)
+        if type(a) not in _PLAIN_ARGS:
+            return None
     key = [op, *args, *map(type, args), torch.is_grad_enabled(), _fp32_matmul_precision(), dispatch_token()]
     for t in tensors:
         if t is None:
