@@ -6,7 +6,6 @@ no backend fitting, raises :class:`NotSupportedError` listing every backend's re
 """
 from __future__ import annotations
 
-import importlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -129,20 +128,8 @@ def _triton_devices() -> tuple[str, ...]:
 # of (elsa_vision.attention_packed), or None; a backend whose gradients flow through the views by
 # autograd ignores it.
 
-_KERNELS: dict = {}
-
-
-def _kernels(name: str):
-    """``elsa_vision.kernels.<name>``, imported at its first use (it imports Triton; elsa_vision imports
-    without it) and kept: an import statement costs microseconds on every call."""
-    mod = _KERNELS.get(name)
-    if mod is None:
-        mod = _KERNELS[name] = importlib.import_module(f"{__package__}.kernels.{name}")
-    return mod
-
-
 def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
-    K = _kernels("attention")
+    from .kernels import attention as K
     out, lse = K.attention(q, k, v, bias, scale, causal, precision, partitions, qkv)
     return out, (K.natural_lse(lse, bias is not None) if want_lse else None)
 
@@ -152,7 +139,7 @@ def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, w
 # lse [B,H,Nq] may span more keys (a key shard; elsa_vision.distributed's ring backward). No bias.
 
 def _run_triton_attention_backward(q, k, v, out, lse, do, scale, causal, precision):
-    K = _kernels("attention")
+    from .kernels import attention as K
     dq, dk, dv, _ = K.backward(do, q, k, v, None, out, K.stats_from_lse(lse), scale, causal, precision, False)
     return dq, dk, dv
 
@@ -187,7 +174,8 @@ def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions
 # [T,H,D] (qkv [T,3,H,D]) and so is the output.
 
 def _run_triton_window(q, k, v, bias, mask, scale, precision, block, qkv=None, geo=None):
-    return _kernels("window").window_attention(q, k, v, bias, mask, scale, precision, block, qkv=qkv, geo=geo)
+    from .kernels import window  # noqa: F401  (registers the custom ops)
+    return window.window_attention(q, k, v, bias, mask, scale, precision, block, qkv=qkv, geo=geo)
 
 
 def _run_reference_window(q, k, v, bias, mask, scale, precision, block, qkv=None, geo=None):

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3, TF32X3, cast, dk_units, dot, dot3,
                      dot_nt, ds_k, ds_units, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
-from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared, tracing
+from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared, sm_count, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
 from .reference import qkv_views
 from .tiles import (PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions,
@@ -334,21 +334,20 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _f16_scales_kernel(Q, K, V, dO, Scales, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-                       sd_b, sd_h, sd_m, sd_d, H, Nq, Nk, D: tl.constexpr, D_PAD: tl.constexpr,
-                       BLOCK: tl.constexpr, V_COLS: tl.constexpr, ROW: tl.constexpr):
+def _f16_scales_kernel(Q, K, V, dO, Scales, Partials, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h,
+                       sv_n, sv_d, sd_b, sd_h, sd_m, sd_d, H, Nq, Nk, CHUNK, n_chunks, D: tl.constexpr,
+                       D_PAD: tl.constexpr, BLOCK: tl.constexpr, V_COLS: tl.constexpr, ROW: tl.constexpr,
+                       PARTIAL: tl.constexpr):
     """Scales [BH, ROW] float32: per batch·head the powers of two that put the largest |x| of a tensor
-    into [2^13, 2^14) for the float16 split (split_f16). Program (bh, t) scales tensor t: q, k, v,
-    then dO (the backward's grid has four). Slots 0, 1: c_q, c_k; with V_COLS (the forward) slots
-    2… hold c_v per feature column (ROW = 2 + D_PAD), else slot 2 holds one c_v per head and slot 3
-    c_dO (ROW = 4: the backward's dP = dO·vᵀ sums over the features, so one scale per head).
-    v's per-column scale is undone on each output column, so an outlier feature costs the other
-    features nothing; q and k meet in one logit and share one scale per head. Their product's
-    inverse must stay a normal float32 next to the softmax scale, so c_q and c_k stop at 2^60
-    (heads whose every |x| < 2⁻⁴⁷ keep less precision); c_v and c_dO, applied one at a time, stop
-    at 2^113. Powers of two scale exactly."""
+    into [2^13, 2^14) for the float16 split (split_f16). Program (bh, t, c) takes rows
+    [c·CHUNK, (c + 1)·CHUNK) of tensor t of head bh: q, k, v, then dO (the backward's grid has four).
+    With PARTIAL (more than one chunk) it writes their largest |x| per column to Partials
+    [BH, T, n_chunks, D_PAD], and _f16_scales_finish_kernel makes the scales from those; else it
+    writes the scales (_store_scales). A maximum does not depend on the order it is taken in: the
+    scales are the same however the rows are cut."""
     bh = tl.program_id(0)
     which = tl.program_id(1)
+    c = tl.program_id(2)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     if which == 0:
@@ -362,11 +361,47 @@ def _f16_scales_kernel(Q, K, V, dO, Scales, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, 
     offs_r = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D_PAD)
     col = tl.zeros([D_PAD], tl.float32)
-    for start in range(0, n, BLOCK):
+    lo = c * CHUNK
+    for start in range(lo, tl.minimum(lo + CHUNK, n), BLOCK):
         rows = start + offs_r
-        x = tl.load(base + rows[:, None] * s_n + offs_d[None, :] * s_d,
+        x = tl.load(base + rows[:, None].to(tl.int64) * s_n + offs_d[None, :] * s_d,
                     mask=(rows[:, None] < n) & (offs_d[None, :] < D), other=0.0)
         col = tl.maximum(col, tl.max(tl.abs(x.to(tl.float32)), 0))
+    if PARTIAL:
+        tl.store(Partials + ((bh.to(tl.int64) * tl.num_programs(1) + which) * n_chunks + c) * D_PAD + offs_d, col)
+    else:
+        _store_scales(col, which, bh, Scales, offs_d, V_COLS, ROW)
+
+
+@triton.jit
+def _f16_scales_finish_kernel(Partials, Scales, n_chunks, D_PAD: tl.constexpr, V_COLS: tl.constexpr,
+                              ROW: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (bh, t): the scales of tensor t of head bh from its chunks' column maxima (Partials
+    [BH, T, n_chunks, D_PAD], _f16_scales_kernel)."""
+    bh = tl.program_id(0)
+    which = tl.program_id(1)
+    base = Partials + (bh.to(tl.int64) * tl.num_programs(1) + which) * n_chunks * D_PAD
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, D_PAD)
+    col = tl.zeros([D_PAD], tl.float32)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        cs = c0 + offs_c
+        x = tl.load(base + cs[:, None] * D_PAD + offs_d[None, :], mask=cs[:, None] < n_chunks, other=0.0)
+        col = tl.maximum(col, tl.max(x, 0))
+    _store_scales(col, which, bh, Scales, offs_d, V_COLS, ROW)
+
+
+@triton.jit
+def _store_scales(col, which, bh, Scales, offs_d, V_COLS: tl.constexpr, ROW: tl.constexpr):
+    """Write tensor ``which``'s scales (see _f16_scales_kernel) from its largest |x| per column
+    ``col`` [D_PAD]. Slots 0, 1: c_q, c_k; with V_COLS (the forward) slots 2… hold c_v per feature
+    column (ROW = 2 + D_PAD), else slot 2 holds one c_v per head and slot 3 c_dO (ROW = 4: the
+    backward's dP = dO·vᵀ sums over the features, so one scale per head). v's per-column scale is
+    undone on each output column, so an outlier feature costs the other features nothing; q and k
+    meet in one logit and share one scale per head. Their product's inverse must stay a normal
+    float32 next to the softmax scale, so c_q and c_k stop at 2^60 (heads whose every |x| < 2⁻⁴⁷
+    keep less precision); c_v and c_dO, applied one at a time, stop at 2^113. Powers of two scale
+    exactly."""
     per_col = (which == 2) & V_COLS
     top = tl.where(per_col, col, tl.max(col, 0))
     # floor(log2 top) from the exponent bits (NaN/inf: 128); a zero column takes the lowest scale
@@ -867,16 +902,47 @@ def _launch_plan(bh: int, nq: int, nk: int, d: int, dtype: torch.dtype, has_bias
 
 
 def _f16_scales(q, k, v, do=None):
-    """The Scales tensor of _f16_scales_kernel: forward (do None) [B·H, 2 + D_PAD], backward [B·H, 4]."""
+    """The Scales tensor of _f16_scales_kernel: forward (do None) [B·H, 2 + D_PAD], backward [B·H, 4].
+    The rows of each tensor are cut into chunks (_scale_chunks) so that the pass has programs enough
+    to stream q, k, v (and dO) at the memory's pace; with more than one, a second launch makes the
+    scales from the chunks' column maxima."""
     B, H, Nq, D = q.shape
     d_pad = pow2(D)
     row = 2 + d_pad if do is None else 4
+    tensors = 3 if do is None else 4
     scales = torch.empty((B * H, row), device=q.device, dtype=torch.float32)
     dd = q if do is None else do
-    launch(_f16_scales_kernel, (B * H, 3 if do is None else 4), q, k, v, dd, scales, *q.stride(), *k.stride(),
-           *v.stride(), *dd.stride(), H, Nq, k.shape[2], D=D, D_PAD=d_pad, BLOCK=16 if INTERPRET else 64,
-           V_COLS=do is None, ROW=row, num_warps=4)
+    block = 16 if INTERPRET else 64
+    if tracing():  # (one chunk: no host arithmetic on the traced sizes)
+        chunk, chunks = 1 << 30, 1
+    else:
+        n = max(Nq, k.shape[2])
+        chunk = cdiv(cdiv(n, _scale_chunks(B * H * tensors, n, block, q.device)), block) * block
+        chunks = cdiv(n, chunk)
+    partials = torch.empty((B * H, tensors, chunks, d_pad), device=q.device, dtype=torch.float32) \
+        if chunks > 1 else scales
+    launch(_f16_scales_kernel, (B * H, tensors, chunks), q, k, v, dd, scales, partials, *q.stride(), *k.stride(),
+           *v.stride(), *dd.stride(), H, Nq, k.shape[2], chunk, chunks, D=D, D_PAD=d_pad, BLOCK=block,
+           V_COLS=do is None, ROW=row, PARTIAL=chunks > 1, num_warps=4)
+    if chunks > 1:
+        launch(_f16_scales_finish_kernel, (B * H, tensors), partials, scales, chunks, D_PAD=d_pad, V_COLS=do is None,
+               ROW=row, BLOCK_C=16, num_warps=4)
     return scales
+
+
+def _scale_chunks(programs: int, n: int, block: int, device: torch.device) -> int:
+    """Chunks per tensor of _f16_scales: enough for about SCALE_PROGRAMS_PER_SM programs per SM in
+    all (one program per batch·head and tensor streamed a whole ViT-S head at 768 px, 2305 rows,
+    at a twentieth of the memory's bandwidth: 128 µs a call on an H200), at most one per
+    ``block`` rows. Under the interpreter, one per two blocks: CI's small shapes take the two-pass
+    path."""
+    if INTERPRET:
+        return cdiv(n, 2 * block)
+    return max(1, min(cdiv(n, block), cdiv(SCALE_PROGRAMS_PER_SM * sm_count(device.index or 0), programs)))
+
+
+# programs per SM the scales pass aims at (_scale_chunks)
+SCALE_PROGRAMS_PER_SM = 8
 
 
 def _hopper_serves(q, k, v, bias, precision: str, causal: bool, backward: bool = False) -> bool:

@@ -82,6 +82,33 @@ def test_fp16x3_outlier_feature():
     assert (out[..., 0].double() - ref[..., 0]).abs().amax() / ref[..., 0].abs().amax() < 1e-6
 
 
+@pytest.mark.parametrize("backward", [False, True])
+def test_fp16x3_scales_in_chunks(backward, monkeypatch):
+    """fp16x3's head scales (attention._f16_scales) with each tensor's rows cut into chunks (a pass of
+    column maxima, then one that makes the scales) are those of one program per tensor, bit for bit:
+    the largest |x·c| of q, k, dO per head and of v per column (per head in the backward) in
+    [2^13, 2^14); with Nq ≠ Nk, strided q, an outlier column of v."""
+    from elsa_vision.kernels import attention as K
+    B, H, Nq, Nk, D = 2, 3, 37, 150, 64
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    q = torch.randn(B, Nq, H, D, generator=g, device=DEVICE).transpose(1, 2) * 1e-3
+    k = torch.randn(B, H, Nk, D, generator=g, device=DEVICE) * 30
+    v = torch.randn(B, H, Nk, D, generator=g, device=DEVICE)
+    v[1, 2, 140, 7] = 5e5  # (in the last chunk)
+    do = torch.randn(B, H, Nq, D, generator=g, device=DEVICE) if backward else None
+    chunked = K._f16_scales(q, k, v, do)
+    monkeypatch.setattr(K, "_scale_chunks", lambda *args: 1)
+    assert torch.equal(chunked, K._f16_scales(q, k, v, do))
+    c = chunked.view(B, H, -1).double()
+    tops = [(q.double().abs().amax((2, 3)) * c[..., 0]), (k.double().abs().amax((2, 3)) * c[..., 1])]
+    if backward:
+        tops += [v.double().abs().amax((2, 3)) * c[..., 2], do.double().abs().amax((2, 3)) * c[..., 3]]
+    else:
+        tops.append(v.double().abs().amax(2) * c[..., 2:])
+    for top in tops:
+        assert ((top >= 2 ** 13) & (top < 2 ** 14)).all()
+
+
 @pytest.mark.parametrize("magnitude", [(1.0, 1.0, 1.0), (1e-3, 30.0, 1e-6), (1e4, 1e-12, 1e20)])
 def test_fp16x3_split_pass(magnitude):
     """The Gluon forward's fp16x3 operands (kernels/hopper.split, a plain Triton kernel): for q, k
