@@ -782,6 +782,32 @@ def test_grid_past_cuda_limit_is_a_clear_error():
         launch.check_grid(test_grid_past_cuda_limit_is_a_clear_error, (1, 65536))
 
 
+def test_launch_leading_arguments(monkeypatch):
+    """A planned launch whose leading arguments mix tensors and descriptors of them (launch.Launch's
+    ``leading``, the Gluon kernels' calls) passes Triton's own launch (the interpreter's, a
+    profiler's) the call's tensors and descriptors made of them in the kernel's order, then the
+    scalars; with launches skipped (a custom op's fake implementation) it launches nothing."""
+    from elsa_vision.kernels import launch
+    seen = []
+
+    class Kernel:  # (what Triton's JITFunction offers a launch: fn[grid](*args, **meta))
+        def __getitem__(self, grid):
+            return lambda *args, **meta: seen.append((grid, args, meta))
+
+    monkeypatch.setattr(launch, "tritons_own_path", lambda: True)
+    describe = lambda t: ("descriptor", t.numel())  # noqa: E731
+    a, b = torch.zeros(2), torch.ones(3)
+    plan = launch.Launch(Kernel(), (4,), (7, 0.5), {"BLOCK": 16}, leading=((0, describe), 1, (1, describe), 0))
+    plan(a, b)
+    grid, args, meta = seen.pop()
+    assert grid == (4, 1, 1) and meta == {"BLOCK": 16}
+    assert args[0] == ("descriptor", 2) and args[1] is b and args[2] == ("descriptor", 3) and args[3] is a
+    assert args[4:] == (7, 0.5)
+    with launch.allocations_only():
+        plan(a, b)
+    assert not seen
+
+
 def test_tma_readable_layouts():
     """What the Hopper kernels read in place by TMA (the rest goes to the portable kernels, or, for
     dO, is copied first): unit last stride, 16-byte aligned strides, no broadcast dimension."""
