@@ -905,7 +905,9 @@ def _f16_scales(q, k, v, do=None):
     """The Scales tensor of _f16_scales_kernel: forward (do None) [B·H, 2 + D_PAD], backward [B·H, 4].
     The rows of each tensor are cut into chunks (_scale_chunks) so that the pass has programs enough
     to stream q, k, v (and dO) at the memory's pace; with more than one, a second launch makes the
-    scales from the chunks' column maxima."""
+    scales from the chunks' column maxima. Traced or skipped launches (torch.compile's graphs, the
+    ops' fake implementations, memory rehearsals) take one chunk, with no host arithmetic on the
+    sizes: there the chunks' column maxima (B·H × 4 × chunks × D_PAD floats) are not allocated."""
     B, H, Nq, D = q.shape
     d_pad = pow2(D)
     row = 2 + d_pad if do is None else 4
