@@ -379,7 +379,7 @@ def test_planned_launches_rebind(n, monkeypatch):
         want.append(call(*t))
     elsa_vision.clear_caches()
     got = [call(*t) for t in (*sets, sets[0])]
-    plans = [p for p in L._PREPARED.values() for p in (p if isinstance(p, tuple) else (p,))
+    plans = [p for entry in L._PREPARED.values() for p in (entry if isinstance(entry, tuple) else (entry,))
              if isinstance(p, L.Launch) and p.leading is not None]
     assert len(plans) == 3 and all(isinstance(b, L._TmaCall) for p in plans for b in p._bound.values())
     for g, w in zip(got, [*want, want[0]]):
