@@ -903,7 +903,8 @@ def _layout(block: tuple, dtype: torch.dtype) -> gl.NVMMASharedLayout:
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """The [B, H, N, D] descriptor of t with blocks of ``rows`` rows. Built without the dataclass's
-    checks (host time on every call): ``serves`` has checked what they check."""
+    checks (host time of each launch that takes Triton's own path; a planned one builds them once):
+    ``serves`` has checked what they check."""
     block = (1, 1, rows, t.shape[-1])
     d = TensorDescriptor.__new__(TensorDescriptor)
     d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (

@@ -179,7 +179,8 @@ def _signature(args: tuple) -> tuple:
 
 def _descriptor_signature(d) -> tuple:
     """A TMA tensor descriptor specialises the kernel by its dtype, block shape and shared-memory
-    layout; its address, shape and strides are encoded into the tensor map at every launch."""
+    layout; its address, shape and strides go into the tensor map (encoded at every launch by
+    Triton's own path, once per address by a planned one: _TmaCall)."""
     return type(d), d.base.dtype, tuple(d.block_shape), d.layout
 
 
