@@ -905,9 +905,10 @@ def _f16_scales(q, k, v, do=None):
     """The Scales tensor of _f16_scales_kernel: forward (do None) [B·H, 2 + D_PAD], backward [B·H, 4].
     The rows of each tensor are cut into chunks (_scale_chunks) so that the pass has programs enough
     to stream q, k, v (and dO) at the memory's pace; with more than one, a second launch makes the
-    scales from the chunks' column maxima. Traced or skipped launches (torch.compile's graphs, the
-    ops' fake implementations, memory rehearsals) take one chunk, with no host arithmetic on the
-    sizes: there the chunks' column maxima (B·H × 4 × chunks × D_PAD floats) are not allocated."""
+    scales from the chunks' column maxima (B·H × 4 × chunks × D_PAD floats). A graph torch.compile
+    traces with static sizes is chunked as an eager call is (the sizes are plain ints there); with
+    symbolic ones (dynamic shapes) it takes one chunk, so that no host arithmetic runs on them and
+    one graph serves every size."""
     B, H, Nq, D = q.shape
     d_pad = pow2(D)
     row = 2 + d_pad if do is None else 4
@@ -915,12 +916,12 @@ def _f16_scales(q, k, v, do=None):
     scales = torch.empty((B * H, row), device=q.device, dtype=torch.float32)
     dd = q if do is None else do
     block = 16 if INTERPRET else 64
-    if tracing():  # (one chunk: no host arithmetic on the traced sizes)
-        chunk, chunks = 1 << 30, 1
-    else:
+    if all(type(s) is int for s in (B, H, Nq, k.shape[2])):
         n = max(Nq, k.shape[2])
         chunk = cdiv(cdiv(n, _scale_chunks(B * H * tensors, n, block, q.device)), block) * block
         chunks = cdiv(n, chunk)
+    else:  # symbolic sizes: one chunk
+        chunk, chunks = 1 << 30, 1
     partials = torch.empty((B * H, tensors, chunks, d_pad), device=q.device, dtype=torch.float32) \
         if chunks > 1 else scales
     launch(_f16_scales_kernel, (B * H, tensors, chunks), q, k, v, dd, scales, partials, *q.stride(), *k.stride(),
