@@ -300,16 +300,28 @@ def hooked(module: Optional[torch.nn.Module], *, global_hooks: bool = True, back
         backward and (glob._global_backward_hooks or glob._global_backward_pre_hooks)))
 
 
+def module_attr(module: torch.nn.Module, name: str, default=None):
+    """``getattr(module, name, default)`` for a name a module sets in its ``__init__`` (an instance
+    attribute, parameter, buffer or submodule), or not, depending on its version: looked up in
+    those dicts, not by ``nn.Module.__getattr__``. That raises AttributeError for a missing name,
+    and a graph torch.compile traces guards on the miss by asking again before every call: about
+    10 µs of Python exception a name and module (ViT-B's twelve attentions: over 100 µs a call)."""
+    for found in (module.__dict__, module._parameters, module._buffers, module._modules):
+        if name in found:
+            return found[name]
+    return default
+
+
 def bypass_reason(module: torch.nn.Module, skipped: Sequence[str] = ("attn_drop",)) -> Optional[str]:
     """Why a call must run the original forward because of what an ELSA forward does not run (None
     if nothing): attention dropout that would be active — fused SDPA paths follow module.training,
     unfused ones the dropout module's own mode (kept in train for MC dropout) — or hooks on one of
     the ``skipped`` children (attention-map extraction hooks softmax or attn_drop)."""
-    drop = getattr(module, "attn_drop", None)
+    drop = module_attr(module, "attn_drop")
     if drop is not None and getattr(drop, "p", 0.0) > 0 and (module.training or drop.training):
         return "attention dropout in training"
     for name in skipped:
-        child = getattr(module, name, None)
+        child = module_attr(module, name)
         if isinstance(child, torch.nn.Module) and hooked(child, global_hooks=False):
             return f"hooks on {name}, which ELSA's forward does not call"
     return None

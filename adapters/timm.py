@@ -62,7 +62,7 @@ from torch import nn
 from ..api import attention, attention_packed, shifted_window_attention, window_attention, window_attention_packed
 from ..kernels.limits import HEAD_DIMS
 from .blocks import PreNormBlock
-from .registry import Adapter, PatchState, bypass_reason, check_flag, hooked, is_patched, register
+from .registry import Adapter, PatchState, bypass_reason, check_flag, hooked, is_patched, module_attr, register
 
 MIN_TIMM = (1, 0, 20)
 
@@ -106,7 +106,7 @@ def _bypass_reason(module: torch.nn.Module) -> Optional[str]:
 def _biased_qkv(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The fused qkv projection [B, N, 3·C] of modules that keep q/k/v biases as separate tensors
     (EVA, Swin v2: ``q_bias``, zero ``k_bias`` buffer, ``v_bias``) or none at all."""
-    if getattr(module, "q_bias", None) is None:
+    if module_attr(module, "q_bias") is None:
         return module.qkv(x)
     bias = torch.cat((module.q_bias, module.k_bias, module.v_bias))
     if module.qkv_bias_separate:  # (EVA and Swin v2, the modules with q_bias, have it)
@@ -149,9 +149,9 @@ def _finish(module, x: torch.Tensor, gate: Optional[torch.Tensor], width: int) -
 
 
 def _gate(module, x: torch.Tensor) -> Optional[torch.Tensor]:
-    # (the getattr defaults in this file are for attributes later timm versions added: gate, attn_dim,
+    # (the module_attr defaults in this file are for attributes later timm versions added: gate, attn_dim,
     # num_kv_heads / num_kv_groups; and q_bias, which only EVA and Swin v2 have)
-    g = getattr(module, "gate", None)
+    g = module_attr(module, "gate")
     return g(x).sigmoid() if g is not None else None
 
 
@@ -182,7 +182,7 @@ class TimmAttention(Adapter):
             q, k, v = _split_heads(qkv, module.num_heads)
             q, k = module.q_norm(q), module.k_norm(k)
             o = _self_attention(module, state, q, k, v, attn_mask, is_causal)
-        return _finish(module, o, gate, getattr(module, "attn_dim", module.num_heads * module.head_dim))
+        return _finish(module, o, gate, module_attr(module, "attn_dim", module.num_heads * module.head_dim))
 
 
 class TimmRopeAttention(Adapter):
@@ -211,7 +211,7 @@ class TimmRopeAttention(Adapter):
         if module.qkv is not None:
             q, k, v = _split_heads(_biased_qkv(module, x), H)
         else:
-            kv_heads = getattr(module, "num_kv_heads", H)
+            kv_heads = module_attr(module, "num_kv_heads", H)
             q = module.q_proj(x).reshape(B, N, H, -1).transpose(1, 2)
             k = module.k_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2)
             v = module.v_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2)
@@ -222,13 +222,13 @@ class TimmRopeAttention(Adapter):
             half = module.rotate_half
             q = torch.cat([q[:, :, :npt, :], apply_rot_embed_cat(q[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
             k = torch.cat([k[:, :, :npt, :], apply_rot_embed_cat(k[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
-        groups = getattr(module, "num_kv_groups", 1)
+        groups = module_attr(module, "num_kv_groups", 1)
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         o = _self_attention(module, state, q, k, v, attn_mask, is_causal)
         # EvaAttention merges heads back to the input width C, AttentionRope to attn_dim
-        return _finish(module, o, gate, getattr(module, "attn_dim", C))
+        return _finish(module, o, gate, module_attr(module, "attn_dim", C))
 
 
 # --------------------------------------------------------------------------------------------

@@ -130,6 +130,36 @@ def test_shifted_windows_compiled_in_place(packed):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "eva02_tiny_patch14_224"])
+def test_compiled_patched_timm_guards_miss_no_attribute(name, monkeypatch):
+    """The guards of a compiled patched model ask for no attribute a module lacks: each such
+    guard re-raises nn.Module.__getattr__'s AttributeError before every call of the graph (the
+    adapters read the optional attributes of timm's modules through registry.module_attr)."""
+    timm = pytest.importorskip("timm")
+    m = timm.create_model(name, pretrained=False, img_size=28 if "eva" in name else 32, depth=2).eval()
+    elsa_vision.patch(m)
+    x = torch.randn(1, 3, *(2 * [28 if "eva" in name else 32]))
+    backend, graphs = _counting("aot_eager")
+    torch._dynamo.reset()
+    c = torch.compile(m, backend=backend, fullgraph=True)
+    misses = []
+    lookup = torch.nn.Module.__getattr__
+
+    def counted(self, attr):
+        try:
+            return lookup(self, attr)
+        except AttributeError:
+            misses.append((type(self).__name__, attr))
+            raise
+    with torch.no_grad():
+        c(x)
+        monkeypatch.setattr(torch.nn.Module, "__getattr__", counted)
+        for _ in range(2):
+            c(x)
+    assert len(graphs) == 1 and misses == []
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_host_ops_for_the_hopper_calls(packed, monkeypatch):
     """A traced call the Hopper kernels would take (kernels.attention._hopper_in_graph; forced here)
