@@ -301,16 +301,17 @@ def hooked(module: Optional[torch.nn.Module], *, global_hooks: bool = True, back
 
 
 def module_attr(module: torch.nn.Module, name: str, default=None):
-    """``getattr(module, name, default)`` for a name a module sets in its ``__init__`` (an instance
-    attribute, parameter, buffer or submodule), or not, depending on its version: looked up in
-    those dicts, not by ``nn.Module.__getattr__``. That raises AttributeError for a missing name,
+    """``getattr(module, name, default)`` for a name a module may lack, depending on its version:
+    looked up in the module's dicts (instance attributes, parameters, buffers, submodules), then on
+    its class, not by ``nn.Module.__getattr__``. That raises AttributeError for a missing name,
     and a graph torch.compile traces guards on the miss by asking again before every call: an
     exception raised and caught in Python per name and module, more than all of timm's own guards
     together for a ViT (README, "Guards of compiled patched models")."""
     for found in (module.__dict__, module._parameters, module._buffers, module._modules):
         if name in found:
             return found[name]
-    return default
+    # (a class attribute or property: asked of the class, whose lookup of a missing name stays in C)
+    return getattr(module, name) if hasattr(type(module), name) else default
 
 
 def bypass_reason(module: torch.nn.Module, skipped: Sequence[str] = ("attn_drop",)) -> Optional[str]:

@@ -122,3 +122,28 @@ def test_a_model_dependent_refusal_patches_nothing():
     with pytest.raises(ValueError, match="outside the aggregator's"):
         elsa_vision.patch(model, lean_memory=[0, 99])
     _untouched(model, before)
+
+
+def test_module_attr_reads_what_getattr_reads():
+    """registry.module_attr (the adapters' lookup of attributes a module may lack) gives what
+    getattr gives for instance attributes, parameters, buffers, submodules, class attributes and
+    properties, and the default for a missing name, without nn.Module.__getattr__ raising."""
+    class M(torch.nn.Module):
+        cls_attr = 3
+
+        def __init__(self):
+            super().__init__()
+            self.width = 7
+            self.w = torch.nn.Parameter(torch.ones(2))
+            self.register_buffer("b", torch.zeros(2))
+            self.register_parameter("none_param", None)
+            self.child = torch.nn.Identity()
+
+        @property
+        def prop(self):
+            return self.width * 2
+
+    m = M()
+    for name in ("width", "w", "b", "none_param", "child", "cls_attr", "prop"):
+        assert registry.module_attr(m, name, "default") is getattr(m, name)
+    assert registry.module_attr(m, "missing") is None and registry.module_attr(m, "missing", 5) == 5
