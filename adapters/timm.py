@@ -264,8 +264,20 @@ def window_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
 
 
 def _gather_heads(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """Swin's relative-position bias, table [(2w−1)², H] gathered by index [N, N] → [H, N, N] row-major."""
-    return table.t()[:, index.view(-1)].view(-1, n, n)
+    """Swin's relative-position bias, table [(2w−1)², H] gathered by index [N, N] → [H, N, N] row-major.
+
+    Without a gradient, the head-major gather of table.t() makes the row-major bias without a copy.
+    Its gradient, though, comes out transposed: for a parameter (v1's table) autograd then copies it
+    into the parameter's layout once per call (new_empty_strided + copy_, outside a compiled graph:
+    twelve host-side ops more a compiled Swin-T step), and eagerly its index_put writes the
+    transposed layout. So where a gradient is wanted, the rows are gathered and transposed into a
+    copy, whose gradient is an index_put into the table's own layout — except for a computed table
+    (v2's, from its MLP) in a compiled graph, where inductor takes the transposed gradient into
+    the MLP's backward without a copy and the head-major gather measured faster."""
+    idx = index.view(-1)
+    if torch.is_grad_enabled() and table.requires_grad and (table.is_leaf or not torch.compiler.is_compiling()):
+        return table[idx].t().contiguous().view(-1, n, n)
+    return table.t()[:, idx].view(-1, n, n)
 
 
 def _mask_ok(mask: Optional[torch.Tensor], Bw: int, N: int) -> bool:

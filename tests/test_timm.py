@@ -705,6 +705,28 @@ def test_training_gradients_reach_swin_parameters():
         elsa_vision.unpatch(mod)
 
 
+def test_swin_table_gradient_in_parameter_layout():
+    """The relative-position table's gradient reaches the parameter in the parameter's layout, so
+    that autograd accumulates it without a copy (a transposed one costs a new_empty_strided + copy_
+    per call, outside a compiled graph), eagerly and in a compiled graph; the bias itself is the
+    same gather either way, with or without a gradient."""
+    mod = swin1.WindowAttention(32, num_heads=2, window_size=3)
+    elsa_vision.patch(mod)
+    table = mod.relative_position_bias_table
+    seen = []
+    table.register_hook(lambda g: seen.append(g.stride()))
+    x, mask = _x(4, 9, 32), _shift_mask(2, 9)
+    mod(x, mask=mask).square().sum().backward()
+    torch._dynamo.reset()
+    torch.compile(mod, backend="aot_eager", fullgraph=True)(x, mask=mask).square().sum().backward()
+    assert seen == [table.stride()] * 2
+    grad = ta._gather_heads(table, mod.relative_position_index, 9)
+    with torch.no_grad():
+        plain = ta._gather_heads(table, mod.relative_position_index, 9)
+    assert torch.equal(grad, plain) and plain.is_contiguous() and grad.is_contiguous()
+    elsa_vision.unpatch(mod)
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: real sizes (pytest -m gpu)
 
