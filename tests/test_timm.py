@@ -727,6 +727,23 @@ def test_swin_table_gradient_in_parameter_layout():
     elsa_vision.unpatch(mod)
 
 
+@pytest.mark.parametrize("name,kw,size", [
+    ("vit_tiny_patch16_224", dict(img_size=32, depth=1), 32),
+    ("eva02_tiny_patch14_224", dict(img_size=28, depth=1, attn_type="rope"), 28),
+    ("swinv2_tiny_window8_256", dict(img_size=64, depths=(1, 1), num_heads=(2, 4), embed_dim=32,
+                                     drop_path_rate=0.0), 64)])
+def test_patched_gradients_arrive_in_parameter_layout(name, kw, size):
+    """Every parameter's gradient reaches it in the parameter's own strides, as the original
+    model's do: otherwise autograd copies it once more per step (see the Swin v1 table test)."""
+    m = timm.create_model(name, pretrained=False, **kw)
+    elsa_vision.patch(m)
+    wrong = []
+    for n, p in m.named_parameters():
+        p.register_hook(lambda g, n=n, p=p: wrong.append(n) if g.stride() != p.stride() else None)
+    m(_img(2, size)).square().sum().backward()
+    assert wrong == []
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: real sizes (pytest -m gpu)
 
