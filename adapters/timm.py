@@ -349,8 +349,8 @@ class SwinWindowAttention(_SwinBase):
         return module.qkv(x)
 
     def _prepare(self, module, q, k, image=False):
-        # timm's _get_rel_pos_bias gathered head-major: the [H, N, N] table comes out row-major, as
-        # the kernels read it, without the permute + copy (the same values)
+        # timm's _get_rel_pos_bias as the row-major [H, N, N] table the kernels read, without its
+        # permute (the same values; _gather_heads says which gather, by the gradient's layout)
         n = module.window_area
         bias = _gather_heads(module.relative_position_bias_table, module.relative_position_index, n)
         scale = None if module.fused_attn else float(module.scale)
