@@ -234,44 +234,64 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def cuda_breakdown(fn: Callable[[], object], top: int = 12, device: str = "cuda") -> tuple[list[dict], list[dict]]:
+def cuda_breakdown(fn: Callable[[], object], top: int = 12, device: str = "cuda",
+                   ops: Optional[dict] = None) -> tuple[list[dict], list[dict]]:
     """Run ``fn`` once under torch.profiler and return (time per kernel category, the ``top`` kernels),
-    each row with its milliseconds (column ``cuda_ms``) and share of the total kernel time.
-    ``device="cpu"`` breaks down CPU operator time instead (self time, no GPU needed)."""
+    each row with its milliseconds (column ``cuda_ms``), launch count (``calls``) and share of the
+    total kernel time. ``device="cpu"`` breaks down CPU operator time instead (self time, no GPU
+    needed). ``ops``, a dict, receives the count of every aten operator dispatched during the call
+    (nested ones included; CUDA only): in a compiled call, what runs outside inductor's generated
+    kernels — extern GEMMs, and copies autograd or a runtime wrapper adds around the graph."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device == "cuda"
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+    if cuda and ops is not None:
+        activities.append(ProfilerActivity.CPU)
     sync()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    with profile(activities=activities) as prof:
         fn()
         sync()
     kernels: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for ev in prof.events():
         us = ev.device_time_total if cuda else ev.self_cpu_time_total
-        if ev.device_type == (torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU) and us > 0:
+        if ev.device_type == kind and us > 0:
             kernels[ev.name] = kernels.get(ev.name, 0.0) + us / 1e3
+            calls[ev.name] = calls.get(ev.name, 0) + 1
+        elif cuda and ops is not None and ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith("aten::"):
+            ops[ev.name] = ops.get(ev.name, 0) + 1
     if not kernels:  # e.g. no CUPTI in a sandboxed driver: say so rather than report zeros
         return [], []
     total = sum(kernels.values())
-    cats: dict[str, float] = {}
+    cats: dict[str, list] = {}
     for name, ms in kernels.items():
-        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + ms
-    by_cat = [{"category": c, "cuda_ms": ms, "share": ms / total}
-              for c, ms in sorted(cats.items(), key=lambda t: -t[1])]
-    by_kernel = [{"category": kernel_category(n), "kernel": n[:120], "cuda_ms": ms, "share": ms / total}
-                 for n, ms in sorted(kernels.items(), key=lambda t: -t[1])[:top]]
+        c = cats.setdefault(kernel_category(name), [0.0, 0])
+        c[0] += ms
+        c[1] += calls[name]
+    by_cat = [{"category": c, "cuda_ms": ms, "calls": n, "share": ms / total}
+              for c, (ms, n) in sorted(cats.items(), key=lambda t: -t[1][0])]
+    by_kernel = [{"category": kernel_category(n), "kernel": n[:120], "cuda_ms": ms, "calls": calls[n],
+                  "share": ms / total} for n, ms in sorted(kernels.items(), key=lambda t: -t[1])[:top]]
     return by_cat, by_kernel
 
 
 def profile_rows(fn: Callable[[], object], head: dict, top: int = 60, device: str = "cuda"
                  ) -> tuple[list[dict], str]:
     """cuda_breakdown of one call of ``fn`` as CSV rows (``head`` + kind "category" / "kernel", the
-    ``top`` kernels: enough that two variants' compiled graphs can be compared kernel by kernel) and
-    a one-line summary."""
-    by_cat, by_kernel = cuda_breakdown(fn, top, device)
+    ``top`` kernels: enough that two variants' compiled graphs can be compared kernel by kernel; on
+    CUDA also kind "op", the ``top`` aten operators by count, column ``calls``) and a one-line
+    summary."""
+    ops: dict[str, int] = {}
+    by_cat, by_kernel = cuda_breakdown(fn, top, device, ops if device == "cuda" else None)
     if not by_cat:
         return [], "the profiler saw no CUDA kernel (no CUPTI?)"
     rows = [{**head, "kind": "category", **r} for r in by_cat] + [{**head, "kind": "kernel", **r} for r in by_kernel]
-    return rows, ", ".join(f"{r['category']} {r['cuda_ms']:.1f} ms ({100 * r['share']:.0f}%)" for r in by_cat)
+    rows += [{**head, "kind": "op", "category": "aten op", "kernel": n, "calls": c}
+             for n, c in sorted(ops.items(), key=lambda t: -t[1])[:top]]
+    line = ", ".join(f"{r['category']} {r['cuda_ms']:.1f} ms ({100 * r['share']:.0f}%)" for r in by_cat)
+    line += f"; {sum(r['calls'] for r in by_cat)} kernels"
+    return rows, line + (f", {sum(ops.values())} aten ops" if ops else "")
 
 
 

@@ -32,6 +32,46 @@ def make_standin(seed=0):
     return V.VGGT().eval()
 
 
+def test_profile_rows_count_launches_and_aten_ops(monkeypatch):
+    """On CUDA a profile row carries each kernel's launch count, and kind "op" rows the aten
+    operators dispatched during the call by count (what runs outside a compiled graph's kernels);
+    the summary line gives both totals. The profiler is faked: its events are what the rows say."""
+    import types
+    import torch.profiler as tp
+    CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = lambda name, dev, us: types.SimpleNamespace(name=name, device_type=dev, device_time_total=us,  # noqa: E731
+                                                     self_cpu_time_total=us)
+    events = [ev("nvjet_gemm", CUDA, 400.0), ev("nvjet_gemm", CUDA, 600.0), ev("_win_fwd_kernel", CUDA, 250.0),
+              ev("aten::mm", CPU, 5.0), ev("aten::mm", CPU, 5.0), ev("aten::copy_", CPU, 3.0),
+              ev("Torch-Compiled Region", CPU, 9.0)]
+    asked = []
+
+    class Fake:
+        def __init__(self, activities):
+            asked.append(set(activities))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return events
+    monkeypatch.setattr(tp, "profile", Fake)
+    rows, line = harness.profile_rows(lambda: None, {"variant": "elsa"})
+    assert asked == [{tp.ProfilerActivity.CUDA, tp.ProfilerActivity.CPU}]
+    kern = {r["kernel"]: r for r in rows if r["kind"] == "kernel"}
+    assert kern["nvjet_gemm"]["calls"] == 2 and kern["nvjet_gemm"]["cuda_ms"] == pytest.approx(1.0)
+    assert kern["_win_fwd_kernel"]["calls"] == 1
+    assert {r["kernel"]: r["calls"] for r in rows if r["kind"] == "op"} == {"aten::mm": 2, "aten::copy_": 1}
+    cat = {r["category"]: r["calls"] for r in rows if r["kind"] == "category"}
+    assert sum(cat.values()) == 3 and line.endswith("; 3 kernels, 3 aten ops")
+    # on the CPU the rows are operator time, and no op rows are added
+    rows, line = harness.profile_rows(lambda: None, {}, device="cpu")
+    assert asked[-1] == {tp.ProfilerActivity.CPU} and not any(r["kind"] == "op" for r in rows)
+
+
 def test_measure_varies_the_order_so_no_variant_always_follows_the_same_one():
     log = []
     variants = {n: (lambda n=n: log.append(n)) for n in "abcd"}
