@@ -3,7 +3,7 @@
     python benchmarks/models.py --quick            # the headline cases, a few minutes
     python benchmarks/models.py --family vit       # ViT-T/S/B x 224/384/512/768/1024 x batch 8/64
     python benchmarks/models.py --family swin      # Swin-T, SwinV2-T x 224/256/384/512 x batch 8/64
-    python benchmarks/models.py --quick --profile  # + CUDA time per kernel category per variant
+    python benchmarks/models.py --quick --profile  # + CUDA time and launches per kernel, aten ops, per variant
     python benchmarks/models.py                    # both (run the two families separately to stay
                                                    # under a 10-minute job limit)
 
@@ -328,7 +328,9 @@ def main(argv=None) -> int:
     ap.add_argument("--name", help="output file stem (default models[_quick][_family])")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile one call per variant: CUDA time per kernel category → <name>_profile.csv")
+                    help="also profile one call per variant: CUDA time and launch count per kernel category and "
+                         "kernel, and the aten operators dispatched (what runs outside a compiled graph's kernels) "
+                         "→ <name>_profile.csv")
     ap.add_argument("--graphs", action="store_true",
                     help="also time each variant replayed from a CUDA graph (no host launch work): "
                          "<variant>_graph_ms, graph_speedup_vs_<baseline>")
