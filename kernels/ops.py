@@ -4,7 +4,9 @@ autograd registered on the op, the eager autograd path beside them, and the choo
 A kernel family hands :class:`KernelOp` its host-side ``forward`` and ``backward`` (plain Python
 functions that launch its kernels):
 
-    forward(q, k, v, bias, *rest)  → (out, stats)             stats: float32 row statistics, no gradient
+    forward(q, k, v, bias, *rest)  → (out, stats, *kept)      stats: float32 row statistics, no gradient;
+                                                              kept: tensors made for the backward only
+                                                              (no gradient), which ``save`` may keep
     backward(do, *saved, *args, bias_grad, *tail) → [dq, dk, dv, dbias]   dbias an empty tensor unless bias_grad
 
 or, for a packed family (``bias_input=1``), forward(qkv, bias, *rest) and a backward returning
@@ -138,10 +140,10 @@ class KernelOp:
     def _bias_grad(self, ctx, saved) -> bool:
         return bool(saved[self.bias_input] is not None and ctx.needs_input_grad[self.bias_input])
 
-    def _op_backward(self, ctx, dout, _dstats):  # (the statistics take no gradient)
+    def _op_backward(self, ctx, dout, *_none):  # (the statistics and kept tensors take no gradient)
         return self._backward(self.bwd, ctx, dout)
 
-    def _host_op_backward(self, ctx, dout, _dstats):
+    def _host_op_backward(self, ctx, dout, *_none):
         return self._backward(self.host_bwd, ctx, dout)
 
     def _op_double_backward(self, ctx, *grads):
@@ -155,10 +157,10 @@ class KernelOp:
         class Function(torch.autograd.Function):
             @staticmethod
             def forward(ctx, *inputs):
-                out, stats = op.forward(*inputs)
-                op._setup(ctx, inputs, (out, stats))
-                ctx.mark_non_differentiable(stats)
-                return out, stats
+                outputs = op.forward(*inputs)
+                op._setup(ctx, inputs, outputs)
+                ctx.mark_non_differentiable(outputs[1])
+                return outputs[0], outputs[1]
 
             @staticmethod
             def backward(ctx, dout, _dstats):

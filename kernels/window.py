@@ -938,20 +938,56 @@ def _geometry(geometry: Optional[list[int]]) -> Optional[Geometry]:
 
 def _op_tables(q: torch.Tensor, bias, mask, geo: Optional[Geometry]):
     """The op's tables: always padded (see PAD_TABLES_FROM: a compiled graph is paced by the GPU,
-    and with ``mode="reduce-overhead"`` replayed from a CUDA graph); None for an empty call."""
-    return _tables(bias, mask, _shape(q, geo)[2], q) if q.numel() else None
+    and with ``mode="reduce-overhead"`` replayed from a CUDA graph); None for an empty call.
+
+    The backward op may get the forward's padded tables themselves in place of bias and mask (see
+    :func:`_keep_tables`): [H, NR, NR] / [nW, NR, NR] views with NR ≠ N, read as they are."""
+    if not q.numel():
+        return None
+    n = _shape(q, geo)[2]
+    nr = cdiv(n, 16) * 16
+    if nr != n and any(t is not None and t.shape[-1] == nr for t in (bias, mask)):
+        return (q if bias is None else bias, 0 if bias is None else bias.stride(0), q if mask is None else mask, nr)
+    return _tables(bias, mask, n, q)
+
+
+def _padded_buffer(tables, bias, mask, n: int) -> Optional[torch.Tensor]:
+    """The [LB + LM, NR, NR] float32 buffer that :func:`_padded_tables` made for ``tables`` (None when the
+    call reads bias and mask in place, or has neither)."""
+    if tables is None or tables[3] == n or (bias is None and mask is None):
+        return None
+    return tables[0] if bias is not None else tables[2]
+
+
+def _keep_tables(bias, mask, kept: torch.Tensor) -> tuple:
+    """(bias, mask) for the backward op to read: the forward's padded tables ``kept`` (the forward op's
+    third output; empty when it made none), so that the backward does not pad them again — one launch
+    less per call in a compiled graph — or the inputs themselves. Only for a float32 bias (the
+    backward returns the bias gradient in the dtype of the bias it gets) or none."""
+    if not kept.numel() or (bias is not None and bias.dtype != torch.float32):
+        return bias, mask
+    lb = 0 if bias is None else 1 if bias.shape[0] > 1 and bias.stride(0) == 0 else bias.shape[0]
+    nr = kept.shape[-1]
+    kb = None if bias is None else kept[:lb].expand(bias.shape[0], nr, nr) if lb == 1 else kept[:lb]
+    return kb, (None if mask is None else kept[lb:])
 
 
 def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                 mask: Optional[torch.Tensor], scale: float, precision: str, block: int,
-                windows_per_program: int, geometry: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                windows_per_program: int, geometry: Optional[list[int]] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q/k/v [BW,H,N,D], bias [H,N,N], mask [nW,N,N] (float) → out [BW,H,N,D] ([BW,N,H,D] layout),
-    row statistics [BW,H,2,N]. ``block`` 0 = auto; ``windows_per_program`` ≤ 0 lets the planner choose.
+    row statistics [BW,H,2,N], and the padded bias / mask tables [LB + LM, NR, NR] float32 the kernels
+    read (an empty tensor where they read bias and mask in place): the backward reuses them.
+    ``block`` 0 = auto; ``windows_per_program`` ≤ 0 lets the planner choose.
     ``geometry`` (a :class:`Geometry` as its seven ints): q/k/v and out are image rows [T,H,D]
     instead, rolled and partitioned by the kernels' addressing (see :func:`forward`)."""
     wpp = windows_per_program if windows_per_program > 0 else None
     geo = _geometry(geometry)
-    return forward(q, k, v, bias, mask, scale, precision, block, wpp, _op_tables(q, bias, mask, geo), geo)
+    tables = _op_tables(q, bias, mask, geo)
+    out, stats = forward(q, k, v, bias, mask, scale, precision, block, wpp, tables, geo)
+    buf = _padded_buffer(tables, bias, mask, _shape(q, geo)[2])
+    return out, stats, (q.new_empty(0, dtype=torch.float32) if buf is None else buf)
 
 
 def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -959,7 +995,8 @@ def _op_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  stats: torch.Tensor, scale: float, precision: str, block: int, windows_per_program: int,
                  bias_grad: bool, geometry: Optional[list[int]] = None) -> list[torch.Tensor]:
     """→ [dq, dk, dv, dbias] (dq, dk, dv shaped as q, k, v: image rows with ``geometry``); dbias
-    [H,N,N] is an empty tensor unless ``bias_grad``."""
+    [H,N,N] is an empty tensor unless ``bias_grad``. ``bias`` / ``mask``: the forward's inputs, or the
+    forward's padded tables in their place ([H,NR,NR] / [nW,NR,NR] float32, see :func:`_keep_tables`)."""
     return _op_grads(do, q, k, v, bias, mask, out, stats, scale, precision, block, windows_per_program, bias_grad,
                      _geometry(geometry))
 
@@ -985,8 +1022,9 @@ def _reads_out(q: torch.Tensor, geo: Optional[Geometry], block: int, precision: 
 def _save(inputs, outputs):
     q, k, v, bias, mask, scale, precision, block, wpp, *geometry = inputs
     geometry = geometry[0] if geometry else None
-    out, stats = outputs
+    out, stats, kept = outputs
     keep_out = _reads_out(q, _geometry(geometry), block, precision)
+    bias, mask = _keep_tables(bias, mask, kept)
     return (q, k, v, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp), (geometry,)
 
 
@@ -996,7 +1034,7 @@ window_fwd, window_bwd = OP.fwd, OP.bwd  # torch.ops.elsa_vision.window_fwd / _b
 
 def _op_forward_packed(qkv: torch.Tensor, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], scale: float,
                        precision: str, block: int, windows_per_program: int,
-                       geometry: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       geometry: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [BW,N,3,H,D] (image rows [T,3,H,D] with ``geometry``; q, k, v: its ``qkv_views``) → as
     ``_op_forward``."""
     return _op_forward(*qkv_views(qkv, _geometry(geometry)), bias, mask, scale, precision, block, windows_per_program,
@@ -1019,9 +1057,10 @@ def _op_backward_packed(do: torch.Tensor, qkv: torch.Tensor, bias: Optional[torc
 def _save_packed(inputs, outputs):
     qkv, bias, mask, scale, precision, block, wpp, *geometry = inputs
     geometry = geometry[0] if geometry else None
-    out, stats = outputs
+    out, stats, kept = outputs
     geo = _geometry(geometry)
     keep_out = _reads_out(qkv_views(qkv, geo)[0], geo, block, precision)
+    bias, mask = _keep_tables(bias, mask, kept)
     return (qkv, bias, mask, out if keep_out else None, stats), (scale, precision, block, wpp), (geometry,)
 
 

@@ -197,7 +197,7 @@ def test_runs_of_windows_and_dbias_partials(wpp):
     q, k, v, b, m = _inputs(2, 4, 2, 49, 32, torch.float32)
     sc = 1 / math.sqrt(32)
     for precision in ("ieee", "tf32x3"):
-        out, lse = torch.ops.elsa_vision.window_fwd(q, k, v, b, m, sc, precision, 64, wpp)
+        out, lse, _ = torch.ops.elsa_vision.window_fwd(q, k, v, b, m, sc, precision, 64, wpp)
         ref = _timm_path(q, k, v, b, m, sc, torch.float64)
         assert max_err(out, ref) < 1e-5
         do = torch.randn_like(out)
@@ -207,7 +207,7 @@ def test_runs_of_windows_and_dbias_partials(wpp):
             assert max_err(a, c) < 2e-5
     # the half-precision fused backward, too
     qh, kh, vh = (t.detach().bfloat16() for t in (q, k, v))
-    out, lse = torch.ops.elsa_vision.window_fwd(qh, kh, vh, b, m, sc, "native", 64, wpp)
+    out, lse, _ = torch.ops.elsa_vision.window_fwd(qh, kh, vh, b, m, sc, "native", 64, wpp)
     do = torch.randn_like(out)
     _, _, _, db = W.backward(do, qh, kh, vh, b, m, out, lse, sc, "native", 64, True, wpp)
     _, _, _, db1 = W.backward(do, qh, kh, vh, b, m, out, lse, sc, "native", 64, True, 8)
@@ -449,16 +449,47 @@ def test_custom_ops_fake_matches_real(N):
     bias = torch.randn(N, N, 2, device=dev).permute(2, 0, 1)
     args = (q, k, v, bias, m, 32 ** -0.5, "ieee", 0, 0)
     assert_fake_matches_real(torch.ops.elsa_vision.window_fwd.default, *args)
-    out, stats = W.window_fwd(*args)
+    out, stats, kept = W.window_fwd(*args)
     assert_fake_matches_real(torch.ops.elsa_vision.window_bwd.default, torch.randn_like(out), q, k, v, bias, m, out,
+                             stats, 32 ** -0.5, "ieee", 0, 0, True)
+    kb, km = W._keep_tables(bias, m, kept)
+    assert_fake_matches_real(torch.ops.elsa_vision.window_bwd.default, torch.randn_like(out), q, k, v, kb, km, out,
                              stats, 32 ** -0.5, "ieee", 0, 0, True)
     # the packed op: qkv [BW, N, 3, H, D] in, its gradient in one piece out
     qkv = torch.randn(q.shape[0], N, 3, 2, 32, device=dev)
     args = (qkv, bias, m, 32 ** -0.5, "ieee", 0, 0)
     assert_fake_matches_real(torch.ops.elsa_vision.window_packed_fwd.default, *args)
-    out, stats = W.PACKED.fwd(*args)
+    out, stats, _ = W.PACKED.fwd(*args)
     assert_fake_matches_real(torch.ops.elsa_vision.window_packed_bwd.default, torch.randn_like(out), qkv, bias, m,
                              out, stats, 32 ** -0.5, "ieee", 0, 0, True)
+
+
+@needs_interp
+@pytest.mark.parametrize("N,dtype,lead0", [(49, torch.float32, False), (49, torch.float32, True), (49, torch.bfloat16, True),
+                                           (50, torch.float32, False), (64, torch.float32, False), (49, torch.float32, None)],
+                         ids=["swin-v1", "shared-bias", "bf16-shared-bias", "tiled", "unpadded", "mask-only"])
+def test_backward_reuses_the_forwards_padded_tables(N, dtype, lead0):
+    """The forward op returns the padded bias / mask tables it made (N not a multiple of 16) and the
+    backward op reads them in place of bias and mask, so a compiled graph pads once per call, not
+    twice: bitwise the same gradients, the bias gradient in the bias's shape and dtype. A bias of
+    another dtype than float32 keeps its own (the gradient's dtype follows the bias the backward
+    gets); with N a multiple of 16 nothing is padded and nothing kept."""
+    from elsa_vision.kernels import window as W
+    q, k, v, b, m = (t.detach() for t in _inputs(2, 4, 2, N, 32, dtype))
+    b = None if lead0 is None else b[:1].to(dtype).expand(2, N, N) if lead0 else b
+    args = (q, k, v, b, m, 32 ** -0.5, "native" if dtype != torch.float32 else "ieee", 0, 0)
+    out, stats, kept = W.window_fwd(*args)
+    assert kept.numel() == (0 if N % 16 == 0 else (0 if b is None else 1 if lead0 else 2) * 64 * 64 + 4 * 64 * 64)
+    kb, km = W._keep_tables(b, m, kept)
+    reused = kept.numel() > 0 and (b is None or b.dtype == torch.float32)
+    assert (kb is not b) == (reused and b is not None) and (km is not m) == reused
+    do = torch.randn_like(out)
+    ref = W.window_bwd(do, q, k, v, b, m, out, stats, *args[5:], b is not None)
+    got = W.window_bwd(do, q, k, v, kb, km, out, stats, *args[5:], b is not None)
+    for r, g in zip(ref, got):
+        assert r.shape == g.shape and r.dtype == g.dtype and torch.equal(r, g)
+    if b is not None:
+        assert got[3].shape == (2, N, N) and got[3].dtype == b.dtype
 
 
 # ---------------------------------------------------------------------------------------------
