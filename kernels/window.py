@@ -727,12 +727,18 @@ def _pad_launch(lb: int, lm: int, n: int, nr: int, b_strides: tuple, m_strides: 
                   dict(BR=min(bc, 4096 // bc), BC=bc, num_warps=4))
 
 
+def _bias_tables(bias) -> int:
+    """How many [NR, NR] tables a bias takes in the padded buffer: none, one for a bias broadcast over
+    the heads (lead stride 0), else one per head."""
+    return 0 if bias is None else 1 if bias.shape[0] > 1 and bias.stride(0) == 0 else bias.shape[0]
+
+
 def _padded_tables(bias, mask, n: int, nr: int, like: torch.Tensor):
     """(bias table, its head stride, mask table): bias [H, N, N] and mask [nW, N, N] copied, zero-padded
     to row stride ``nr`` (a multiple of 16: the kernels' tile loads vectorise), as float32 tables
     in one buffer, by one launch."""
-    lead0 = bias is not None and bias.shape[0] > 1 and bias.stride(0) == 0  # one bias for all heads
-    lb = 0 if bias is None else 1 if lead0 else bias.shape[0]
+    lb = _bias_tables(bias)
+    lead0 = lb == 1 and bias.shape[0] > 1  # one bias for all heads
     lm = 0 if mask is None else mask.shape[0]
     buf = torch.empty((lb + lm, nr, nr), device=like.device, dtype=torch.float32)
     b = buf if bias is None else bias
@@ -966,7 +972,7 @@ def _keep_tables(bias, mask, kept: torch.Tensor) -> tuple:
     backward returns the bias gradient in the dtype of the bias it gets) or none."""
     if not kept.numel() or (bias is not None and bias.dtype != torch.float32):
         return bias, mask
-    lb = 0 if bias is None else 1 if bias.shape[0] > 1 and bias.stride(0) == 0 else bias.shape[0]
+    lb = _bias_tables(bias)
     nr = kept.shape[-1]
     kb = None if bias is None else kept[:lb].expand(bias.shape[0], nr, nr) if lb == 1 else kept[:lb]
     return kb, (None if mask is None else kept[lb:])
