@@ -297,13 +297,13 @@ class _SwinBase(Adapter):
     def _qkv(self, module, x):
         raise NotImplementedError
 
-    def _prepare(self, module, q, k, image: bool = False):
-        """→ (q, k, scale or None, bias [H, N, N]); q, k [B·nW, H, N, D], or [B, H, W, heads, D] with
-        ``image``."""
+    def _prepare(self, module, q, k):
+        """→ (q, k, scale or None, bias [H, N, N]); q, k [B·nW, H, N, D]."""
         raise NotImplementedError
 
     def _attend(self, module, state, qkv, mask):
-        """qkv [B·nW, N, 3·H·D] → [B·nW, H, N, D]."""
+        """qkv [B·nW, N, 3·H·D] → [B·nW, H, N, D]: q, k, v as views on the named backend (the
+        subclasses run the packed form on ``"auto"``)."""
         q, k, v = _split_heads(qkv, module.num_heads)
         q, k, scale, bias = self._prepare(module, q, k)
         return window_core(q, k, v, bias, mask, scale, precision=state.options.get("precision", "auto"),
@@ -311,13 +311,8 @@ class _SwinBase(Adapter):
 
     def _attend_image(self, module, state, qkv, window, shift, mask):
         """The Swin block's path: qkv [B, H, W, 3·heads·D] of the feature map (not partitioned) →
-        [B, H, W, heads, D] by :func:`elsa_vision.shifted_window_attention`."""
-        B, IH, IW, _ = qkv.shape
-        q, k, v = qkv.reshape(B, IH, IW, 3, module.num_heads, -1).unbind(3)
-        q, k, scale, bias = self._prepare(module, q, k, image=True)
-        return shifted_window_attention(q, k, v, window_size=window, shift_size=shift, bias=bias, mask=mask,
-                                               scale=scale, precision=state.options.get("precision", "auto"),
-                                               backend=_backend(state))
+        [B, H, W, heads, D] by :func:`elsa_vision.shifted_window_attention` on the packed qkv."""
+        raise NotImplementedError
 
     def forward(self, module, state, x, mask=None):
         Bw, N, C = x.shape
@@ -348,7 +343,7 @@ class SwinWindowAttention(_SwinBase):
     def _qkv(self, module, x):
         return module.qkv(x)
 
-    def _prepare(self, module, q, k, image=False):
+    def _prepare(self, module, q, k):
         # timm's _get_rel_pos_bias as the row-major [H, N, N] table the kernels read, without its
         # permute (the same values; _gather_heads says which gather, by the gradient's layout)
         n = module.window_area
@@ -388,18 +383,57 @@ class SwinV2WindowAttention(_SwinBase):
     def _qkv(self, module, x):
         return _biased_qkv(module, x)
 
-    def _prepare(self, module, q, k, image=False):
+    def _prepare(self, module, q, k, image: bool = False):
+        """``image``: q, k are image rows [B, height, width, H, D] (heads second-last), and the
+        bias is not formed (the caller has it)."""
         tau = torch.clamp(module.logit_scale, max=math.log(1.0 / 0.01)).exp()  # [H, 1, 1]
         if image:
-            tau = tau.view(-1, 1)  # heads are the second-last dim of image rows
+            tau = tau.view(-1, 1)
         # normalize(q)·τ as one pass over q: q · (τ / max(‖q‖, eps)), F.normalize's eps
         q = q * (tau / q.norm(dim=-1, keepdim=True).clamp_min(1e-12))
         k = F.normalize(k, dim=-1)
-        H = module.num_heads
+        return q, k, 1.0, None if image else self._bias(module)
+
+    @staticmethod
+    def _bias(module) -> torch.Tensor:
+        """16·sigmoid(cpb_mlp(coords)) gathered into the [H, N, N] table the kernels read."""
         n = module.window_size[0] * module.window_size[1]
         # 16·sigmoid on the [(2w−1)², H] table before the gather (elementwise, so the same values)
-        table = 16 * torch.sigmoid(module.cpb_mlp(module.relative_coords_table).view(-1, H))
-        return q, k, 1.0, _gather_heads(table, module.relative_position_index, n)
+        table = 16 * torch.sigmoid(module.cpb_mlp(module.relative_coords_table).view(-1, module.num_heads))
+        return _gather_heads(table, module.relative_position_index, n)
+
+    @staticmethod
+    def _cosine(module, qkv: torch.Tensor) -> torch.Tensor:
+        """Eagerly: the packed projection [..., 3, H, D] → the same with q and k L2-normalized per row
+        and q times τ, as one new tensor whose gradient the kernels write in one piece. q and k
+        normalized apart (:meth:`_prepare`) beside v's view get three gradients that autograd
+        stacks into qkv's after two normalization backwards: some twenty launches more a block
+        pair. Under torch.compile the apart form is kept: inductor fuses each normalization, its
+        backward and the stack itself, and measured faster there than with this tensor."""
+        tau = torch.clamp(module.logit_scale, max=math.log(1.0 / 0.01)).exp().view(1, -1, 1)  # [1, H, 1]
+        both = torch.cat((tau, torch.ones_like(tau)))  # [2, H, 1]: q's τ, k's 1
+        qk = qkv[..., :2, :, :]
+        qk = qk * (both / qk.norm(dim=-1, keepdim=True).clamp_min(1e-12))  # F.normalize's eps
+        return torch.cat((qk.to(qkv.dtype), qkv[..., 2:, :, :]), dim=-3)
+
+    def _attend(self, module, state, qkv, mask):
+        if _backend(state) != "auto" or torch.compiler.is_compiling():
+            return super()._attend(module, state, qkv, mask)
+        Bw, N, _ = qkv.shape
+        packed = self._cosine(module, qkv.reshape(Bw, N, 3, module.num_heads, -1))
+        return window_attention_packed(packed, bias=self._bias(module), mask=mask, scale=1.0,
+                                          precision=state.options.get("precision", "auto"))
+
+    def _attend_image(self, module, state, qkv, window, shift, mask):
+        B, IH, IW, _ = qkv.shape
+        how = dict(window_size=window, shift_size=shift, bias=self._bias(module), mask=mask, scale=1.0,
+                   precision=state.options.get("precision", "auto"), backend=_backend(state))
+        qkv = qkv.reshape(B, IH, IW, 3, module.num_heads, -1)
+        if not torch.compiler.is_compiling():
+            return shifted_window_attention(self._cosine(module, qkv), **how)
+        q, k, v = qkv.unbind(3)
+        q, k, _, _ = self._prepare(module, q, k, image=True)
+        return shifted_window_attention(q, k, v, **how)
 
 
 class SwinBlock(Adapter):
