@@ -383,16 +383,19 @@ class SwinV2WindowAttention(_SwinBase):
     def _qkv(self, module, x):
         return _biased_qkv(module, x)
 
-    def _prepare(self, module, q, k, image: bool = False):
-        """``image``: q, k are image rows [B, height, width, H, D] (heads second-last), and the
-        bias is not formed (the caller has it)."""
+    def _prepare(self, module, q, k):
+        q, k = self._normalized(module, q, k, heads_at=-3)
+        return q, k, 1.0, self._bias(module)
+
+    @staticmethod
+    def _normalized(module, q: torch.Tensor, k: torch.Tensor, heads_at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """normalize(q)·τ and normalize(k), each its own tensor; ``heads_at``: the heads' dim of q
+        (−3 for [B·nW, H, N, D], −2 for image rows [B, height, width, H, D])."""
         tau = torch.clamp(module.logit_scale, max=math.log(1.0 / 0.01)).exp()  # [H, 1, 1]
-        if image:
-            tau = tau.view(-1, 1)
+        tau = tau.view(-1, *(1,) * (-heads_at - 1))
         # normalize(q)·τ as one pass over q: q · (τ / max(‖q‖, eps)), F.normalize's eps
         q = q * (tau / q.norm(dim=-1, keepdim=True).clamp_min(1e-12))
-        k = F.normalize(k, dim=-1)
-        return q, k, 1.0, None if image else self._bias(module)
+        return q, F.normalize(k, dim=-1)
 
     @staticmethod
     def _bias(module) -> torch.Tensor:
@@ -407,8 +410,8 @@ class SwinV2WindowAttention(_SwinBase):
         """Eagerly: the packed projection [..., 3, H, D] → the same with q and k L2-normalized per row
         and q times τ, as one new tensor whose gradient the kernels write in one piece. q and k
         normalized apart (:meth:`_prepare`) beside v's view get three gradients that autograd
-        stacks into qkv's after two normalization backwards: some twenty launches more a block
-        pair. Under torch.compile the apart form is kept: inductor fuses each normalization, its
+        stacks into qkv's after two normalization backwards: about fifteen launches more a block in
+        a training step. Under torch.compile the apart form is kept: inductor fuses each normalization, its
         backward and the stack itself, and measured faster there than with this tensor."""
         tau = torch.clamp(module.logit_scale, max=math.log(1.0 / 0.01)).exp().view(1, -1, 1)  # [1, H, 1]
         both = torch.cat((tau, torch.ones_like(tau)))  # [2, H, 1]: q's τ, k's 1
@@ -432,7 +435,7 @@ class SwinV2WindowAttention(_SwinBase):
         if not torch.compiler.is_compiling():
             return shifted_window_attention(self._cosine(module, qkv), **how)
         q, k, v = qkv.unbind(3)
-        q, k, _, _ = self._prepare(module, q, k, image=True)
+        q, k = self._normalized(module, q, k, heads_at=-2)
         return shifted_window_attention(q, k, v, **how)
 
 
