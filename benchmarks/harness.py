@@ -63,6 +63,22 @@ def _time_once(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
+def host_time(fn: Callable[[], object], rounds: int = 5) -> float:
+    """Median milliseconds one call takes to return on the host, started with the GPU idle and not
+    waited for: its Python, dispatch and launches. Close to the call's wall time (:func:`measure`),
+    the host paces the call, not the GPU. (A call that waits on the GPU inside, or whose launches
+    fill the GPU's queue, counts that wait here too: then the GPU is the slower side anyway.)"""
+    import time
+    times = []
+    for _ in range(rounds):
+        sync()
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    sync()
+    return statistics.median(times)
+
+
 def peak_memory(fn: Callable[[], object]) -> Optional[int]:
     """Peak bytes allocated during one call above what was allocated before it (None on CPU)."""
     if not torch.cuda.is_available():

@@ -4,6 +4,7 @@
     python benchmarks/models.py --family vit       # ViT-T/S/B x 224/384/512/768/1024 x batch 8/64
     python benchmarks/models.py --family swin      # Swin-T, SwinV2-T x 224/256/384/512 x batch 8/64
     python benchmarks/models.py --quick --profile  # + CUDA time and launches per kernel, aten ops, per variant
+    python benchmarks/models.py --quick --host     # + host time per call and its share of the wall time
     python benchmarks/models.py                    # both (run the two families separately to stay
                                                    # under a 10-minute job limit)
 
@@ -34,7 +35,10 @@ replayed, the GPU does (what a captured step or ``torch.compile(mode="reduce-ove
 ``--compile MODE`` runs every variant under ``torch.compile`` instead (``default``, ``reduce-overhead``
 or ``max-autotune``; compiled during the warm-up calls, the optimizer step eager), in a ``compile``
 column and a ``_compile_<mode>`` file name; no memory columns in the two modes that capture CUDA
-graphs (their pools are allocated while capturing, in the warm-up).
+graphs (their pools are allocated while capturing, in the warm-up). ``--host`` adds each variant's
+host time per call — started with the GPU idle, not waited for: its Python, dispatch and launches
+(``<variant>_host_ms``) — and that time's share of the wall time (``<variant>_host_share``): near 1,
+the host paces the variant and its ratio moves with the host's speed, not the GPU's.
 
 Writes benchmarks/results/<device>/<name>.csv and <name>.png (speedups per case).
 """
@@ -53,7 +57,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import fmt_table, measure, measure_graphed, profile_rows, results_dir, write_csv  # noqa: E402
+from benchmarks.harness import (fmt_table, host_time, measure, measure_graphed, profile_rows, results_dir,  # noqa: E402
+                                write_csv)
 
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters.blocks import PreNormBlock  # noqa: E402
@@ -171,12 +176,14 @@ def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None
 
 def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0,
              profile: Optional[list] = None, graphs: bool = False, compile_mode: Optional[str] = None,
-             nofuse: bool = False) -> dict:
+             nofuse: bool = False, host: bool = False) -> dict:
     """Time one case (ELSA vs timm's paths, interleaved); with ``profile`` (a list), also append one
     profiled call per variant: CUDA time per kernel category and the top kernels; with ``graphs``,
     also time each variant replayed from a CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<b>``);
     with ``compile_mode``, every variant is its model under ``torch.compile`` (timm's two paths on
-    two copies), compiled during the warm-up calls."""
+    two copies), compiled during the warm-up calls; with ``host``, also each variant's host time
+    (``<variant>_host_ms``, :func:`harness.host_time`) and its share of the wall time
+    (``<variant>_host_share``: near 1, the host paces that variant)."""
     row = {"model": case.model, "size": case.size, "batch": case.batch, "mode": case.mode, "dtype": case.dtype}
     if compile_mode is not None:
         row["compile"] = compile_mode
@@ -224,6 +231,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         row[f"{name}_mib"] = None if r.peak_bytes is None else r.peak_bytes / 2**20
         if r.error:
             row[f"{name}_error"] = r.error
+        elif host:
+            row[f"{name}_host_ms"] = host_time(variants[name], max(3, rounds))
+            row[f"{name}_host_share"] = row[f"{name}_host_ms"] / r.ms
     e = res["elsa"]
     for b in BASELINES:
         r = res.get(b)
@@ -337,6 +347,10 @@ def main(argv=None) -> int:
     ap.add_argument("--nofuse", action="store_true",
                     help="also ELSA with patch(fuse_windows=False) for Swin, patch(fuse_residual=False) for ViT "
                          "(variant elsa_nofuse)")
+    ap.add_argument("--host", action="store_true",
+                    help="also each variant's host time per call, started on an idle GPU and not waited for "
+                         "(<variant>_host_ms), and its share of the wall time (<variant>_host_share: near 1, "
+                         "the host's Python and launches pace that variant, not the GPU)")
     ap.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
                     help="run every variant under torch.compile in this mode (compiled in the warm-up; "
                          "not with --graphs)")
@@ -368,7 +382,7 @@ def main(argv=None) -> int:
             break
         print(f"[{i + 1}/{len(cases)}] {c.label}", flush=True)
         rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision, 1e3 * a.budget_s,
-                             prof_rows if a.profile else None, a.graphs, a.compile, a.nofuse))
+                             prof_rows if a.profile else None, a.graphs, a.compile, a.nofuse, a.host))
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
             "speedup_vs_unfused", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
@@ -380,6 +394,8 @@ def main(argv=None) -> int:
             cols += ["nofuse_graph_speedup_vs_fused", "nofuse_graph_speedup_vs_unfused"]
     if a.compile:
         cols += ["graphs_compiled", "graph_breaks", "steady"]
+    if a.host:
+        cols += [f"{v}_host_share" for v in ("elsa", *BASELINES)]
     print(fmt_table(rows, cols))
     errs = [(r, k) for r in rows for k in r if k.endswith("error")]
     for r, k in errs:

@@ -97,6 +97,35 @@ def test_measure_records_a_failing_variant():
     assert res["ok"].ms is not None and res["bad"].ms is None and "not supported here" in res["bad"].error
 
 
+def test_host_time_counts_the_calls_own_time_not_the_rest():
+    """host_time is the median of single calls, each started after a sync: a call that sleeps
+    5 ms every other time has a 5 ms host time by its median, never the sum of several calls."""
+    import time
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.005 if len(calls) % 2 else 0.0)
+    ms = harness.host_time(fn, rounds=5)  # calls 1, 3, 5 sleep
+    assert len(calls) == 5 and 4.5 <= ms < 50
+
+
+def test_models_benchmark_host_columns(tmp_path, monkeypatch):
+    """benchmarks/models.py --host: each variant's host time and its share of the wall time, on a
+    patched ViT-T small enough for the interpreter. On the CPU every call is the host's, so its share
+    is about one."""
+    pytest.importorskip("timm")
+    import csv
+    from benchmarks import models
+    monkeypatch.setenv("ELSA_RESULTS_DIR", str(tmp_path))
+    models.main(["--models", "ViT-T", "--sizes", "32", "--batches", "2", "--modes", "fwd", "--dtypes", "bf16",
+                 "--warmup", "1", "--rounds", "3", "--host", "--device", "cpu", "--name", "host"])
+    (row,) = list(csv.DictReader(open(tmp_path / "host.csv")))
+    for v in ("elsa", "fused", "unfused"):
+        assert float(row[f"{v}_host_ms"]) > 0, row
+        assert 0.5 < float(row[f"{v}_host_share"]) < 2.0, row
+
+
 @pytest.mark.parametrize("args", [["--smoke", "--shapes", "swinT-s4", "--dtypes", "fp32", "--profile"]])
 def test_windows_benchmark_smoke(tmp_path, args):
     from benchmarks import windows
