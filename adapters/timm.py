@@ -302,8 +302,8 @@ class _SwinBase(Adapter):
         raise NotImplementedError
 
     def _attend(self, module, state, qkv, mask):
-        """qkv [B·nW, N, 3·H·D] → [B·nW, H, N, D]: q, k, v as views on the named backend (the
-        subclasses run the packed form on ``"auto"``)."""
+        """qkv [B·nW, N, 3·H·D] → [B·nW, H, N, D] with q, k, v as views: on a named backend, and Swin
+        v2's under torch.compile (the subclasses' packed forms serve the other calls)."""
         q, k, v = _split_heads(qkv, module.num_heads)
         q, k, scale, bias = self._prepare(module, q, k)
         return window_core(q, k, v, bias, mask, scale, precision=state.options.get("precision", "auto"),
@@ -391,11 +391,15 @@ class SwinV2WindowAttention(_SwinBase):
     def _normalized(module, q: torch.Tensor, k: torch.Tensor, heads_at: int) -> tuple[torch.Tensor, torch.Tensor]:
         """normalize(q)·τ and normalize(k), each its own tensor; ``heads_at``: the heads' dim of q
         (−3 for [B·nW, H, N, D], −2 for image rows [B, height, width, H, D])."""
-        tau = torch.clamp(module.logit_scale, max=math.log(1.0 / 0.01)).exp()  # [H, 1, 1]
-        tau = tau.view(-1, *(1,) * (-heads_at - 1))
+        tau = SwinV2WindowAttention._tau(module).view(-1, *(1,) * (-heads_at - 1))
         # normalize(q)·τ as one pass over q: q · (τ / max(‖q‖, eps)), F.normalize's eps
         q = q * (tau / q.norm(dim=-1, keepdim=True).clamp_min(1e-12))
         return q, F.normalize(k, dim=-1)
+
+    @staticmethod
+    def _tau(module) -> torch.Tensor:
+        """τ = exp(clamp(logit_scale, max=log 100)), [H, 1, 1]."""
+        return torch.clamp(module.logit_scale, max=math.log(1.0 / 0.01)).exp()
 
     @staticmethod
     def _bias(module) -> torch.Tensor:
@@ -411,9 +415,10 @@ class SwinV2WindowAttention(_SwinBase):
         and q times τ, as one new tensor whose gradient the kernels write in one piece. q and k
         normalized apart (:meth:`_prepare`) beside v's view get three gradients that autograd
         stacks into qkv's after two normalization backwards: about fifteen launches more a block in
-        a training step. Under torch.compile the apart form is kept: inductor fuses each normalization, its
-        backward and the stack itself, and measured faster there than with this tensor."""
-        tau = torch.clamp(module.logit_scale, max=math.log(1.0 / 0.01)).exp().view(1, -1, 1)  # [1, H, 1]
+        a training step. Under torch.compile the apart form is kept: inductor fuses each
+        normalization, its backward and the stack itself, and measured faster there than with this
+        tensor."""
+        tau = SwinV2WindowAttention._tau(module).view(1, -1, 1)  # [1, H, 1]
         both = torch.cat((tau, torch.ones_like(tau)))  # [2, H, 1]: q's τ, k's 1
         qk = qkv[..., :2, :, :]
         qk = qk * (both / qk.norm(dim=-1, keepdim=True).clamp_min(1e-12))  # F.normalize's eps
