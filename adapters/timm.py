@@ -411,7 +411,7 @@ class SwinV2WindowAttention(_SwinBase):
 
     @staticmethod
     def _cosine(module, qkv: torch.Tensor) -> torch.Tensor:
-        """Eagerly: the packed projection [..., 3, H, D] → the same with q and k L2-normalized per row
+        """Eagerly, in training: the packed projection [..., 3, H, D] → the same with q and k L2-normalized per row
         and q times τ, as one new tensor whose gradient the kernels write in one piece. q and k
         normalized apart (:meth:`_prepare`) beside v's view get three gradients that autograd
         stacks into qkv's after two normalization backwards: about fifteen launches more a block in
@@ -424,8 +424,14 @@ class SwinV2WindowAttention(_SwinBase):
         qk = qk * (both / qk.norm(dim=-1, keepdim=True).clamp_min(1e-12))  # F.normalize's eps
         return torch.cat((qk.to(qkv.dtype), qkv[..., 2:, :, :]), dim=-3)
 
+    @staticmethod
+    def _packs(qkv: torch.Tensor) -> bool:
+        """Whether :meth:`_cosine`'s packed form serves the call: eagerly, where qkv takes a gradient
+        (what it saves is the gradients' stack; without one it would only copy v)."""
+        return qkv.requires_grad and not torch.compiler.is_compiling()
+
     def _attend(self, module, state, qkv, mask):
-        if _backend(state) != "auto" or torch.compiler.is_compiling():
+        if _backend(state) != "auto" or not self._packs(qkv):
             return super()._attend(module, state, qkv, mask)
         Bw, N, _ = qkv.shape
         packed = self._cosine(module, qkv.reshape(Bw, N, 3, module.num_heads, -1))
@@ -437,7 +443,7 @@ class SwinV2WindowAttention(_SwinBase):
         how = dict(window_size=window, shift_size=shift, bias=self._bias(module), mask=mask, scale=1.0,
                    precision=state.options.get("precision", "auto"), backend=_backend(state))
         qkv = qkv.reshape(B, IH, IW, 3, module.num_heads, -1)
-        if not torch.compiler.is_compiling():
+        if self._packs(qkv):
             return shifted_window_attention(self._cosine(module, qkv), **how)
         q, k, v = qkv.unbind(3)
         q, k = self._normalized(module, q, k, heads_at=-2)

@@ -185,6 +185,15 @@ def test_swinv2_tiny_window8():
     check_model(m, _img(1, 64))
 
 
+def test_swinv2_inference_form():
+    """Swin v2 without a gradient (eval, no_grad) normalizes q and k apart, where a training step
+    packs them with v (see SwinV2WindowAttention._packs): that form under the oracle rule too."""
+    m = timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=32, depths=(2,), num_heads=(2,),
+                          embed_dim=32, window_size=4, drop_path_rate=0.0)
+    assert verify.unzero_residual_norms(m) == 4
+    check_model(m, _img(2, 32), grads=False, train=False)
+
+
 def test_unzero_residual_norms_moved_to_verify():
     m = timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=64, depths=(2,), num_heads=(2,),
                           embed_dim=32)
