@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import attention, attention_packed, shifted_window_attention, window_attention, window_attention_packed
+from ..dispatch import triton_serves
 from ..kernels.limits import HEAD_DIMS
 from .blocks import PreNormBlock
 from .registry import Adapter, PatchState, bypass_reason, check_flag, hooked, is_patched, module_attr, register
@@ -280,6 +281,25 @@ def _gather_heads(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Ten
     return table.t()[:, idx].view(-1, n, n)
 
 
+# the dtypes of Swin v2's position-bias table and MLP the fused kernel reads (kernels/cpb.py)
+_CPB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _canonical_index(module) -> bool:
+    """Whether a Swin v2 module's relative_position_index is the one timm builds from its window size,
+    t(i, j) = (yi − yj + wh − 1)(2·ww − 1) + (xi − xj + ww − 1) for row-major tokens (a buffer on the
+    meta device is not filled yet: timm fills it by this formula)."""
+    index = module_attr(module, "relative_position_index")
+    if not isinstance(index, torch.Tensor):
+        return False
+    if index.device.type == "meta":
+        return True
+    wh, ww = module.window_size
+    y, x = (c.flatten() for c in torch.meshgrid(torch.arange(wh), torch.arange(ww), indexing="ij"))
+    want = (y[:, None] - y[None, :] + wh - 1) * (2 * ww - 1) + (x[:, None] - x[None, :] + ww - 1)
+    return tuple(index.shape) == tuple(want.shape) and bool(torch.equal(index.cpu().long(), want))
+
+
 def _mask_ok(mask: Optional[torch.Tensor], Bw: int, N: int) -> bool:
     return mask is None or (mask.dim() == 3 and tuple(mask.shape[1:]) == (N, N) and mask.shape[0] > 0
                             and Bw % mask.shape[0] == 0)
@@ -297,7 +317,7 @@ class _SwinBase(Adapter):
     def _qkv(self, module, x):
         raise NotImplementedError
 
-    def _prepare(self, module, q, k):
+    def _prepare(self, module, state, q, k):
         """→ (q, k, scale or None, bias [H, N, N]); q, k [B·nW, H, N, D]."""
         raise NotImplementedError
 
@@ -305,7 +325,7 @@ class _SwinBase(Adapter):
         """qkv [B·nW, N, 3·H·D] → [B·nW, H, N, D] with q, k, v as views: on a named backend, and Swin
         v2's under torch.compile (the subclasses' packed forms serve the other calls)."""
         q, k, v = _split_heads(qkv, module.num_heads)
-        q, k, scale, bias = self._prepare(module, q, k)
+        q, k, scale, bias = self._prepare(module, state, q, k)
         return window_core(q, k, v, bias, mask, scale, precision=state.options.get("precision", "auto"),
                            backend=_backend(state))
 
@@ -343,7 +363,7 @@ class SwinWindowAttention(_SwinBase):
     def _qkv(self, module, x):
         return module.qkv(x)
 
-    def _prepare(self, module, q, k):
+    def _prepare(self, module, state, q, k):
         # timm's _get_rel_pos_bias as the row-major [H, N, N] table the kernels read, without its
         # permute (the same values; _gather_heads says which gather, by the gradient's layout)
         n = module.window_area
@@ -357,14 +377,14 @@ class SwinWindowAttention(_SwinBase):
         if _backend(state) != "auto":
             return super()._attend(module, state, qkv, mask)
         Bw, N, _ = qkv.shape
-        _, _, scale, bias = self._prepare(module, None, None)
+        _, _, scale, bias = self._prepare(module, state, None, None)
         return window_attention_packed(qkv.reshape(Bw, N, 3, module.num_heads, -1), bias=bias, mask=mask,
                                           scale=scale, precision=state.options.get("precision", "auto"))
 
     def _attend_image(self, module, state, qkv, window, shift, mask):
         # the packed form: qkv's gradient comes out of the kernels in one piece
         B, IH, IW, _ = qkv.shape
-        _, _, scale, bias = self._prepare(module, None, None)
+        _, _, scale, bias = self._prepare(module, state, None, None)
         return shifted_window_attention(qkv.reshape(B, IH, IW, 3, module.num_heads, -1), window_size=window,
                                                shift_size=shift, bias=bias, mask=mask, scale=scale,
                                                precision=state.options.get("precision", "auto"),
@@ -383,9 +403,17 @@ class SwinV2WindowAttention(_SwinBase):
     def _qkv(self, module, x):
         return _biased_qkv(module, x)
 
-    def _prepare(self, module, q, k):
+    def skip_reason(self, module, options):
+        why = super().skip_reason(module, options)
+        if why is None and self._cpb_layers(module) is not None and not _canonical_index(module):
+            # the fused bias kernel derives each token pair's table row from the window size
+            why = ("relative_position_index is not the one timm builds from window_size; the fused position-bias "
+                   "kernel derives it from the window size (rebuild it with module.set_window_size)")
+        return why
+
+    def _prepare(self, module, state, q, k):
         q, k = self._normalized(module, q, k, heads_at=-3)
-        return q, k, 1.0, self._bias(module)
+        return q, k, 1.0, self._bias(module, state)
 
     @staticmethod
     def _normalized(module, q: torch.Tensor, k: torch.Tensor, heads_at: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,11 +430,37 @@ class SwinV2WindowAttention(_SwinBase):
         return torch.clamp(module.logit_scale, max=math.log(1.0 / 0.01)).exp()
 
     @staticmethod
-    def _bias(module) -> torch.Tensor:
-        """16·sigmoid(cpb_mlp(coords)) gathered into the [H, N, N] table the kernels read."""
-        n = module.window_size[0] * module.window_size[1]
+    def _cpb_layers(module) -> Optional[tuple[nn.Linear, nn.Linear]]:
+        """cpb_mlp's two linear layers where it is timm's Linear(2, C) → ReLU → Linear(C, H, no bias),
+        without hooks (the fused kernel never calls them); else None."""
+        mlp = module_attr(module, "cpb_mlp")
+        if type(mlp) is not nn.Sequential or len(mlp) != 3:
+            return None
+        l1, act, l2 = (module_attr(mlp, k) for k in ("0", "1", "2"))
+        if not (type(l1) is nn.Linear and type(act) is nn.ReLU and type(l2) is nn.Linear and l1.in_features == 2
+                and l1.bias is not None and l2.bias is None and l2.out_features == module.num_heads):
+            return None
+        if any(hooked(m, global_hooks=i == 0) for i, m in enumerate((mlp, l1, act, l2))):
+            return None
+        return l1, l2
+
+    @classmethod
+    def _bias(cls, module, state) -> torch.Tensor:
+        """16·sigmoid(cpb_mlp(coords)) gathered into the [H, N, N] table the kernels read: by the fused
+        kernel (:func:`elsa_vision.kernels.cpb.continuous_position_bias`, one launch, float32) where it
+        serves, else by the module's own MLP."""
+        wh, ww = module.window_size
+        n = wh * ww
+        coords = module.relative_coords_table
+        layers = cls._cpb_layers(module) if _backend(state) == "auto" else None
+        if (layers is not None and triton_serves(coords.device.type) and coords.dtype in _CPB_DTYPES
+                and all(p.dtype in _CPB_DTYPES for layer in layers for p in layer.parameters())
+                and tuple(module.relative_position_index.shape) == (n, n)):
+            from ..kernels.cpb import continuous_position_bias
+            l1, l2 = layers
+            return continuous_position_bias(coords.view(-1, 2), l1.weight, l1.bias, l2.weight, (wh, ww))
         # 16·sigmoid on the [(2w−1)², H] table before the gather (elementwise, so the same values)
-        table = 16 * torch.sigmoid(module.cpb_mlp(module.relative_coords_table).view(-1, module.num_heads))
+        table = 16 * torch.sigmoid(module.cpb_mlp(coords).view(-1, module.num_heads))
         return _gather_heads(table, module.relative_position_index, n)
 
     @staticmethod
@@ -435,12 +489,12 @@ class SwinV2WindowAttention(_SwinBase):
             return super()._attend(module, state, qkv, mask)
         Bw, N, _ = qkv.shape
         packed = self._cosine(module, qkv.reshape(Bw, N, 3, module.num_heads, -1))
-        return window_attention_packed(packed, bias=self._bias(module), mask=mask, scale=1.0,
+        return window_attention_packed(packed, bias=self._bias(module, state), mask=mask, scale=1.0,
                                           precision=state.options.get("precision", "auto"))
 
     def _attend_image(self, module, state, qkv, window, shift, mask):
         B, IH, IW, _ = qkv.shape
-        how = dict(window_size=window, shift_size=shift, bias=self._bias(module), mask=mask, scale=1.0,
+        how = dict(window_size=window, shift_size=shift, bias=self._bias(module, state), mask=mask, scale=1.0,
                    precision=state.options.get("precision", "auto"), backend=_backend(state))
         qkv = qkv.reshape(B, IH, IW, 3, module.num_heads, -1)
         if self._packs(qkv):

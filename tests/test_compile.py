@@ -355,14 +355,15 @@ def test_compile_modes_on_a_patched_vit(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,kw", [("vit_tiny_patch16_224", dict(depth=2)),
-                                     ("swin_tiny_patch4_window7_224", dict(depths=(2, 2), num_heads=(3, 6)))])
-def test_inductor_training_step_of_patched_timm(name, kw):
+@pytest.mark.parametrize("name,kw,size", [("vit_tiny_patch16_224", dict(depth=2), 224),
+                                          ("swin_tiny_patch4_window7_224", dict(depths=(2, 2), num_heads=(3, 6)), 224),
+                                          ("swinv2_tiny_window8_256", dict(depths=(2, 2), num_heads=(3, 6)), 256)])
+def test_inductor_training_step_of_patched_timm(name, kw, size):
     """A compiled training step of a patched model: one graph, gradients as the eager patched step's."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     m = timm.create_model(name, pretrained=False, drop_path_rate=0.0, **kw).cuda()
-    x = torch.randn(8, 3, 224, 224, device="cuda")
+    x = torch.randn(8, 3, size, size, device="cuda")
     elsa_vision.patch(m)
 
     def step(x):

@@ -1,0 +1,246 @@
+"""Swin v2's continuous relative-position bias: the table, its MLP and the gather in one launch, the
+gradient in two.
+
+Swin v2 (timm's ``swin_transformer_v2.WindowAttention``) makes its attention bias per head from the
+relative coordinates of two tokens of a wh × ww window with a two-layer MLP:
+
+    z = relu(coords · W1ᵀ + b1) · W2ᵀ               coords [T, 2], W1 [C, 2], b1 [C], W2 [H, C]
+    bias[h, i, j] = 16 · sigmoid(z[t(i, j), h])
+    t(i, j) = (yi − yj + wh − 1) · (2·ww − 1) + (xi − xj + ww − 1)
+
+for tokens i = (yi, xi), j = (yj, xj) numbered row-major (T = (2·wh − 1)(2·ww − 1): t(i, j) is timm's
+``relative_position_index``, which timm always builds by this formula from the window size). Every
+block does this in every forward. With torch ops it is four launches (two GEMMs, the bias and ReLU,
+the sigmoid and the gather) and in the backward about eight (the gather's scatter-add into a
+zeroed table, the sigmoid's and ReLU's backward, three GEMMs, the bias's sum), each a few
+microseconds of GPU work: in a training step paced by the host's launches, a tenth of the launches.
+
+- forward (:func:`_cpb_fwd_kernel`, grid H): a program per head forms z[:, h] with the hidden layer in
+  C-wide chunks in registers, writes s = 16·sigmoid(z) [H, T] (kept for the backward), then gathers
+  its [N, N] bias rows from s by the formula (N = wh·ww).
+- backward: :func:`_cpb_dz_kernel` (grid H) sums each table entry's bias gradient over the token pairs
+  that read it, dz[h, t] = s(1 − s/16) · Σ_i dbias[h, i, i − offset(t)], over i in ascending order;
+  :func:`_cpb_dparams_kernel` (grid C / BLOCK_C) recomputes a chunk of the hidden layer and forms
+  dW2 = dzᵀ·relu(·), the hidden gradient dz·W2 masked by the ReLU, dW1 and db1 from it.
+
+Arithmetic: float32 throughout, whatever the parameters' dtype (timm's module under autocast runs its
+MLP in the autocast dtype; this is the same function, rounded less); products as float32 fused
+multiply-adds (the backward's by ``tl.dot`` in IEEE float32). The sums run in other orders than
+PyTorch's, so results agree to float32 rounding. No atomics: the backward is deterministic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import INTERPRET, cdiv, launch
+from .ops import AUTOGRAD, COMPILED, check_first_order, double_backward_error, register, route
+
+BLOCK_T = 64      # table entries per step of the forward's and the backward's loops
+BLOCK_C = 64      # hidden units per step (forward) / per program (backward)
+BLOCK_E = 1024    # bias entries per step of the forward's gather
+NUM_WARPS = 4
+if INTERPRET:     # (the interpreter's cost is per step: fewer, larger ones)
+    BLOCK_T, BLOCK_C, BLOCK_E = 256, 128, 4096
+
+
+@triton.jit
+def _pre(Coords, W1, B1, offs_t, t_ok, offs_c, c_ok):
+    """The hidden layer's input, coords · W1ᵀ + b1, [BLOCK_T, BLOCK_C] float32 (0 outside T × C)."""
+    c0 = tl.load(Coords + offs_t * 2, mask=t_ok, other=0.0).to(tl.float32)
+    c1 = tl.load(Coords + offs_t * 2 + 1, mask=t_ok, other=0.0).to(tl.float32)
+    w0 = tl.load(W1 + offs_c * 2, mask=c_ok, other=0.0).to(tl.float32)
+    w1 = tl.load(W1 + offs_c * 2 + 1, mask=c_ok, other=0.0).to(tl.float32)
+    b = tl.load(B1 + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    pre = c0[:, None] * w0[None, :] + c1[:, None] * w1[None, :] + b[None, :]
+    return tl.where(t_ok[:, None] & c_ok[None, :], pre, 0.0)
+
+
+@triton.jit
+def _cpb_fwd_kernel(Coords, W1, B1, W2, Bias, S, T, C, WH, WW,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Grid (H,). Coords [T, 2], W1 [C, 2], B1 [C], W2 [H, C] contiguous (any float dtype) → S [H, T]
+    = 16·sigmoid(z[:, h]) and Bias [H, N, N] (N = WH·WW) float32, contiguous."""
+    h = tl.program_id(0)
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < T
+        z = tl.zeros([BLOCK_T], tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            offs_c = c0 + tl.arange(0, BLOCK_C)
+            c_ok = offs_c < C
+            hid = tl.maximum(_pre(Coords, W1, B1, offs_t, t_ok, offs_c, c_ok), 0.0)
+            w2 = tl.load(W2 + h * C + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+            z += tl.sum(hid * w2[None, :], axis=1)
+        tl.store(S + h * T + offs_t, 16.0 * tl.sigmoid(z), mask=t_ok)
+    # the gather reads entries other threads of this program wrote: the barrier orders those stores
+    # before these loads (a CTA-wide barrier makes its threads' global writes visible to each other)
+    tl.debug_barrier()
+    N = WH * WW
+    W2D = 2 * WW - 1
+    for e0 in range(0, N * N, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        ok = e < N * N
+        i = e // N
+        j = e % N
+        t = (i // WW - j // WW + WH - 1) * W2D + (i % WW - j % WW + WW - 1)
+        tl.store(Bias + h * N * N + e, tl.load(S + h * T + t, mask=ok, other=0.0), mask=ok)
+
+
+@triton.jit
+def _cpb_dz_kernel(DBias, S, DZ, T, WH, WW, sd_h, sd_i, sd_j, BLOCK_T: tl.constexpr):
+    """Grid (H,). DBias [H, N, N] (strides sd_*), S [H, T] → DZ [H, T] float32: the gradient of z, the
+    bias gradient of every token pair (i, j) with t(i, j) = t summed in ascending i, times 16·σ'."""
+    h = tl.program_id(0).to(tl.int64)
+    N = WH * WW
+    W2D = 2 * WW - 1
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < T
+        dy = offs_t // W2D - (WH - 1)   # yi − yj of the pairs entry t serves
+        dx = offs_t % W2D - (WW - 1)    # xi − xj
+        acc = tl.zeros([BLOCK_T], tl.float32)
+        for i in range(0, N):
+            yj = i // WW - dy
+            xj = i % WW - dx
+            ok = t_ok & (yj >= 0) & (yj < WH) & (xj >= 0) & (xj < WW)
+            j = yj * WW + xj
+            acc += tl.load(DBias + h * sd_h + i * sd_i + j * sd_j, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(S + h * T + offs_t, mask=t_ok, other=0.0)
+        tl.store(DZ + h * T + offs_t, acc * s * (1.0 - s * 0.0625), mask=t_ok)
+
+
+@triton.jit
+def _cpb_dparams_kernel(Coords, W1, B1, W2, DZ, DW1, DB1, DW2, T, C, H,
+                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Grid (cdiv(C, BLOCK_C),): the parameters' gradients for hidden units [pid·BLOCK_C, +BLOCK_C) from
+    DZ [H, T]: DW2 [H, C] = dzᵀ·relu(pre), DW1 [C, 2] and DB1 [C] from dh = dz·W2 masked by pre > 0,
+    summed over the T table entries (stored in the dtypes of DW1, DB1, DW2)."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    hc_ok = h_ok[:, None] & c_ok[None, :]
+    w2 = tl.load(W2 + offs_h[:, None] * C + offs_c[None, :], mask=hc_ok, other=0.0).to(tl.float32)
+    dw2 = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    dw1_y = tl.zeros([BLOCK_C], tl.float32)
+    dw1_x = tl.zeros([BLOCK_C], tl.float32)
+    db1 = tl.zeros([BLOCK_C], tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < T
+        pre = _pre(Coords, W1, B1, offs_t, t_ok, offs_c, c_ok)
+        dz = tl.load(DZ + offs_h[:, None] * T + offs_t[None, :], mask=h_ok[:, None] & t_ok[None, :], other=0.0)
+        dw2 += tl.dot(dz, tl.maximum(pre, 0.0), input_precision="ieee")
+        dh = tl.dot(tl.trans(dz), w2, input_precision="ieee")
+        dh = tl.where(pre > 0.0, dh, 0.0)   # (ReLU's gradient: 0 where its output is 0, as PyTorch's)
+        cy = tl.load(Coords + offs_t * 2, mask=t_ok, other=0.0).to(tl.float32)
+        cx = tl.load(Coords + offs_t * 2 + 1, mask=t_ok, other=0.0).to(tl.float32)
+        dw1_y += tl.sum(dh * cy[:, None], axis=0)
+        dw1_x += tl.sum(dh * cx[:, None], axis=0)
+        db1 += tl.sum(dh, axis=0)
+    tl.store(DW2 + offs_h[:, None] * C + offs_c[None, :], dw2.to(DW2.dtype.element_ty), mask=hc_ok)
+    tl.store(DW1 + offs_c * 2, dw1_y.to(DW1.dtype.element_ty), mask=c_ok)
+    tl.store(DW1 + offs_c * 2 + 1, dw1_x.to(DW1.dtype.element_ty), mask=c_ok)
+    tl.store(DB1 + offs_c, db1.to(DB1.dtype.element_ty), mask=c_ok)
+
+
+def _forward(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, wh: int,
+             ww: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ (bias [H, N, N], s [H, T]) float32 (arguments checked by :func:`continuous_position_bias`)."""
+    H, C = w2.shape
+    T, N = coords.shape[0], wh * ww
+    bias = torch.empty(H, N, N, dtype=torch.float32, device=w2.device)
+    s = torch.empty(H, T, dtype=torch.float32, device=w2.device)
+    launch(_cpb_fwd_kernel, (H,), coords, w1, b1, w2, bias, s, T, C, wh, ww,
+           BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_E=BLOCK_E, num_warps=NUM_WARPS)
+    return bias, s
+
+
+def _backward(dbias: torch.Tensor, s: torch.Tensor, coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
+              w2: torch.Tensor, wh: int, ww: int) -> list[torch.Tensor]:
+    """dbias [H, N, N] (any strides) → [dW1, db1, dW2] in the parameters' dtypes."""
+    H, C = w2.shape
+    T = coords.shape[0]
+    dz = torch.empty(H, T, dtype=torch.float32, device=w2.device)
+    launch(_cpb_dz_kernel, (H,), dbias, s, dz, T, wh, ww, *dbias.stride(), BLOCK_T=BLOCK_T, num_warps=NUM_WARPS)
+    dw1, db1, dw2 = (torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in (w1, b1, w2))
+    launch(_cpb_dparams_kernel, (cdiv(C, BLOCK_C),), coords, w1, b1, w2, dz, dw1, db1, dw2, T, C, H,
+           BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_H=max(16, triton.next_power_of_2(H)),
+           num_warps=NUM_WARPS)
+    return [dw1, db1, dw2]
+
+
+# torch.compile's path: inductor launches the kernels itself (see ops.py), autograd on the op
+FWD = register("elsa_vision::swin_cpb_fwd", _forward)
+BWD = register("elsa_vision::swin_cpb_bwd", _backward)
+
+
+def _setup(ctx, inputs, output) -> None:
+    coords, w1, b1, w2, wh, ww = inputs
+    ctx.save_for_backward(output[1], coords, w1, b1, w2)
+    ctx.window = (wh, ww)
+
+
+def _op_backward(ctx, dbias, _ds):
+    dw1, db1, dw2 = BWD(dbias, *ctx.saved_tensors, *ctx.window)
+    return None, dw1, db1, dw2, None, None
+
+
+def _op_double_backward(ctx, *grads):
+    raise double_backward_error("continuous_position_bias")
+
+
+FWD.register_autograd(_op_backward, setup_context=_setup)
+BWD.register_autograd(_op_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+class _Function(torch.autograd.Function):
+    """The eager path: the same launches without the custom op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, coords, w1, b1, w2, wh, ww):
+        bias, s = _forward(coords, w1, b1, w2, wh, ww)
+        _setup(ctx, (coords, w1, b1, w2, wh, ww), (bias, s))
+        return bias
+
+    @staticmethod
+    def backward(ctx, dbias):
+        check_first_order("continuous_position_bias")
+        dw1, db1, dw2 = _backward(dbias, *ctx.saved_tensors, *ctx.window)
+        return None, dw1, db1, dw2, None, None
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def continuous_position_bias(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                             window: tuple[int, int]) -> torch.Tensor:
+    """Swin v2's relative-position bias of a window (wh, ww) = ``window``: coords [T, 2] (its
+    ``relative_coords_table`` viewed as rows, T = (2·wh − 1)(2·ww − 1), no gradient), the MLP's
+    W1 [C, 2], b1 [C], W2 [H, C] (``cpb_mlp[0].weight``, ``cpb_mlp[0].bias``, ``cpb_mlp[2].weight``)
+    → bias [H, N, N] float32, N = wh·ww: 16·sigmoid(MLP(coords))[t(i, j)] with timm's relative
+    position index t (module docstring). Differentiable in W1, b1 and W2 (first order)."""
+    wh, ww = (int(w) for w in window)
+    T = (2 * wh - 1) * (2 * ww - 1)
+    if wh < 1 or ww < 1 or coords.shape != (T, 2):
+        raise ValueError(f"continuous_position_bias: coords must be [(2·wh − 1)(2·ww − 1), 2] = [{T}, 2] for the "
+                         f"window {(wh, ww)}, got {tuple(coords.shape)}")
+    C = w1.shape[0]
+    if w1.shape != (C, 2) or b1.shape != (C,) or w2.dim() != 2 or w2.shape[1] != C:
+        raise ValueError(f"continuous_position_bias: W1 [C, 2], b1 [C], W2 [H, C] expected, got "
+                         f"{tuple(w1.shape)}, {tuple(b1.shape)}, {tuple(w2.shape)}")
+    tensors = (coords, w1, b1, w2)
+    if any(t.dtype not in DTYPES for t in tensors) or len({t.device for t in tensors}) != 1:
+        raise ValueError(f"continuous_position_bias: coords and parameters must be float32, bfloat16 or float16 on "
+                         f"one device, got {[(t.dtype, str(t.device)) for t in tensors]}")
+    if not (w2.is_cuda or INTERPRET):
+        raise ValueError("continuous_position_bias runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1)")
+    coords, w1, b1, w2 = (t.contiguous() for t in tensors)
+    how = route((w1, b1, w2))
+    if how is COMPILED:
+        return FWD(coords, w1, b1, w2, wh, ww)[0]
+    if how is AUTOGRAD:
+        return _Function.apply(coords, w1, b1, w2, wh, ww)
+    return _forward(coords, w1, b1, w2, wh, ww)[0]

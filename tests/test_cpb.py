@@ -1,0 +1,212 @@
+"""Swin v2's fused position bias (kernels/cpb.py): the bias and the MLP's gradients under the oracle
+rule (float64 oracle, bound tied to the dtype that timm's own module computes in), deterministic
+gradients, the checks, and its use by the patched Swin v2 module — eagerly, under torch.compile, and
+where it must step aside (hooks on the MLP, a relative_position_index of another formula)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import elsa_vision
+from conftest import DEVICE
+from elsa_vision.kernels import cpb
+from elsa_vision.verify import max_err, tolerance
+
+timm = pytest.importorskip("timm")
+swin2 = pytest.importorskip("timm.models.swin_transformer_v2")
+
+
+def _module(window, heads, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = swin2.WindowAttention(16 * heads, window_size=window, num_heads=heads).to(DEVICE)
+    with torch.no_grad():  # (timm's init leaves the MLP's output near 0, where the sigmoid is flat)
+        for p in m.cpb_mlp.parameters():
+            p.normal_(0.0, 0.5)
+    return m.to(dtype)
+
+
+def _timm_bias(m, dtype=None):
+    """timm's forward's bias, [H, N, N], its MLP in ``dtype`` (default: the module's)."""
+    n = m.window_size[0] * m.window_size[1]
+    mlp = m.cpb_mlp if dtype is None else m.cpb_mlp.to(dtype)
+    table = mlp(m.relative_coords_table.to(mlp[0].weight.dtype)).view(-1, m.num_heads)
+    bias = table[m.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+    return 16 * torch.sigmoid(bias)
+
+
+def _params(m):
+    return [m.cpb_mlp[0].weight, m.cpb_mlp[0].bias, m.cpb_mlp[2].weight]
+
+
+def _fused(m):
+    w1, b1, w2 = _params(m)
+    return cpb.continuous_position_bias(m.relative_coords_table.view(-1, 2), w1, b1, w2, m.window_size)
+
+
+def _with_grads(fn, m, g):
+    for p in m.parameters():
+        p.grad = None
+    out = fn(m)
+    (out.double() * g).sum().backward()
+    return out.detach(), [p.grad.clone() for p in _params(m)]
+
+
+@pytest.mark.parametrize("window,heads", [((8, 8), 6), ((3, 5), 2), ((4, 4), 24), ((1, 1), 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_and_gradients_follow_the_oracle_rule(window, heads, dtype):
+    """Parameters in ``dtype``: the native reference is timm's MLP in that dtype, the oracle the same
+    parameters in float64; the kernel computes in float32 and returns the gradients in ``dtype``."""
+    m = _module(window, heads, dtype=dtype)
+    n = window[0] * window[1]
+    g = torch.randn(heads, n, n, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
+    out, grads = _with_grads(_fused, m, g)
+    assert out.dtype == torch.float32 and out.shape == (heads, n, n)
+    assert all(a.dtype == dtype for a in grads)
+    nat, nat_grads = _with_grads(_timm_bias, m, g)
+    m64 = _module(window, heads).double()
+    m64.load_state_dict(m.state_dict())
+    orc, orc_grads = _with_grads(_timm_bias, m64, g)
+    assert max_err(out, orc) <= tolerance(max_err(nat, orc), dtype), "bias"
+    for name, a, r, o in zip(("W1", "b1", "W2"), grads, nat_grads, orc_grads):
+        unit = max(1.0, o.abs().max().item())
+        assert max_err(a, o) / unit <= tolerance(max_err(r, o) / unit, dtype, grad=True), name
+
+
+def test_gradients_are_deterministic():
+    m = _module((8, 8), 6)
+    g = torch.randn(6, 64, 64, dtype=torch.float64).to(DEVICE)
+    _, first = _with_grads(_fused, m, g)
+    _, second = _with_grads(_fused, m, g)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_no_gradient_wanted():
+    m = _module((4, 4), 2)
+    with torch.no_grad():
+        out = _fused(m)
+    assert not out.requires_grad
+    assert max_err(out, _timm_bias(m.double()).detach()) <= 1e-5
+
+
+def test_bad_arguments_say_what_is_wrong():
+    m = _module((4, 4), 2)
+    w1, b1, w2 = _params(m)
+    coords = m.relative_coords_table.view(-1, 2)
+    with pytest.raises(ValueError, match=r"\[49, 2\] for the window \(4, 4\)"):
+        cpb.continuous_position_bias(coords[:30], w1, b1, w2, (4, 4))
+    with pytest.raises(ValueError, match="W1 \\[C, 2\\]"):
+        cpb.continuous_position_bias(coords, w1[:, :1], b1, w2, (4, 4))
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        cpb.continuous_position_bias(coords.double(), w1, b1, w2, (4, 4))
+    with pytest.raises(ValueError, match="window"):
+        cpb.continuous_position_bias(coords, w1, b1, w2, (0, 4))
+
+
+def test_double_backward_is_refused():
+    m = _module((4, 4), 2)
+    out = _fused(m)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), _params(m)[2], create_graph=True)
+
+
+# --------------------------------------------------------------------------------------------
+# the patched module
+
+
+def _patched_pair(window=(4, 4), heads=2, seed=0):
+    m = _module(window, heads, seed)
+    ref = _module(window, heads, seed)
+    ref.load_state_dict(m.state_dict())
+    assert elsa_vision.patch(m).num_patched == 1
+    return m, ref
+
+
+def _step(m, x, module=None):
+    """One training step of ``m`` (the module, or its compiled form with ``module`` the module itself)."""
+    module = module or m
+    for p in module.parameters():
+        p.grad = None
+    out = m(x)
+    out.float().square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def test_patched_module_uses_the_kernel(monkeypatch):
+    m, ref = _patched_pair()
+    calls = []
+    real = cpb._forward
+    monkeypatch.setattr(cpb, "_forward", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(4, 16, 32, device=DEVICE)
+    out, grads = _step(m, x)
+    assert calls == [1] and m._elsa.delegated == 0
+    want, want_grads = _step(ref, x)
+    assert max_err(out, want) <= 1e-4
+    for n in ("cpb_mlp.0.weight", "cpb_mlp.0.bias", "cpb_mlp.2.weight"):
+        assert max_err(grads[n], want_grads[n]) <= 1e-4 * max(1.0, want_grads[n].abs().max().item()), n
+
+
+def test_hooks_on_the_mlp_keep_the_modules_own_path(monkeypatch):
+    m, _ = _patched_pair()
+    monkeypatch.setattr(cpb, "_forward", lambda *a: pytest.fail("the kernel bypassed a hook on cpb_mlp"))
+    seen = []
+    m.cpb_mlp[0].register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+    m(torch.randn(4, 16, 32, device=DEVICE))
+    assert seen == [(1, 7, 7, 512)]
+
+
+def test_an_index_of_another_formula_is_not_patched():
+    m = _module((4, 4), 2)
+    with torch.no_grad():
+        m.relative_position_index.copy_(m.relative_position_index.flip(0))
+    report = elsa_vision.patch(m)
+    assert report.num_patched == 0
+    (why,) = [w for _, w in report.skipped["timm.SwinV2WindowAttention"]]
+    assert "relative_position_index" in why and "set_window_size" in why
+    # timm's own index, for a non-square window and after set_window_size, is the formula's
+    m = _module((3, 5), 2)
+    m.set_window_size((6, 2))
+    assert elsa_vision.patch(m).num_patched == 1
+    out, _ = _step(m, torch.randn(2, 12, 32, device=DEVICE))
+    assert m._elsa.delegated == 0 and torch.isfinite(out).all()
+
+
+def test_compiled_module_calls_the_op():
+    """A fullgraph compile of the patched module traces the op (aot_eager on the CPU, where the op is
+    opaque; inductor on a GPU): gradients as the eager call's."""
+    m, _ = _patched_pair()
+    x = torch.randn(4, 16, 32, device=DEVICE)
+    want, want_grads = _step(m, x)
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("inductor" if DEVICE == "cuda" else "aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    c = torch.compile(m, fullgraph=True, backend=backend)
+    out, grads = _step(c, x, m)
+    torch._dynamo.reset()
+    assert any("swin_cpb" in o for o in ops), ops
+    assert max_err(out, want) <= 1e-5
+    for n, g in want_grads.items():
+        assert max_err(grads[n], g) <= 1e-5 * max(1.0, g.abs().max().item()), n
+
+
+@pytest.mark.gpu
+def test_compiled_graph_launches_the_kernels_itself(monkeypatch):
+    """Once compiled, the module's training step makes the position bias with inductor's launches of
+    the kernels: the host functions are never called."""
+    m, _ = _patched_pair((8, 8), 6)
+    x = torch.randn(8, 64, 96, device="cuda")
+    torch._dynamo.reset()
+    c = torch.compile(m, fullgraph=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, want = _step(c, x, m)
+        monkeypatch.setattr(cpb, "_forward", lambda *a: pytest.fail("a compiled graph called the host launcher"))
+        monkeypatch.setattr(cpb, "_backward", lambda *a: pytest.fail("a compiled graph called the host launcher"))
+        _, grads = _step(c, x, m)
+    torch._dynamo.reset()
+    assert all(torch.equal(grads[n], g) for n, g in want.items())
+    assert math.isfinite(sum(g.abs().sum().item() for g in grads.values()))
