@@ -58,6 +58,12 @@ def _pre(Coords, W1, B1, offs_t, t_ok, offs_c, c_ok):
 
 
 @triton.jit
+def _relu(x):
+    # PyTorch's: NaN stays NaN (the GPU's max.f32 would return the other operand, 0)
+    return tl.where(x < 0.0, 0.0, x)
+
+
+@triton.jit
 def _cpb_fwd_kernel(Coords, W1, B1, W2, Bias, S, T, C, WH, WW,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
     """Grid (H,). Coords [T, 2], W1 [C, 2], B1 [C], W2 [H, C] contiguous (any float dtype) → S [H, T]
@@ -70,7 +76,7 @@ def _cpb_fwd_kernel(Coords, W1, B1, W2, Bias, S, T, C, WH, WW,
         for c0 in range(0, C, BLOCK_C):
             offs_c = c0 + tl.arange(0, BLOCK_C)
             c_ok = offs_c < C
-            hid = tl.maximum(_pre(Coords, W1, B1, offs_t, t_ok, offs_c, c_ok), 0.0)
+            hid = _relu(_pre(Coords, W1, B1, offs_t, t_ok, offs_c, c_ok))
             w2 = tl.load(W2 + h * C + offs_c, mask=c_ok, other=0.0).to(tl.float32)
             z += tl.sum(hid * w2[None, :], axis=1)
         tl.store(S + h * T + offs_t, 16.0 * tl.sigmoid(z), mask=t_ok)
@@ -132,7 +138,7 @@ def _cpb_dparams_kernel(Coords, W1, B1, W2, DZ, DW1, DB1, DW2, T, C, H,
         t_ok = offs_t < T
         pre = _pre(Coords, W1, B1, offs_t, t_ok, offs_c, c_ok)
         dz = tl.load(DZ + offs_h[:, None] * T + offs_t[None, :], mask=h_ok[:, None] & t_ok[None, :], other=0.0)
-        dw2 += tl.dot(dz, tl.maximum(pre, 0.0), input_precision="ieee")
+        dw2 += tl.dot(dz, _relu(pre), input_precision="ieee")
         dh = tl.dot(tl.trans(dz), w2, input_precision="ieee")
         dh = tl.where(pre > 0.0, dh, 0.0)   # (ReLU's gradient: 0 where its output is 0, as PyTorch's)
         cy = tl.load(Coords + offs_t * 2, mask=t_ok, other=0.0).to(tl.float32)

@@ -242,8 +242,9 @@ class Launch:
     """One kernel launch planned once, ``fn[grid](*tensors, *scalars, **meta)`` with the tensors given
     at each call: what a kernel family's host code decides from a call's shapes, strides and flags
     (grid, strides, sizes, tile constants) is kept, and a repeat only binds addresses. The compiled
-    kernel is kept per device and per pattern of 16-byte-aligned tensor addresses (what Triton
-    specialises a pointer argument on; the scalars are fixed, so their specialisation is too), and a
+    kernel is kept per device and per pattern of the tensors' dtypes and 16-byte-aligned addresses
+    (what Triton specialises a pointer argument on; the scalars are fixed, so their specialisation
+    is too), and a
     repeat passes it the addresses as integers: no :func:`_signature` of 40-odd arguments, no
     per-tensor ``data_ptr`` call and driver pointer query inside Triton's C launcher. The first call
     of each pattern, and every call where :func:`tritons_own_path` holds, take :func:`launch`'s path.
@@ -279,7 +280,9 @@ class Launch:
             return
         ptrs = [t.data_ptr() for t in tensors]
         dev = torch.cuda.current_device()
-        key = (dev, _knobs.runtime.debug, *[p & 15 == 0 for p in ptrs])
+        # (the dtypes too: a plan's key need not fix them — a bias table read in place comes in the
+        # caller's dtype — and Triton compiles a pointer argument per element type)
+        key = (dev, _knobs.runtime.debug, *[p & 15 == 0 for p in ptrs], *[t.dtype for t in tensors])
         hit = self._bound.get(key)
         if hit is None:
             args = self._args(tensors)

@@ -660,6 +660,23 @@ def test_gpu_swin_sizes(BW, nW, H, N, dp, block):
     _check(q, k, v, b, m.cuda(), block=block, precision=precision, backend="triton")
 
 
+@pytest.mark.parametrize("N,nW", [(64, 4), (49, 4)], ids=["in-place", "padded"])
+def test_bias_dtype_may_change_between_calls(N, nW):
+    """Calls that differ only in the bias's dtype (read in place, so the kernel's pointer type
+    differs: Swin v2's float32 fused position bias beside a half-precision one) each get a kernel
+    compiled for their dtype — on a GPU the planned launches keep one per dtype — and follow the
+    oracle rule in any order."""
+    q, k, v, b, m = _inputs(2, nW, 2, N, 32, torch.bfloat16, seed=3)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (t.detach().to(dev).requires_grad_(True) for t in (q, k, v))
+    m = m.to(dev)
+    for dtype in (torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32):
+        bias = b.detach().to(dev, dtype).requires_grad_(True)
+        for t in (q, k, v):
+            t.grad = None
+        _check(q, k, v, bias, m, backend="triton")
+
+
 @gpu
 @needs_cuda
 def test_gpu_tf32_against_tf32_torch():
