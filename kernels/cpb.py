@@ -15,12 +15,13 @@ the sigmoid and the gather) and in the backward about eight (the gather's scatte
 zeroed table, the sigmoid's and ReLU's backward, three GEMMs, the bias's sum), each a few
 microseconds of GPU work: in a training step paced by the host's launches, a tenth of the launches.
 
-- forward (:func:`_cpb_fwd_kernel`, grid H): a program per head forms z[:, h] with the hidden layer in
-  C-wide chunks in registers, writes s = 16·sigmoid(z) [H, T] (kept for the backward), then gathers
-  its [N, N] bias rows from s by the formula (N = wh·ww).
-- backward: :func:`_cpb_dz_kernel` (grid H) sums each table entry's bias gradient over the token pairs
-  that read it, dz[h, t] = s(1 − s/16) · Σ_i dbias[h, i, i − offset(t)], over i in ascending order;
-  :func:`_cpb_dparams_kernel` (grid C / BLOCK_C) recomputes a chunk of the hidden layer and forms
+- forward (:func:`_cpb_fwd_kernel`, grid H × wh): a program per head and token row of the window
+  forms 16·sigmoid(z) for the table entries that row's bias reads (a contiguous run of wh·(2·ww − 1)
+  of them), with the hidden layer in C-wide chunks in registers, writes its share of s = 16·sigmoid(z)
+  [H, T] (kept for the backward) and gathers its bias rows by the formula (N = wh·ww).
+- backward: :func:`_cpb_dz_kernel` (grid H × T-blocks) sums each table entry's bias gradient over the
+  token pairs that read it, dz[h, t] = s(1 − s/16) · Σ_i dbias[h, i, i − offset(t)], in a fixed order;
+  :func:`_cpb_dparams_kernel` (grid C / 16) recomputes a chunk of the hidden layer and forms
   dW2 = dzᵀ·relu(·), the hidden gradient dz·W2 masked by the ReLU, dW1 and db1 from it.
 
 Arithmetic: float32 throughout, whatever the parameters' dtype (timm's module under autocast runs its
@@ -37,12 +38,15 @@ import triton.language as tl
 from .launch import INTERPRET, cdiv, launch
 from .ops import AUTOGRAD, COMPILED, check_first_order, double_backward_error, register, route
 
-BLOCK_T = 64      # table entries per step of the forward's and the backward's loops
-BLOCK_C = 64      # hidden units per step (forward) / per program (backward)
-BLOCK_E = 1024    # bias entries per step of the forward's gather
+# tile shapes (the kernels are latency-bound: many short programs, few steps each)
+FWD_BLOCK_U, FWD_BLOCK_C = 128, 64      # table entries × hidden units per step of the forward
+DZ_BLOCK_T, DZ_BLOCK_I = 32, 64         # table entries per program × token rows per step (dz)
+DP_BLOCK_T, DP_BLOCK_C = 64, 16         # table entries per step × hidden units per program (dparams)
+BLOCK_E = 1024                          # bias entries per step of the forward's gather
 NUM_WARPS = 4
-if INTERPRET:     # (the interpreter's cost is per step: fewer, larger ones)
-    BLOCK_T, BLOCK_C, BLOCK_E = 256, 128, 4096
+if INTERPRET:  # (the interpreter's cost is per step: fewer, larger ones)
+    FWD_BLOCK_U, FWD_BLOCK_C, BLOCK_E = 256, 512, 4096
+    DZ_BLOCK_T, DZ_BLOCK_I, DP_BLOCK_T, DP_BLOCK_C = 256, 256, 256, 128
 
 
 @triton.jit
@@ -64,57 +68,73 @@ def _relu(x):
 
 
 @triton.jit
-def _cpb_fwd_kernel(Coords, W1, B1, W2, Bias, S, T, C, WH, WW,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Grid (H,). Coords [T, 2], W1 [C, 2], B1 [C], W2 [H, C] contiguous (any float dtype) → S [H, T]
-    = 16·sigmoid(z[:, h]) and Bias [H, N, N] (N = WH·WW) float32, contiguous."""
+def _cpb_fwd_kernel(Coords, W1, B1, W2, Bias, S, Z, T, C, WH, WW,
+                    BLOCK_U: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Grid (H, WH): program (h, y) makes head h's bias rows of the window's token row y, i = y·WW + a
+    (a < WW). Coords [T, 2], W1 [C, 2], B1 [C], W2 [H, C] contiguous (any float dtype) → Bias [H, N, N]
+    (N = WH·WW) and S [H, T] = 16·sigmoid(z) float32, contiguous; Z [H, WH, U] float32 scratch.
+
+    The rows of token row y read the table entries t in [y·W2D, y·W2D + U), U = WH·W2D, W2D = 2·WW − 1
+    (yi − yj + WH − 1 runs over y … y + WH − 1): the program computes 16·sigmoid(z) for those into its
+    own Z row, writes S for t in [y·W2D, (y + 1)·W2D) (the last row: up to T; so every entry once),
+    and gathers its rows from its Z row."""
     h = tl.program_id(0)
-    for t0 in range(0, T, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = offs_t < T
-        z = tl.zeros([BLOCK_T], tl.float32)
+    y = tl.program_id(1)
+    W2D = 2 * WW - 1
+    U = WH * W2D
+    t0 = y * W2D
+    zrow = Z + (h * WH + y).to(tl.int64) * U
+    for u0 in range(0, U, BLOCK_U):
+        offs_u = u0 + tl.arange(0, BLOCK_U)
+        u_ok = offs_u < U
+        offs_t = t0 + offs_u
+        z = tl.zeros([BLOCK_U], tl.float32)
         for c0 in range(0, C, BLOCK_C):
             offs_c = c0 + tl.arange(0, BLOCK_C)
             c_ok = offs_c < C
-            hid = _relu(_pre(Coords, W1, B1, offs_t, t_ok, offs_c, c_ok))
+            hid = _relu(_pre(Coords, W1, B1, offs_t, u_ok, offs_c, c_ok))
             w2 = tl.load(W2 + h * C + offs_c, mask=c_ok, other=0.0).to(tl.float32)
             z += tl.sum(hid * w2[None, :], axis=1)
-        tl.store(S + h * T + offs_t, 16.0 * tl.sigmoid(z), mask=t_ok)
+        s = 16.0 * tl.sigmoid(z)
+        tl.store(zrow + offs_u, s, mask=u_ok)
+        tl.store(S + h * T + offs_t, s, mask=u_ok & ((offs_u < W2D) | (y == WH - 1)))
     # the gather reads entries other threads of this program wrote: the barrier orders those stores
     # before these loads (a CTA-wide barrier makes its threads' global writes visible to each other)
     tl.debug_barrier()
     N = WH * WW
-    W2D = 2 * WW - 1
-    for e0 in range(0, N * N, BLOCK_E):
+    out = Bias + (h * N + y * WW).to(tl.int64) * N
+    for e0 in range(0, WW * N, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
-        ok = e < N * N
-        i = e // N
+        ok = e < WW * N
+        a = e // N
         j = e % N
-        t = (i // WW - j // WW + WH - 1) * W2D + (i % WW - j % WW + WW - 1)
-        tl.store(Bias + h * N * N + e, tl.load(S + h * T + t, mask=ok, other=0.0), mask=ok)
+        u = (WH - 1 - j // WW) * W2D + (a - j % WW + WW - 1)   # t(i, j) − y·W2D
+        tl.store(out + e, tl.load(zrow + u, mask=ok, other=0.0), mask=ok)
 
 
 @triton.jit
-def _cpb_dz_kernel(DBias, S, DZ, T, WH, WW, sd_h, sd_i, sd_j, BLOCK_T: tl.constexpr):
-    """Grid (H,). DBias [H, N, N] (strides sd_*), S [H, T] → DZ [H, T] float32: the gradient of z, the
-    bias gradient of every token pair (i, j) with t(i, j) = t summed in ascending i, times 16·σ'."""
+def _cpb_dz_kernel(DBias, S, DZ, T, WH, WW, sd_h, sd_i, sd_j, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
+    """Grid (H, cdiv(T, BLOCK_T)). DBias [H, N, N] (strides sd_*), S [H, T] → DZ [H, T] float32: for each
+    table entry t, the bias gradient of the token pairs (i, j) that read it (j = i − offset(t), one per
+    row i that has it) summed in a fixed order (BLOCK_I rows at a time), times 16·σ'."""
     h = tl.program_id(0).to(tl.int64)
     N = WH * WW
     W2D = 2 * WW - 1
-    for t0 in range(0, T, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = offs_t < T
-        dy = offs_t // W2D - (WH - 1)   # yi − yj of the pairs entry t serves
-        dx = offs_t % W2D - (WW - 1)    # xi − xj
-        acc = tl.zeros([BLOCK_T], tl.float32)
-        for i in range(0, N):
-            yj = i // WW - dy
-            xj = i % WW - dx
-            ok = t_ok & (yj >= 0) & (yj < WH) & (xj >= 0) & (xj < WW)
-            j = yj * WW + xj
-            acc += tl.load(DBias + h * sd_h + i * sd_i + j * sd_j, mask=ok, other=0.0).to(tl.float32)
-        s = tl.load(S + h * T + offs_t, mask=t_ok, other=0.0)
-        tl.store(DZ + h * T + offs_t, acc * s * (1.0 - s * 0.0625), mask=t_ok)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < T
+    dy = offs_t // W2D - (WH - 1)   # yi − yj of the pairs entry t serves
+    dx = offs_t % W2D - (WW - 1)    # xi − xj
+    acc = tl.zeros([BLOCK_T], tl.float32)
+    for i0 in range(0, N, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        yj = (i // WW)[None, :] - dy[:, None]
+        xj = (i % WW)[None, :] - dx[:, None]
+        ok = t_ok[:, None] & (i < N)[None, :] & (yj >= 0) & (yj < WH) & (xj >= 0) & (xj < WW)
+        j = yj * WW + xj
+        vals = tl.load(DBias + h * sd_h + i[None, :].to(tl.int64) * sd_i + j * sd_j, mask=ok, other=0.0)
+        acc += tl.sum(vals.to(tl.float32), axis=1)
+    s = tl.load(S + h * T + offs_t, mask=t_ok, other=0.0)
+    tl.store(DZ + h * T + offs_t, acc * s * (1.0 - s * 0.0625), mask=t_ok)
 
 
 @triton.jit
@@ -159,8 +179,9 @@ def _forward(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch
     T, N = coords.shape[0], wh * ww
     bias = torch.empty(H, N, N, dtype=torch.float32, device=w2.device)
     s = torch.empty(H, T, dtype=torch.float32, device=w2.device)
-    launch(_cpb_fwd_kernel, (H,), coords, w1, b1, w2, bias, s, T, C, wh, ww,
-           BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_E=BLOCK_E, num_warps=NUM_WARPS)
+    z = torch.empty(H, wh, wh * (2 * ww - 1), dtype=torch.float32, device=w2.device)
+    launch(_cpb_fwd_kernel, (H, wh), coords, w1, b1, w2, bias, s, z, T, C, wh, ww,
+           BLOCK_U=FWD_BLOCK_U, BLOCK_C=FWD_BLOCK_C, BLOCK_E=BLOCK_E, num_warps=NUM_WARPS)
     return bias, s
 
 
@@ -170,10 +191,11 @@ def _backward(dbias: torch.Tensor, s: torch.Tensor, coords: torch.Tensor, w1: to
     H, C = w2.shape
     T = coords.shape[0]
     dz = torch.empty(H, T, dtype=torch.float32, device=w2.device)
-    launch(_cpb_dz_kernel, (H,), dbias, s, dz, T, wh, ww, *dbias.stride(), BLOCK_T=BLOCK_T, num_warps=NUM_WARPS)
+    launch(_cpb_dz_kernel, (H, cdiv(T, DZ_BLOCK_T)), dbias, s, dz, T, wh, ww, *dbias.stride(),
+           BLOCK_T=DZ_BLOCK_T, BLOCK_I=DZ_BLOCK_I, num_warps=NUM_WARPS)
     dw1, db1, dw2 = (torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in (w1, b1, w2))
-    launch(_cpb_dparams_kernel, (cdiv(C, BLOCK_C),), coords, w1, b1, w2, dz, dw1, db1, dw2, T, C, H,
-           BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_H=max(16, triton.next_power_of_2(H)),
+    launch(_cpb_dparams_kernel, (cdiv(C, DP_BLOCK_C),), coords, w1, b1, w2, dz, dw1, db1, dw2, T, C, H,
+           BLOCK_T=DP_BLOCK_T, BLOCK_C=DP_BLOCK_C, BLOCK_H=max(16, triton.next_power_of_2(H)),
            num_warps=NUM_WARPS)
     return [dw1, db1, dw2]
 
