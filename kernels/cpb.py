@@ -50,10 +50,17 @@ if INTERPRET:  # (the interpreter's cost is per step: fewer, larger ones)
 
 
 @triton.jit
-def _pre(Coords, W1, B1, offs_t, t_ok, offs_c, c_ok):
-    """The hidden layer's input, coords · W1ᵀ + b1, [BLOCK_T, BLOCK_C] float32 (0 outside T × C)."""
+def _coords(Coords, offs_t, t_ok):
+    """The (y, x) columns of the table entries offs_t, float32 (0 outside T)."""
     c0 = tl.load(Coords + offs_t * 2, mask=t_ok, other=0.0).to(tl.float32)
     c1 = tl.load(Coords + offs_t * 2 + 1, mask=t_ok, other=0.0).to(tl.float32)
+    return c0, c1
+
+
+@triton.jit
+def _pre(c0, c1, W1, B1, t_ok, offs_c, c_ok):
+    """The hidden layer's input, coords · W1ᵀ + b1, [BLOCK_T, BLOCK_C] float32 (0 outside T × C), for
+    the entries whose coordinates are c0, c1 (:func:`_coords`)."""
     w0 = tl.load(W1 + offs_c * 2, mask=c_ok, other=0.0).to(tl.float32)
     w1 = tl.load(W1 + offs_c * 2 + 1, mask=c_ok, other=0.0).to(tl.float32)
     b = tl.load(B1 + offs_c, mask=c_ok, other=0.0).to(tl.float32)
@@ -88,11 +95,12 @@ def _cpb_fwd_kernel(Coords, W1, B1, W2, Bias, S, Z, T, C, WH, WW,
         offs_u = u0 + tl.arange(0, BLOCK_U)
         u_ok = offs_u < U
         offs_t = t0 + offs_u
+        cy, cx = _coords(Coords, offs_t, u_ok)
         z = tl.zeros([BLOCK_U], tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            offs_c = c0 + tl.arange(0, BLOCK_C)
+        for k0 in range(0, C, BLOCK_C):
+            offs_c = k0 + tl.arange(0, BLOCK_C)
             c_ok = offs_c < C
-            hid = _relu(_pre(Coords, W1, B1, offs_t, u_ok, offs_c, c_ok))
+            hid = _relu(_pre(cy, cx, W1, B1, u_ok, offs_c, c_ok))
             w2 = tl.load(W2 + h * C + offs_c, mask=c_ok, other=0.0).to(tl.float32)
             z += tl.sum(hid * w2[None, :], axis=1)
         s = 16.0 * tl.sigmoid(z)
@@ -156,13 +164,12 @@ def _cpb_dparams_kernel(Coords, W1, B1, W2, DZ, DW1, DB1, DW2, T, C, H,
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         t_ok = offs_t < T
-        pre = _pre(Coords, W1, B1, offs_t, t_ok, offs_c, c_ok)
+        cy, cx = _coords(Coords, offs_t, t_ok)
+        pre = _pre(cy, cx, W1, B1, t_ok, offs_c, c_ok)
         dz = tl.load(DZ + offs_h[:, None] * T + offs_t[None, :], mask=h_ok[:, None] & t_ok[None, :], other=0.0)
         dw2 += tl.dot(dz, _relu(pre), input_precision="ieee")
         dh = tl.dot(tl.trans(dz), w2, input_precision="ieee")
         dh = tl.where(pre > 0.0, dh, 0.0)   # (ReLU's gradient: 0 where its output is 0, as PyTorch's)
-        cy = tl.load(Coords + offs_t * 2, mask=t_ok, other=0.0).to(tl.float32)
-        cx = tl.load(Coords + offs_t * 2 + 1, mask=t_ok, other=0.0).to(tl.float32)
         dw1_y += tl.sum(dh * cy[:, None], axis=0)
         dw1_x += tl.sum(dh * cx[:, None], axis=0)
         db1 += tl.sum(dh, axis=0)
