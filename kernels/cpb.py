@@ -39,7 +39,8 @@ from .launch import INTERPRET, cdiv, launch
 from .ops import AUTOGRAD, COMPILED, check_first_order, double_backward_error, register, route
 
 # tile shapes (the kernels are latency-bound: many short programs, few steps each)
-FWD_BLOCK_U, FWD_BLOCK_C = 128, 64      # table entries × hidden units per step of the forward
+FWD_BLOCK_U, FWD_BLOCK_C = 128, 32      # table entries × hidden units per step of the forward
+FWD_WARPS = 8                           # (the fastest of 64/128 entries × 16/32/64 units × 2/4/8 warps; README)
 DZ_BLOCK_T, DZ_BLOCK_I = 32, 64         # table entries per program × token rows per step (dz)
 DP_BLOCK_T, DP_BLOCK_C = 64, 16         # table entries per step × hidden units per program (dparams)
 BLOCK_E = 1024                          # bias entries per step of the forward's gather
@@ -188,7 +189,7 @@ def _forward(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch
     s = torch.empty(H, T, dtype=torch.float32, device=w2.device)
     z = torch.empty(H, wh, wh * (2 * ww - 1), dtype=torch.float32, device=w2.device)
     launch(_cpb_fwd_kernel, (H, wh), coords, w1, b1, w2, bias, s, z, T, C, wh, ww,
-           BLOCK_U=FWD_BLOCK_U, BLOCK_C=FWD_BLOCK_C, BLOCK_E=BLOCK_E, num_warps=NUM_WARPS)
+           BLOCK_U=FWD_BLOCK_U, BLOCK_C=FWD_BLOCK_C, BLOCK_E=BLOCK_E, num_warps=FWD_WARPS)
     return bias, s
 
 
