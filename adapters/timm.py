@@ -40,6 +40,10 @@ Calls that are delegated to the original forward (and counted in ``module._elsa.
   the mask — the original decides);
 * a Swin ``mask`` that is not ``[nW, N, N]`` with ``nW`` dividing the window batch.
 
+Swin v2's position bias runs the module's own ``cpb_mlp`` (instead of the fused kernel of
+``kernels/cpb.py``) where that MLP has hooks, is not timm's Linear → ReLU → Linear, its parameters
+are not float32 / bfloat16 / float16, or a backend is named.
+
 Rows that see no key at all (a boolean ``attn_mask`` row of all False) return 0, as SDPA does;
 timm's unfused path (``fused_attn=False``, and Swin) returns NaN there. A Swin ``mask`` of bool or
 integer dtype is added as numbers (True = +1), as timm does.
@@ -395,6 +399,10 @@ class SwinV2WindowAttention(_SwinBase):
     """Swin v2 ``timm.models.swin_transformer_v2.WindowAttention``: cosine attention,
     softmax(normalize(q)·τ · normalize(k)ᵀ + 16·sigmoid(cpb_mlp(coords))[index] + mask) v with
     τ = exp(clamp(logit_scale, max=log 100)) per head and logit scale 1. τ is folded into q.
+    The bias (the MLP over the coordinates table, the sigmoid and the gather by index) is one
+    launch of the fused kernel, its gradient two (:meth:`_bias`), where cpb_mlp is timm's and has no
+    hooks and the backend is "auto"; that kernel derives the index from the window size, so a
+    module whose ``relative_position_index`` is not timm's formula is not patched (reported).
     Attention dropout in training delegates to the original forward."""
 
     name = "timm.SwinV2WindowAttention"
