@@ -65,7 +65,7 @@ from torch import nn
 
 from ..api import attention, attention_packed, shifted_window_attention, window_attention, window_attention_packed
 from ..dispatch import triton_serves
-from ..kernels.limits import HEAD_DIMS
+from ..kernels.limits import CPB_DTYPES, HEAD_DIMS
 from .blocks import PreNormBlock
 from .registry import Adapter, PatchState, bypass_reason, check_flag, hooked, is_patched, module_attr, register
 
@@ -285,10 +285,6 @@ def _gather_heads(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Ten
     return table.t()[:, idx].view(-1, n, n)
 
 
-# the dtypes of Swin v2's position-bias table and MLP the fused kernel reads (kernels/cpb.py)
-_CPB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _canonical_index(module) -> bool:
     """Whether a Swin v2 module's relative_position_index is the one timm builds from its window size,
     t(i, j) = (yi − yj + wh − 1)(2·ww − 1) + (xi − xj + ww − 1) for row-major tokens (a buffer on the
@@ -461,8 +457,8 @@ class SwinV2WindowAttention(_SwinBase):
         n = wh * ww
         coords = module.relative_coords_table
         layers = cls._cpb_layers(module) if _backend(state) == "auto" else None
-        if (layers is not None and triton_serves(coords.device.type) and coords.dtype in _CPB_DTYPES
-                and all(p.dtype in _CPB_DTYPES for layer in layers for p in layer.parameters())
+        if (layers is not None and triton_serves(coords.device.type) and coords.dtype in CPB_DTYPES
+                and all(p.dtype in CPB_DTYPES for layer in layers for p in layer.parameters())
                 and tuple(module.relative_position_index.shape) == (n, n)):
             from ..kernels.cpb import continuous_position_bias
             l1, l2 = layers

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRET, cdiv, launch
+from .limits import CPB_DTYPES as DTYPES
 from .ops import AUTOGRAD, COMPILED, check_first_order, double_backward_error, register, route
 
 # tile shapes (the kernels are latency-bound: many short programs, few steps each)
@@ -246,9 +247,6 @@ class _Function(torch.autograd.Function):
         check_first_order("continuous_position_bias")
         dw1, db1, dw2 = _backward(dbias, *ctx.saved_tensors, *ctx.window)
         return None, dw1, db1, dw2, None, None
-
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def continuous_position_bias(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
