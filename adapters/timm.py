@@ -409,8 +409,9 @@ class SwinV2WindowAttention(_SwinBase):
 
     def skip_reason(self, module, options):
         why = super().skip_reason(module, options)
-        if why is None and self._cpb_layers(module) is not None and not _canonical_index(module):
-            # the fused bias kernel derives each token pair's table row from the window size
+        if why is None and not _canonical_index(module):
+            # the fused bias kernel derives each token pair's table row from the window size (checked
+            # here, once, whatever the MLP: hooks that keep a call on the module's MLP may go later)
             why = ("relative_position_index is not the one timm builds from window_size; the fused position-bias "
                    "kernel derives it from the window size (rebuild it with module.set_window_size)")
         return why
