@@ -42,7 +42,8 @@ Calls that are delegated to the original forward (and counted in ``module._elsa.
 
 Swin v2's position bias runs the module's own ``cpb_mlp`` (instead of the fused kernel of
 ``kernels/cpb.py``) where that MLP has hooks, is not timm's Linear → ReLU → Linear, its parameters
-are not float32 / bfloat16 / float16, or a backend is named.
+are not float32 / bfloat16 / float16, a backend is named, or the model was patched with
+``fuse_position_bias=False`` (then the bias is timm's to the bit: its MLP in the autocast dtype).
 
 Rows that see no key at all (a boolean ``attn_mask`` row of all False) return 0, as SDPA does;
 timm's unfused path (``fused_attn=False``, and Swin) returns NaN there. A Swin ``mask`` of bool or
@@ -51,7 +52,8 @@ integer dtype is added as numbers (True = +1), as timm does.
 Patch options read here: ``precision`` (see :func:`elsa_vision.attention`), ``backend``
 (``"auto"`` by default; naming one, e.g. ``backend="reference"``, routes every call — Swin
 included — through ``elsa_vision.attention`` on that backend, or the Swin blocks through
-``shifted_window_attention`` on it) and ``fuse_windows`` (default True: the Swin blocks above).
+``shifted_window_attention`` on it), ``fuse_windows`` (default True: the Swin blocks above) and
+``fuse_position_bias`` (default True: Swin v2's position bias by the fused kernel, see below).
 """
 from __future__ import annotations
 
@@ -397,23 +399,29 @@ class SwinV2WindowAttention(_SwinBase):
     τ = exp(clamp(logit_scale, max=log 100)) per head and logit scale 1. τ is folded into q.
     The bias (the MLP over the coordinates table, the sigmoid and the gather by index) is one
     launch of the fused kernel, its gradient two (:meth:`_bias`), where cpb_mlp is timm's and has no
-    hooks and the backend is "auto"; that kernel derives the index from the window size, so a
-    module whose ``relative_position_index`` is not timm's formula is not patched (reported).
+    hooks, the backend is "auto" and the patch option ``fuse_position_bias`` is True (its default);
+    that kernel derives the index from the window size, so a module whose
+    ``relative_position_index`` is not timm's formula is not patched then (reported).
     Attention dropout in training delegates to the original forward."""
 
     name = "timm.SwinV2WindowAttention"
     targets = ("timm.models.swin_transformer_v2:WindowAttention",)
+    options = frozenset({"fuse_position_bias"})
+
+    def check_options(self, options):
+        check_flag(options, "fuse_position_bias", True)
 
     def _qkv(self, module, x):
         return _biased_qkv(module, x)
 
     def skip_reason(self, module, options):
         why = super().skip_reason(module, options)
-        if why is None and not _canonical_index(module):
+        if why is None and options.get("fuse_position_bias", True) and not _canonical_index(module):
             # the fused bias kernel derives each token pair's table row from the window size (checked
             # here, once, whatever the MLP: hooks that keep a call on the module's MLP may go later)
             why = ("relative_position_index is not the one timm builds from window_size; the fused position-bias "
-                   "kernel derives it from the window size (rebuild it with module.set_window_size)")
+                   "kernel derives it from the window size (rebuild it with module.set_window_size, or patch "
+                   "with fuse_position_bias=False to keep the module's own MLP and index)")
         return why
 
     def _prepare(self, module, state, q, k):
@@ -457,7 +465,8 @@ class SwinV2WindowAttention(_SwinBase):
         wh, ww = module.window_size
         n = wh * ww
         coords = module.relative_coords_table
-        layers = cls._cpb_layers(module) if _backend(state) == "auto" else None
+        fuse = _backend(state) == "auto" and state.options.get("fuse_position_bias", True)
+        layers = cls._cpb_layers(module) if fuse else None
         if (layers is not None and triton_serves(coords.device.type) and coords.dtype in CPB_DTYPES
                 and all(p.dtype in CPB_DTYPES for layer in layers for p in layer.parameters())
                 and tuple(module.relative_position_index.shape) == (n, n)):

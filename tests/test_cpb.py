@@ -182,6 +182,24 @@ def test_an_index_of_another_formula_is_not_patched():
     assert m._elsa.delegated == 0 and torch.isfinite(out).all()
 
 
+def test_fuse_position_bias_false_keeps_the_modules_mlp(monkeypatch):
+    """patch(fuse_position_bias=False): the module's own MLP and index (timm's bias to the bit, in
+    the autocast dtype under autocast), also for an index of another formula, which is then patched."""
+    m, ref = _patched_pair()
+    elsa_vision.unpatch(m)
+    with torch.no_grad():
+        for mod in (m, ref):
+            mod.relative_position_index.copy_(mod.relative_position_index.flip(1))
+    assert elsa_vision.patch(m, fuse_position_bias=False).num_patched == 1
+    monkeypatch.setattr(cpb, "_forward", lambda *a: pytest.fail("fuse_position_bias=False launched the kernel"))
+    x = torch.randn(4, 16, 32, device=DEVICE)
+    out, grads = _step(m, x)
+    want, want_grads = _step(ref, x)
+    assert m._elsa.delegated == 0 and max_err(out, want) <= 1e-4
+    for n in ("cpb_mlp.0.weight", "cpb_mlp.2.weight"):
+        assert max_err(grads[n], want_grads[n]) <= 1e-4 * max(1.0, want_grads[n].abs().max().item()), n
+
+
 def test_compiled_module_calls_the_op():
     """A fullgraph compile of the patched module traces the op (aot_eager on the CPU, where the op is
     opaque; inductor on a GPU): gradients as the eager call's."""

@@ -57,6 +57,7 @@ BAD = [
     # (options, error, message): for each option a value of the wrong type, then one out of range
     (dict(fuse_windows="yes please"), TypeError, "fuse_windows must be True or False"),
     (dict(fuse_windows=1), TypeError, "fuse_windows must be True or False"),
+    (dict(fuse_position_bias="no"), TypeError, "fuse_position_bias must be True or False"),
     (dict(precision=32), ValueError, "precision must be one of"),
     (dict(precision="fp64"), ValueError, "precision must be one of"),
     (dict(backend=None), ValueError, "unknown backend"),
