@@ -20,7 +20,8 @@ and with ``--nofuse``, ``elsa_nofuse``: for Swin models ``patch(fuse_windows=Fal
 attention modules only, timm's cyclic shift and window partition / merge copies around them), to
 show what running the blocks' shifted windows in place adds; for ViT models
 ``patch(fuse_residual=False)`` (the blocks' own residual adds and norms), to show what the fused
-residual passes add.
+residual passes add. ``--nofuse OPTION ...`` sets those patch options False instead, e.g.
+``--nofuse fuse_position_bias`` (Swin v2's position bias by the module's own MLP).
 
 A training step is forward + backward + SGD step. fp32 runs with ``torch.set_float32_matmul_precision
 ("highest")`` (native attention is true fp32; ELSA's "auto" runs its float32-accurate fp16x3 mode);
@@ -51,7 +52,7 @@ import itertools
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 from pathlib import Path
 
 import torch
@@ -116,6 +117,14 @@ def quick_cases() -> list[Case]:
     return cs
 
 
+def nofuse_options(case: Case, names: Sequence[str]) -> dict:
+    """The patch options of the ``elsa_nofuse`` variant: ``names`` set False, or with none named the
+    family's fused blocks off (Swin: fuse_windows, ViT: fuse_residual)."""
+    if names:
+        return {n: False for n in names}
+    return {"fuse_windows": False} if case.model in SWIN else {"fuse_residual": False}
+
+
 def build(case: Case, device: str) -> torch.nn.Module:
     import timm
     name = {**VIT, **SWIN}[case.model]
@@ -176,7 +185,7 @@ def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None
 
 def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0,
              profile: Optional[list] = None, graphs: bool = False, compile_mode: Optional[str] = None,
-             nofuse: bool = False, host: bool = False) -> dict:
+             nofuse: Optional[Sequence[str]] = None, host: bool = False) -> dict:
     """Time one case (ELSA vs timm's paths, interleaved); with ``profile`` (a list), also append one
     profiled call per variant: CUDA time per kernel category and the top kernels; with ``graphs``,
     also time each variant replayed from a CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<b>``);
@@ -193,10 +202,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         elsa = copy.deepcopy(native)
         report = elsa_vision.patch(elsa, precision=precision)
         row["patched"] = report.num_patched
-        if nofuse:
+        if nofuse is not None:
             elsa_nf = copy.deepcopy(native)
-            off = {"fuse_windows": False} if case.model in SWIN else {"fuse_residual": False}
-            elsa_vision.patch(elsa_nf, precision=precision, **off)
+            elsa_vision.patch(elsa_nf, precision=precision, **nofuse_options(case, nofuse))
         x = torch.randn(case.batch, 3, case.size, case.size, device=device)
     except Exception as e:  # noqa: BLE001 - a case that cannot be built is a result
         row["error"] = f"build: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -204,7 +212,7 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     # Swin v2's WindowAttention has no SDPA path (no fused_attn flag): only "unfused" applies
     has_fused = any(hasattr(m, "fused_attn") for m in native.modules())
     variants = {"elsa": make_fn(elsa, x, case, compile_mode=compile_mode)}
-    if nofuse:
+    if nofuse is not None:
         variants["elsa_nofuse"] = make_fn(elsa_nf, x, case, compile_mode=compile_mode)
     if has_fused:
         fused_model = copy.deepcopy(native) if compile_mode is not None else native
@@ -239,7 +247,7 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         r = res.get(b)
         if r is not None and r.ms and e.ms:
             row[f"speedup_vs_{b}"] = r.ms / e.ms
-            if nofuse and res["elsa_nofuse"].ms:
+            if nofuse is not None and res["elsa_nofuse"].ms:
                 row[f"nofuse_speedup_vs_{b}"] = r.ms / res["elsa_nofuse"].ms
         if r is not None and r.peak_bytes and e.peak_bytes:
             row[f"mem_vs_{b}"] = e.peak_bytes / r.peak_bytes
@@ -283,7 +291,7 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     if delegated:
         row["delegated_calls"] = delegated
     del native, elsa, variants, x
-    if nofuse:
+    if nofuse is not None:
         del elsa_nf
     gc.collect()
     if torch.cuda.is_available():
@@ -344,9 +352,10 @@ def main(argv=None) -> int:
     ap.add_argument("--graphs", action="store_true",
                     help="also time each variant replayed from a CUDA graph (no host launch work): "
                          "<variant>_graph_ms, graph_speedup_vs_<baseline>")
-    ap.add_argument("--nofuse", action="store_true",
+    ap.add_argument("--nofuse", nargs="*", metavar="OPTION",
                     help="also ELSA with patch(fuse_windows=False) for Swin, patch(fuse_residual=False) for ViT "
-                         "(variant elsa_nofuse)")
+                         "(variant elsa_nofuse); with OPTIONs, those patch options False instead "
+                         "(e.g. fuse_position_bias)")
     ap.add_argument("--host", action="store_true",
                     help="also each variant's host time per call, started on an idle GPU and not waited for "
                          "(<variant>_host_ms), and its share of the wall time (<variant>_host_share: near 1, "
@@ -386,11 +395,11 @@ def main(argv=None) -> int:
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
             "speedup_vs_unfused", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
-    if a.nofuse:
+    if a.nofuse is not None:
         cols += ["elsa_nofuse_ms", "nofuse_speedup_vs_fused", "nofuse_speedup_vs_unfused"]
     if a.graphs:
         cols += ["elsa_graph_ms", "graph_speedup_vs_fused", "graph_speedup_vs_unfused"]
-        if a.nofuse:
+        if a.nofuse is not None:
             cols += ["nofuse_graph_speedup_vs_fused", "nofuse_graph_speedup_vs_unfused"]
     if a.compile:
         cols += ["graphs_compiled", "graph_breaks", "steady"]

@@ -128,6 +128,27 @@ def test_models_benchmark_host_columns(tmp_path, monkeypatch):
         assert float(row[f"{v}_host_share"]) == pytest.approx(host / wall), row
 
 
+def test_models_benchmark_nofuse_options(tmp_path, monkeypatch):
+    """benchmarks/models.py --nofuse OPTION ...: the elsa_nofuse variant is patched with those options
+    False; with none named, the family's fused blocks off (Swin: fuse_windows, ViT: fuse_residual)."""
+    pytest.importorskip("timm")
+    import csv
+    from benchmarks import models
+    seen = []
+    real = models.elsa_vision.patch
+    monkeypatch.setattr(models.elsa_vision, "patch", lambda m, **kw: seen.append(kw) or real(m, **kw))
+    monkeypatch.setenv("ELSA_RESULTS_DIR", str(tmp_path))
+    models.main(["--models", "ViT-T", "--sizes", "32", "--batches", "2", "--modes", "fwd", "--dtypes", "bf16",
+                 "--warmup", "1", "--rounds", "2", "--device", "cpu", "--name", "nofuse",
+                 "--nofuse", "fuse_position_bias", "fuse_residual"])
+    (row,) = list(csv.DictReader(open(tmp_path / "nofuse.csv")))
+    assert float(row["elsa_nofuse_ms"]) > 0, row
+    assert seen == [dict(precision="auto"), dict(precision="auto", fuse_position_bias=False, fuse_residual=False)]
+    swin, vit = models.Case("Swin-T", 224, 8, "fwd", "bf16"), models.Case("ViT-T", 224, 8, "fwd", "bf16")
+    assert models.nofuse_options(swin, []) == {"fuse_windows": False}
+    assert models.nofuse_options(vit, []) == {"fuse_residual": False}
+
+
 @pytest.mark.parametrize("args", [["--smoke", "--shapes", "swinT-s4", "--dtypes", "fp32", "--profile"]])
 def test_windows_benchmark_smoke(tmp_path, args):
     from benchmarks import windows
