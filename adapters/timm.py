@@ -287,6 +287,12 @@ def _gather_heads(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Ten
     return table.t()[:, idx].view(-1, n, n)
 
 
+def _unit_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x's rows (last dim) L2-normalized and times ``scale`` in one pass, x · (scale / max(‖x‖, eps)),
+    with F.normalize's eps (Swin v2's normalize(q)·τ)."""
+    return x * (scale / x.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+
+
 def _canonical_index(module) -> bool:
     """Whether a Swin v2 module's relative_position_index is the one timm builds from its window size,
     t(i, j) = (yi − yj + wh − 1)(2·ww − 1) + (xi − xj + ww − 1) for row-major tokens (a buffer on the
@@ -433,9 +439,7 @@ class SwinV2WindowAttention(_SwinBase):
         """normalize(q)·τ and normalize(k), each its own tensor; ``heads_at``: the heads' dim of q
         (−3 for [B·nW, H, N, D], −2 for image rows [B, height, width, H, D])."""
         tau = SwinV2WindowAttention._tau(module).view(-1, *(1,) * (-heads_at - 1))
-        # normalize(q)·τ as one pass over q: q · (τ / max(‖q‖, eps)), F.normalize's eps
-        q = q * (tau / q.norm(dim=-1, keepdim=True).clamp_min(1e-12))
-        return q, F.normalize(k, dim=-1)
+        return _unit_rows(q, tau), F.normalize(k, dim=-1)
 
     @staticmethod
     def _tau(module) -> torch.Tensor:
@@ -468,7 +472,7 @@ class SwinV2WindowAttention(_SwinBase):
         fuse = _backend(state) == "auto" and state.options.get("fuse_position_bias", True)
         layers = cls._cpb_layers(module) if fuse else None
         if (layers is not None and triton_serves(coords.device.type) and coords.dtype in CPB_DTYPES
-                and all(p.dtype in CPB_DTYPES for layer in layers for p in layer.parameters())
+                and all(p.dtype in CPB_DTYPES for p in (layers[0].weight, layers[0].bias, layers[1].weight))
                 and tuple(module.relative_position_index.shape) == (n, n)):
             from ..kernels.cpb import continuous_position_bias
             l1, l2 = layers
@@ -488,8 +492,7 @@ class SwinV2WindowAttention(_SwinBase):
         tensor."""
         tau = SwinV2WindowAttention._tau(module).view(1, -1, 1)  # [1, H, 1]
         both = torch.cat((tau, torch.ones_like(tau)))  # [2, H, 1]: q's τ, k's 1
-        qk = qkv[..., :2, :, :]
-        qk = qk * (both / qk.norm(dim=-1, keepdim=True).clamp_min(1e-12))  # F.normalize's eps
+        qk = _unit_rows(qkv[..., :2, :, :], both)
         return torch.cat((qk.to(qkv.dtype), qkv[..., 2:, :, :]), dim=-3)
 
     @staticmethod

@@ -244,8 +244,8 @@ class Launch:
     (grid, strides, sizes, tile constants) is kept, and a repeat only binds addresses. The compiled
     kernel is kept per device and per pattern of the tensors' dtypes and 16-byte-aligned addresses
     (what Triton specialises a pointer argument on; the scalars are fixed, so their specialisation
-    is too), and a repeat passes it the addresses as integers: no :func:`_signature` of 40-odd arguments, no
-    per-tensor ``data_ptr`` call and driver pointer query inside Triton's C launcher. The first call
+    is too), and a repeat passes it the addresses as integers: no :func:`_signature` of 40-odd
+    arguments, no per-tensor ``data_ptr`` call and driver pointer query inside Triton's C launcher. The first call
     of each pattern, and every call where :func:`tritons_own_path` holds, take :func:`launch`'s path.
 
     ``leading`` (kernels that take TMA tensor descriptors, kernels/hopper.py): the arguments before
