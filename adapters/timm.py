@@ -40,10 +40,15 @@ Calls that are delegated to the original forward (and counted in ``module._elsa.
   the mask — the original decides);
 * a Swin ``mask`` that is not ``[nW, N, N]`` with ``nW`` dividing the window batch.
 
-Swin v2's position bias runs the module's own ``cpb_mlp`` (instead of the fused kernel of
-``kernels/cpb.py``) where that MLP has hooks, is not timm's Linear → ReLU → Linear, its parameters
-are not float32 / bfloat16 / float16, a backend is named, or the model was patched with
-``fuse_position_bias=False`` (then the bias is timm's to the bit: its MLP in the autocast dtype).
+Swin's position bias is gathered by the kernels of ``kernels/position_bias.py`` (v1: the table
+gathered in one launch, its gradient summed in one; v2: its MLP, sigmoid and gather in one launch),
+which derive the index from the window size: a module whose ``relative_position_index`` is not
+timm's formula is not patched (reported), unless the model is patched with
+``fuse_position_bias=False``. The module's own gather runs instead — v2's ``cpb_mlp`` too — where a
+backend is named, the table or parameters are not float32 / bfloat16 / float16, with
+``fuse_position_bias=False`` (then v2's bias is timm's to the bit: its MLP in the autocast dtype;
+v1's is the table's values either way), and for v2 where its MLP has hooks or is not timm's
+Linear → ReLU → Linear.
 
 Rows that see no key at all (a boolean ``attn_mask`` row of all False) return 0, as SDPA does;
 timm's unfused path (``fused_attn=False``, and Swin) returns NaN there. A Swin ``mask`` of bool or
@@ -53,7 +58,7 @@ Patch options read here: ``precision`` (see :func:`elsa_vision.attention`), ``ba
 (``"auto"`` by default; naming one, e.g. ``backend="reference"``, routes every call — Swin
 included — through ``elsa_vision.attention`` on that backend, or the Swin blocks through
 ``shifted_window_attention`` on it), ``fuse_windows`` (default True: the Swin blocks above) and
-``fuse_position_bias`` (default True: Swin v2's position bias by the fused kernel, see below).
+``fuse_position_bias`` (default True: Swin's position bias by the fused kernels, see above).
 """
 from __future__ import annotations
 
@@ -67,7 +72,7 @@ from torch import nn
 
 from ..api import attention, attention_packed, shifted_window_attention, window_attention, window_attention_packed
 from ..dispatch import triton_serves
-from ..kernels.limits import CPB_DTYPES, HEAD_DIMS
+from ..kernels.limits import HEAD_DIMS, POSITION_BIAS_DTYPES
 from .blocks import PreNormBlock
 from .registry import Adapter, PatchState, bypass_reason, check_flag, hooked, is_patched, module_attr, register
 
@@ -294,7 +299,7 @@ def _unit_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _canonical_index(module) -> bool:
-    """Whether a Swin v2 module's relative_position_index is the one timm builds from its window size,
+    """Whether a Swin module's relative_position_index (v1 and v2) is the one timm builds from its window size,
     t(i, j) = (yi − yj + wh − 1)(2·ww − 1) + (xi − xj + ww − 1) for row-major tokens (a buffer on the
     meta device is not filled yet: timm fills it by this formula)."""
     index = module_attr(module, "relative_position_index")
@@ -314,13 +319,39 @@ def _mask_ok(mask: Optional[torch.Tensor], Bw: int, N: int) -> bool:
 
 
 class _SwinBase(Adapter):
-    """Shared Swin forward: qkv → (q, k, scale, bias [H, N, N]) per version → window_core → proj."""
+    """Shared Swin forward: qkv → (q, k, scale, bias [H, N, N]) per version → window_core → proj.
+
+    The bias is gathered by a kernel of :mod:`elsa_vision.kernels.position_bias` where the patch
+    option ``fuse_position_bias`` is True (its default) and the backend is "auto"; those kernels
+    derive the index from the window size, so a module whose ``relative_position_index`` is not
+    timm's formula is not patched then (reported)."""
+
+    options = frozenset({"fuse_position_bias"})
+
+    def check_options(self, options):
+        check_flag(options, "fuse_position_bias", True)
 
     def _head_dim(self, module) -> int:
         return module.qkv.out_features // 3 // module.num_heads
 
     def skip_reason(self, module, options):
-        return _check_common(self._head_dim(module))
+        why = _check_common(self._head_dim(module))
+        if why is None and options.get("fuse_position_bias", True) and not _canonical_index(module):
+            # the position-bias kernels derive each token pair's table row from the window size (checked
+            # here, once: what keeps a later call on the module's own gather may change)
+            why = ("relative_position_index is not the one timm builds from window_size; the fused position-bias "
+                   "kernels derive it from the window size (rebuild it with module.set_window_size, or patch "
+                   "with fuse_position_bias=False to keep the module's own index)")
+        return why
+
+    @staticmethod
+    def _fuses_bias(module, state, tensors) -> bool:
+        """Whether the position-bias kernels serve this call: option and backend, the tensors' device
+        and dtypes, the index's shape."""
+        n = module.window_size[0] * module.window_size[1]
+        return (_backend(state) == "auto" and state.options.get("fuse_position_bias", True)
+                and triton_serves(tensors[0].device.type) and all(t.dtype in POSITION_BIAS_DTYPES for t in tensors)
+                and tuple(module.relative_position_index.shape) == (n, n))
 
     def _qkv(self, module, x):
         raise NotImplementedError
@@ -372,12 +403,19 @@ class SwinWindowAttention(_SwinBase):
         return module.qkv(x)
 
     def _prepare(self, module, state, q, k):
-        # timm's _get_rel_pos_bias as the row-major [H, N, N] table the kernels read, without its
-        # permute (the same values; _gather_heads says which gather, by the gradient's layout)
-        n = module.window_area
-        bias = _gather_heads(module.relative_position_bias_table, module.relative_position_index, n)
         scale = None if module.fused_attn else float(module.scale)
-        return q, k, scale, bias
+        return q, k, scale, self._bias(module, state)
+
+    def _bias(self, module, state) -> torch.Tensor:
+        """timm's _get_rel_pos_bias as the row-major [H, N, N] table the kernels read, without its
+        permute (the same values): by the gather kernel (one launch, float32; its gradient one
+        launch, deterministic) where it serves (:meth:`_fuses_bias`), else by the module's index
+        (:func:`_gather_heads` says which gather, by the gradient's layout)."""
+        table = module.relative_position_bias_table
+        if self._fuses_bias(module, state, (table,)):
+            from ..kernels.position_bias import relative_position_bias
+            return relative_position_bias(table, module.window_size)
+        return _gather_heads(table, module.relative_position_index, module.window_area)
 
     def _attend(self, module, state, qkv, mask):
         # q, k, v are the projection's own slices here: the packed call gets qkv's gradient written in
@@ -405,30 +443,14 @@ class SwinV2WindowAttention(_SwinBase):
     τ = exp(clamp(logit_scale, max=log 100)) per head and logit scale 1. τ is folded into q.
     The bias (the MLP over the coordinates table, the sigmoid and the gather by index) is one
     launch of the fused kernel, its gradient two (:meth:`_bias`), where cpb_mlp is timm's and has no
-    hooks, the backend is "auto" and the patch option ``fuse_position_bias`` is True (its default);
-    that kernel derives the index from the window size, so a module whose
-    ``relative_position_index`` is not timm's formula is not patched then (reported).
-    Attention dropout in training delegates to the original forward."""
+    hooks (and as :class:`_SwinBase` says). Attention dropout in training delegates to the original
+    forward."""
 
     name = "timm.SwinV2WindowAttention"
     targets = ("timm.models.swin_transformer_v2:WindowAttention",)
-    options = frozenset({"fuse_position_bias"})
-
-    def check_options(self, options):
-        check_flag(options, "fuse_position_bias", True)
 
     def _qkv(self, module, x):
         return _biased_qkv(module, x)
-
-    def skip_reason(self, module, options):
-        why = super().skip_reason(module, options)
-        if why is None and options.get("fuse_position_bias", True) and not _canonical_index(module):
-            # the fused bias kernel derives each token pair's table row from the window size (checked
-            # here, once, whatever the MLP: hooks that keep a call on the module's MLP may go later)
-            why = ("relative_position_index is not the one timm builds from window_size; the fused position-bias "
-                   "kernel derives it from the window size (rebuild it with module.set_window_size, or patch "
-                   "with fuse_position_bias=False to keep the module's own MLP and index)")
-        return why
 
     def _prepare(self, module, state, q, k):
         q, k = self._normalized(module, q, k, heads_at=-3)
@@ -464,17 +486,15 @@ class SwinV2WindowAttention(_SwinBase):
     @classmethod
     def _bias(cls, module, state) -> torch.Tensor:
         """16·sigmoid(cpb_mlp(coords)) gathered into the [H, N, N] table the kernels read: by the fused
-        kernel (:func:`elsa_vision.kernels.cpb.continuous_position_bias`, one launch, float32) where it
+        kernel (:func:`elsa_vision.kernels.position_bias.continuous_position_bias`, one launch, float32) where it
         serves, else by the module's own MLP."""
         wh, ww = module.window_size
         n = wh * ww
         coords = module.relative_coords_table
-        fuse = _backend(state) == "auto" and state.options.get("fuse_position_bias", True)
-        layers = cls._cpb_layers(module) if fuse else None
-        if (layers is not None and triton_serves(coords.device.type) and coords.dtype in CPB_DTYPES
-                and all(p.dtype in CPB_DTYPES for p in (layers[0].weight, layers[0].bias, layers[1].weight))
-                and tuple(module.relative_position_index.shape) == (n, n)):
-            from ..kernels.cpb import continuous_position_bias
+        layers = cls._cpb_layers(module)
+        if layers is not None and cls._fuses_bias(module, state, (coords, layers[0].weight, layers[0].bias,
+                                                                  layers[1].weight)):
+            from ..kernels.position_bias import continuous_position_bias
             l1, l2 = layers
             return continuous_position_bias(coords.view(-1, 2), l1.weight, l1.bias, l2.weight, (wh, ww))
         # 16·sigmoid on the [(2w−1)², H] table before the gather (elementwise, so the same values)

@@ -14,6 +14,6 @@ Kernel families (Triton), one file each:
   nearest.py    fused nearest-row search (token merging's similarity)
   segment_mean.py  segment means of token rows (token merging's merge)
   rope.py       q/k LayerNorm + 2-D RoPE in one pass (VGGT)
-  cpb.py        Swin v2's position bias: coordinates MLP, sigmoid and gather in one launch, and its backward
+  position_bias.py  Swin's position biases: v1's table gathered, v2's MLP + sigmoid + gather, in one launch each; their backwards
   residual.py   a pre-norm block's residual add (+ LayerScale) and LayerNorm in one pass, and its backward (ViT, VGGT)
 """

@@ -9,6 +9,6 @@ MAX_WINDOW_TOKENS = 256        # window attention: tokens per window
 WINDOW_BLOCKS = (64, 128, 256)  # window attention: the key tiles a call may ask for
 RESIDUAL_MAX_WIDTH = 16384     # residual passes: the widest row one program holds in registers
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # residual passes: tensor dtypes
-CPB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # Swin v2's position bias: table and MLP dtypes
+POSITION_BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # Swin position biases: tables, MLP
 ROPE_MIN_HEAD_DIM = 16         # q/k norm + RoPE: a head is two [tokens, 2, D/4] tiles, checked on GPUs from 16
 MAX_GRID_YZ = 65535            # CUDA's limit on a launch grid's 2nd and 3rd axes (attention puts batch·heads on the 2nd)

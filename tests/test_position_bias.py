@@ -1,7 +1,8 @@
-"""Swin v2's fused position bias (kernels/cpb.py): the bias and the MLP's gradients under the oracle
-rule (float64 oracle, bound tied to the dtype that timm's own module computes in), deterministic
-gradients, the checks, and its use by the patched Swin v2 module — eagerly, under torch.compile, and
-where it must step aside (hooks on the MLP, a relative_position_index of another formula)."""
+"""Swin's fused position biases (kernels/position_bias.py): v2's bias and its MLP's gradients, and v1's
+gathered table and its gradient, under the oracle rule (float64 oracle, bound tied to the dtype that
+timm's own module computes in), deterministic gradients, the checks, and their use by the patched
+Swin modules — eagerly, under torch.compile, and where they must step aside (hooks on the MLP, a
+relative_position_index of another formula, fuse_position_bias=False)."""
 from __future__ import annotations
 
 import math
@@ -11,10 +12,11 @@ import torch
 
 import elsa_vision
 from conftest import DEVICE
-from elsa_vision.kernels import cpb
+from elsa_vision.kernels import position_bias as pb
 from elsa_vision.verify import max_err, tolerance
 
 timm = pytest.importorskip("timm")
+swin1 = pytest.importorskip("timm.models.swin_transformer")
 swin2 = pytest.importorskip("timm.models.swin_transformer_v2")
 
 
@@ -42,7 +44,7 @@ def _params(m):
 
 def _fused(m):
     w1, b1, w2 = _params(m)
-    return cpb.continuous_position_bias(m.relative_coords_table.view(-1, 2), w1, b1, w2, m.window_size)
+    return pb.continuous_position_bias(m.relative_coords_table.view(-1, 2), w1, b1, w2, m.window_size)
 
 
 def _with_grads(fn, m, g):
@@ -105,13 +107,13 @@ def test_bad_arguments_say_what_is_wrong():
     w1, b1, w2 = _params(m)
     coords = m.relative_coords_table.view(-1, 2)
     with pytest.raises(ValueError, match=r"\[49, 2\] for the window \(4, 4\)"):
-        cpb.continuous_position_bias(coords[:30], w1, b1, w2, (4, 4))
+        pb.continuous_position_bias(coords[:30], w1, b1, w2, (4, 4))
     with pytest.raises(ValueError, match="W1 \\[C, 2\\]"):
-        cpb.continuous_position_bias(coords, w1[:, :1], b1, w2, (4, 4))
+        pb.continuous_position_bias(coords, w1[:, :1], b1, w2, (4, 4))
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
-        cpb.continuous_position_bias(coords.double(), w1, b1, w2, (4, 4))
+        pb.continuous_position_bias(coords.double(), w1, b1, w2, (4, 4))
     with pytest.raises(ValueError, match="window"):
-        cpb.continuous_position_bias(coords, w1, b1, w2, (0, 4))
+        pb.continuous_position_bias(coords, w1, b1, w2, (0, 4))
 
 
 def test_double_backward_is_refused():
@@ -146,8 +148,8 @@ def _step(m, x, module=None):
 def test_patched_module_uses_the_kernel(monkeypatch):
     m, ref = _patched_pair()
     calls = []
-    real = cpb._forward
-    monkeypatch.setattr(cpb, "_forward", lambda *a: calls.append(1) or real(*a))
+    real = pb._forward
+    monkeypatch.setattr(pb, "_forward", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(4, 16, 32, device=DEVICE)
     out, grads = _step(m, x)
     assert calls == [1] and m._elsa.delegated == 0
@@ -159,7 +161,7 @@ def test_patched_module_uses_the_kernel(monkeypatch):
 
 def test_hooks_on_the_mlp_keep_the_modules_own_path(monkeypatch):
     m, _ = _patched_pair()
-    monkeypatch.setattr(cpb, "_forward", lambda *a: pytest.fail("the kernel bypassed a hook on cpb_mlp"))
+    monkeypatch.setattr(pb, "_forward", lambda *a: pytest.fail("the kernel bypassed a hook on cpb_mlp"))
     seen = []
     m.cpb_mlp[0].register_forward_hook(lambda mod, i, o: seen.append(o.shape))
     m(torch.randn(4, 16, 32, device=DEVICE))
@@ -191,7 +193,7 @@ def test_fuse_position_bias_false_keeps_the_modules_mlp(monkeypatch):
         for mod in (m, ref):
             mod.relative_position_index.copy_(mod.relative_position_index.flip(1))
     assert elsa_vision.patch(m, fuse_position_bias=False).num_patched == 1
-    monkeypatch.setattr(cpb, "_forward", lambda *a: pytest.fail("fuse_position_bias=False launched the kernel"))
+    monkeypatch.setattr(pb, "_forward", lambda *a: pytest.fail("fuse_position_bias=False launched the kernel"))
     x = torch.randn(4, 16, 32, device=DEVICE)
     out, grads = _step(m, x)
     want, want_grads = _step(ref, x)
@@ -232,9 +234,154 @@ def test_compiled_graph_launches_the_kernels_itself(monkeypatch):
     c = torch.compile(m, fullgraph=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _, want = _step(c, x, m)
-        monkeypatch.setattr(cpb, "_forward", lambda *a: pytest.fail("a compiled graph called the host launcher"))
-        monkeypatch.setattr(cpb, "_backward", lambda *a: pytest.fail("a compiled graph called the host launcher"))
+        monkeypatch.setattr(pb, "_forward", lambda *a: pytest.fail("a compiled graph called the host launcher"))
+        monkeypatch.setattr(pb, "_backward", lambda *a: pytest.fail("a compiled graph called the host launcher"))
         _, grads = _step(c, x, m)
     torch._dynamo.reset()
     assert all(torch.equal(grads[n], g) for n, g in want.items())
     assert math.isfinite(sum(g.abs().sum().item() for g in grads.values()))
+
+
+# --------------------------------------------------------------------------------------------
+# Swin v1: the learned table
+
+
+def _index(wh, ww):
+    """timm's relative_position_index of a wh × ww window (its formula, built as timm builds it)."""
+    return swin1.get_relative_position_index(wh, ww).to(DEVICE)
+
+
+def _table_grads(fn, table, g):
+    table.grad = None
+    out = fn(table)
+    (out.double() * g).sum().backward()
+    return out.detach(), table.grad.clone()
+
+
+@pytest.mark.parametrize("window,heads", [((7, 7), 3), ((3, 5), 2), ((12, 12), 4), ((1, 4), 2), ((1, 1), 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_table_bias_is_the_tables_values_and_its_gradient_follows_the_oracle_rule(window, heads, dtype):
+    """The bias is the table's values at timm's index, exactly (float32); the table's gradient, in its
+    dtype, against timm's gather's (index_put in that dtype) under the float64 oracle rule."""
+    wh, ww = window
+    n, index = wh * ww, _index(wh, ww).view(-1)
+    table = torch.randn((2 * wh - 1) * (2 * ww - 1), heads, generator=torch.Generator().manual_seed(2))
+    table = table.to(DEVICE, dtype).requires_grad_()
+    g = torch.randn(heads, n, n, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
+
+    def timm_gather(t):
+        return t[index].view(n, n, -1).permute(2, 0, 1)
+
+    out, grad = _table_grads(lambda t: pb.relative_position_bias(t, window), table, g)
+    assert out.dtype == torch.float32 and out.shape == (heads, n, n) and grad.dtype == dtype
+    assert torch.equal(out, timm_gather(table.detach()).float())
+    _, nat = _table_grads(timm_gather, table, g)
+    t64 = table.detach().double().requires_grad_()
+    _, orc = _table_grads(timm_gather, t64, g)
+    unit = max(1.0, orc.abs().max().item())
+    assert max_err(grad, orc) / unit <= tolerance(max_err(nat, orc) / unit, dtype, grad=True)
+
+
+def test_table_gradient_is_deterministic_and_the_no_gradient_call_makes_none():
+    table = torch.randn(169, 6, device=DEVICE, requires_grad=True)
+    g = torch.randn(6, 49, 49, dtype=torch.float64, device=DEVICE)
+    runs = [_table_grads(lambda t: pb.relative_position_bias(t, (7, 7)), table, g)[1] for _ in range(2)]
+    assert torch.equal(*runs)
+    with torch.no_grad():
+        out = pb.relative_position_bias(table, (7, 7))
+    assert not out.requires_grad and torch.equal(out, table.detach()[_index(7, 7).view(-1)].view(49, 49, 6)
+                                                 .permute(2, 0, 1))
+
+
+def test_table_bad_arguments_say_what_is_wrong():
+    table = torch.randn(169, 6, device=DEVICE)
+    with pytest.raises(ValueError, match=r"\[49, heads\] for the window \(4, 4\)"):
+        pb.relative_position_bias(table, (4, 4))
+    with pytest.raises(ValueError, match="heads"):
+        pb.relative_position_bias(table.view(-1), (7, 7))
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        pb.relative_position_bias(table.double(), (7, 7))
+    out = pb.relative_position_bias(table.requires_grad_(), (7, 7))
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), table, create_graph=True)
+
+
+def _v1_pair(window=(4, 4), heads=2, seed=0):
+    torch.manual_seed(seed)
+    m = swin1.WindowAttention(16 * heads, num_heads=heads, window_size=window).to(DEVICE)
+    with torch.no_grad():  # (timm's init: a truncated normal of std 0.02; larger values test more)
+        m.relative_position_bias_table.normal_()
+    ref = swin1.WindowAttention(16 * heads, num_heads=heads, window_size=window).to(DEVICE)
+    ref.load_state_dict(m.state_dict())
+    return m, ref
+
+
+def test_patched_v1_module_gathers_its_table_with_the_kernel(monkeypatch):
+    m, ref = _v1_pair((4, 4), 2)
+    assert elsa_vision.patch(m).num_patched == 1
+    calls = []
+    real = pb._table_forward
+    monkeypatch.setattr(pb, "_table_forward", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(4, 16, 32, device=DEVICE)
+    out, grads = _step(m, x)
+    want, want_grads = _step(ref, x)
+    assert calls == [1] and m._elsa.delegated == 0
+    assert max_err(out, want) <= 1e-4
+    for n, g in want_grads.items():
+        assert max_err(grads[n], g) <= 1e-4 * max(1.0, g.abs().max().item()), n
+
+
+def test_v1_index_of_another_formula_is_not_patched_unless_the_fusion_is_off(monkeypatch):
+    m, ref = _v1_pair((4, 4), 2)
+    with torch.no_grad():
+        for mod in (m, ref):
+            mod.relative_position_index.copy_(mod.relative_position_index.flip(1))
+    report = elsa_vision.patch(m)
+    assert report.num_patched == 0
+    (why,) = [w for _, w in report.skipped["timm.SwinWindowAttention"]]
+    assert "relative_position_index" in why and "fuse_position_bias=False" in why
+    assert elsa_vision.patch(m, fuse_position_bias=False).num_patched == 1
+    monkeypatch.setattr(pb, "_table_forward", lambda *a: pytest.fail("fuse_position_bias=False launched the kernel"))
+    x = torch.randn(4, 16, 32, device=DEVICE)
+    out, grads = _step(m, x)
+    want, want_grads = _step(ref, x)
+    assert m._elsa.delegated == 0 and max_err(out, want) <= 1e-4
+    g = want_grads["relative_position_bias_table"]
+    assert max_err(grads["relative_position_bias_table"], g) <= 1e-4 * max(1.0, g.abs().max().item())
+
+
+def test_compiled_v1_module_calls_the_op():
+    m, _ = _v1_pair((4, 4), 2)
+    elsa_vision.patch(m)
+    x = torch.randn(4, 16, 32, device=DEVICE)
+    want, want_grads = _step(m, x)
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("inductor" if DEVICE == "cuda" else "aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    c = torch.compile(m, fullgraph=True, backend=backend)
+    out, grads = _step(c, x, m)
+    torch._dynamo.reset()
+    assert any("swin_table_bias" in o for o in ops), ops
+    assert max_err(out, want) <= 1e-5
+    for n, g in want_grads.items():
+        assert max_err(grads[n], g) <= 1e-5 * max(1.0, g.abs().max().item()), n
+
+
+@pytest.mark.gpu
+def test_compiled_v1_graph_launches_the_kernels_itself(monkeypatch):
+    m, _ = _v1_pair((7, 7), 6)
+    elsa_vision.patch(m)
+    x = torch.randn(8, 49, 96, device="cuda")
+    torch._dynamo.reset()
+    c = torch.compile(m, fullgraph=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, want = _step(c, x, m)
+        for fn in ("_table_forward", "_table_backward"):
+            monkeypatch.setattr(pb, fn, lambda *a: pytest.fail("a compiled graph called the host launcher"))
+        _, grads = _step(c, x, m)
+    torch._dynamo.reset()
+    assert all(torch.equal(grads[n], g) for n, g in want.items())

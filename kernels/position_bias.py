@@ -1,42 +1,61 @@
-"""Swin v2's continuous relative-position bias: the table, its MLP and the gather in one launch, the
-gradient in two.
+"""Swin's relative-position biases: v2's continuous bias (the table, its MLP and the gather in one
+launch, the gradient in two) and v1's learned table (the gather in one launch, its gradient in one).
 
-Swin v2 (timm's ``swin_transformer_v2.WindowAttention``) makes its attention bias per head from the
-relative coordinates of two tokens of a wh × ww window with a two-layer MLP:
+Both index a table of the (2·wh − 1)(2·ww − 1) relative offsets of two tokens of a wh × ww window,
 
-    z = relu(coords · W1ᵀ + b1) · W2ᵀ               coords [T, 2], W1 [C, 2], b1 [C], W2 [H, C]
-    bias[h, i, j] = 16 · sigmoid(z[t(i, j), h])
+    bias[h, i, j] = table[t(i, j), h]
     t(i, j) = (yi − yj + wh − 1) · (2·ww − 1) + (xi − xj + ww − 1)
 
-for tokens i = (yi, xi), j = (yj, xj) numbered row-major (T = (2·wh − 1)(2·ww − 1): t(i, j) is timm's
-``relative_position_index``, which timm always builds by this formula from the window size). Every
-block does this in every forward. With torch ops it is four launches (two GEMMs, the bias and ReLU,
-the sigmoid and the gather) and in the backward about eight (the gather's scatter-add into a
-zeroed table, the sigmoid's and ReLU's backward, three GEMMs, the bias's sum), each a few
-microseconds of GPU work: in a training step paced by the host's launches, a tenth of the launches.
+for tokens i = (yi, xi), j = (yj, xj) numbered row-major (T = (2·wh − 1)(2·ww − 1) entries; t(i, j) is
+timm's ``relative_position_index``, which timm always builds by this formula from the window size:
+the kernels derive it, they never read the index). Every block gathers its bias in every forward.
 
-- forward (:func:`_cpb_fwd_kernel`, grid H × wh): a program per head and token row of the window
-  forms 16·sigmoid(z) for the table entries that row's bias reads (a contiguous run of wh·(2·ww − 1)
-  of them), with the hidden layer in C-wide chunks in registers, writes its share of s = 16·sigmoid(z)
-  [H, T] (kept for the backward) and gathers its bias rows by the formula (N = wh·ww).
-- backward: :func:`_cpb_dz_kernel` (grid H × T-blocks) sums each table entry's bias gradient over the
-  token pairs that read it, dz[h, t] = s(1 − s/16) · Σ_i dbias[h, i, i − offset(t)], in a fixed order;
+Swin v1 (timm's ``swin_transformer.WindowAttention``) learns the table [T, H] itself. With torch ops
+the gather is a launch or two, and its gradient a scatter-add into a zeroed table: eagerly
+``index_put_`` sorts the indices first (several launches), in a compiled graph a zeroing kernel and
+an atomic scatter whose order of additions varies between runs.
+
+- :func:`relative_position_bias`: :func:`_table_gather_kernel` (grid H × wh) forms the bias rows of a
+  window's token row from the table, float32; the gradient is :func:`_dz_kernel`'s fixed-order sum
+  of the bias gradient over the token pairs that read each entry, written in the table's layout
+  and dtype — one launch, no zeroing, no atomics.
+
+Swin v2 (timm's ``swin_transformer_v2.WindowAttention``) makes its table with a two-layer MLP of the
+relative coordinates,
+
+    z = relu(coords · W1ᵀ + b1) · W2ᵀ               coords [T, 2], W1 [C, 2], b1 [C], W2 [H, C]
+    table = 16 · sigmoid(z)
+
+With torch ops that is four launches (two GEMMs, the bias and ReLU, the sigmoid and the gather) and
+in the backward about eight (the gather's scatter-add into a zeroed table, the sigmoid's and ReLU's
+backward, three GEMMs, the bias's sum), each a few microseconds of GPU work: in a training step
+paced by the host's launches, a tenth of the launches.
+
+- :func:`continuous_position_bias`, forward (:func:`_cpb_fwd_kernel`, grid H × wh): a program per
+  head and token row of the window forms 16·sigmoid(z) for the table entries that row's bias reads
+  (a contiguous run of wh·(2·ww − 1) of them), with the hidden layer in C-wide chunks in registers,
+  writes its share of s = 16·sigmoid(z) [H, T] (kept for the backward) and gathers its bias rows
+  (N = wh·ww).
+- backward: :func:`_dz_kernel` sums each table entry's bias gradient over the token pairs that read
+  it, dz[h, t] = s(1 − s/16) · Σ_i dbias[h, i, i − offset(t)], in a fixed order;
   :func:`_cpb_dparams_kernel` (grid C / 16) recomputes a chunk of the hidden layer and forms
   dW2 = dzᵀ·relu(·), the hidden gradient dz·W2 masked by the ReLU, dW1 and db1 from it.
 
-Arithmetic: float32 throughout, whatever the parameters' dtype (timm's module under autocast runs its
-MLP in the autocast dtype; this is the same function, rounded less); products as float32 fused
+Arithmetic: float32 throughout, whatever the parameters' dtype (timm's v2 module under autocast runs
+its MLP in the autocast dtype; this is the same function, rounded less); products as float32 fused
 multiply-adds (the backward's by ``tl.dot`` in IEEE float32). The sums run in other orders than
 PyTorch's, so results agree to float32 rounding. No atomics: the backward is deterministic.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from .launch import INTERPRET, cdiv, launch
-from .limits import CPB_DTYPES as DTYPES
+from .limits import POSITION_BIAS_DTYPES as DTYPES
 from .ops import AUTOGRAD, COMPILED, check_first_order, double_backward_error, register, route
 
 # tile shapes (the kernels are latency-bound: many short programs, few steps each)
@@ -74,6 +93,37 @@ def _pre(c0, c1, W1, B1, t_ok, offs_c, c_ok):
 def _relu(x):
     # PyTorch's: NaN stays NaN (the GPU's max.f32 would return the other operand, 0)
     return tl.where(x < 0.0, 0.0, x)
+
+
+@triton.jit
+def _entry(yi, xi, j, WH, WW):
+    """t(i, j) for token i = (yi, xi) and token index j of a WH × WW window (module docstring)."""
+    return (yi - j // WW + WH - 1) * (2 * WW - 1) + (xi - j % WW + WW - 1)
+
+
+@triton.jit
+def _row_entries(e, WH, WW):
+    """For entry e of the bias rows of a token row y ([WW, N] row-major: i = y·WW + e // N, j = e mod N),
+    t(i, j) − y·(2·WW − 1): the entries a token row reads are a contiguous run from y·(2·WW − 1)."""
+    N = WH * WW
+    return _entry(0, e // N, e % N, WH, WW)
+
+
+@triton.jit
+def _table_gather_kernel(Table, Bias, H, WH, WW, BLOCK_E: tl.constexpr):
+    """Grid (H, WH): program (h, y) writes head h's bias rows of the window's token row y,
+    Bias[h, y·WW + a, j] = Table[t, h] (t = t(i, j)), float32. Table [T, H] contiguous (any float
+    dtype), Bias [H, N, N] contiguous."""
+    h = tl.program_id(0)
+    y = tl.program_id(1)
+    N = WH * WW
+    t0 = y * (2 * WW - 1)
+    out = Bias + (h * N + y * WW).to(tl.int64) * N
+    for e0 in range(0, WW * N, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        ok = e < WW * N
+        t = t0 + _row_entries(e, WH, WW)
+        tl.store(out + e, tl.load(Table + t * H + h, mask=ok, other=0.0).to(tl.float32), mask=ok)
 
 
 @triton.jit
@@ -116,17 +166,16 @@ def _cpb_fwd_kernel(Coords, W1, B1, W2, Bias, S, Z, T, C, WH, WW,
     for e0 in range(0, WW * N, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         ok = e < WW * N
-        a = e // N
-        j = e % N
-        u = (WH - 1 - j // WW) * W2D + (a - j % WW + WW - 1)   # t(i, j) − y·W2D
-        tl.store(out + e, tl.load(zrow + u, mask=ok, other=0.0), mask=ok)
+        tl.store(out + e, tl.load(zrow + _row_entries(e, WH, WW), mask=ok, other=0.0), mask=ok)
 
 
 @triton.jit
-def _cpb_dz_kernel(DBias, S, DZ, T, WH, WW, sd_h, sd_i, sd_j, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
-    """Grid (H, cdiv(T, BLOCK_T)). DBias [H, N, N] (strides sd_*), S [H, T] → DZ [H, T] float32: for each
-    table entry t, the bias gradient of the token pairs (i, j) that read it (j = i − offset(t), one per
-    row i that has it) summed in a fixed order (BLOCK_I rows at a time), times 16·σ'."""
+def _dz_kernel(DBias, S, DZ, T, WH, WW, sd_h, sd_i, sd_j, so_h, so_t, SIGMOID: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
+    """Grid (H, cdiv(T, BLOCK_T)). DBias [H, N, N] (strides sd_*) → DZ[h, t] (strides so_h, so_t, stored
+    in DZ's dtype): for each table entry t, the bias gradient of the token pairs (i, j) that read it
+    (j = i − offset(t), one per row i that has it) summed in a fixed order (BLOCK_I rows at a time);
+    with SIGMOID, times 16·σ' from S [H, T] = 16·sigmoid(z) (v2's dz; v1's is the table's gradient)."""
     h = tl.program_id(0).to(tl.int64)
     N = WH * WW
     W2D = 2 * WW - 1
@@ -143,8 +192,10 @@ def _cpb_dz_kernel(DBias, S, DZ, T, WH, WW, sd_h, sd_i, sd_j, BLOCK_T: tl.conste
         j = yj * WW + xj
         vals = tl.load(DBias + h * sd_h + i[None, :].to(tl.int64) * sd_i + j * sd_j, mask=ok, other=0.0)
         acc += tl.sum(vals.to(tl.float32), axis=1)
-    s = tl.load(S + h * T + offs_t, mask=t_ok, other=0.0)
-    tl.store(DZ + h * T + offs_t, acc * s * (1.0 - s * 0.0625), mask=t_ok)
+    if SIGMOID:
+        s = tl.load(S + h * T + offs_t, mask=t_ok, other=0.0)
+        acc = acc * s * (1.0 - s * 0.0625)
+    tl.store(DZ + h * so_h + offs_t * so_t, acc.to(DZ.dtype.element_ty), mask=t_ok)
 
 
 @triton.jit
@@ -200,8 +251,8 @@ def _backward(dbias: torch.Tensor, s: torch.Tensor, coords: torch.Tensor, w1: to
     H, C = w2.shape
     T = coords.shape[0]
     dz = torch.empty(H, T, dtype=torch.float32, device=w2.device)
-    launch(_cpb_dz_kernel, (H, cdiv(T, DZ_BLOCK_T)), dbias, s, dz, T, wh, ww, *dbias.stride(),
-           BLOCK_T=DZ_BLOCK_T, BLOCK_I=DZ_BLOCK_I, num_warps=NUM_WARPS)
+    launch(_dz_kernel, (H, cdiv(T, DZ_BLOCK_T)), dbias, s, dz, T, wh, ww, *dbias.stride(), T, 1,
+           SIGMOID=True, BLOCK_T=DZ_BLOCK_T, BLOCK_I=DZ_BLOCK_I, num_warps=NUM_WARPS)
     dw1, db1, dw2 = (torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in (w1, b1, w2))
     launch(_cpb_dparams_kernel, (cdiv(C, DP_BLOCK_C),), coords, w1, b1, w2, dz, dw1, db1, dw2, T, C, H,
            BLOCK_T=DP_BLOCK_T, BLOCK_C=DP_BLOCK_C, BLOCK_H=max(16, triton.next_power_of_2(H)),
@@ -209,9 +260,30 @@ def _backward(dbias: torch.Tensor, s: torch.Tensor, coords: torch.Tensor, w1: to
     return [dw1, db1, dw2]
 
 
-# torch.compile's path: inductor launches the kernels itself (see ops.py), autograd on the op
+def _table_forward(table: torch.Tensor, wh: int, ww: int) -> torch.Tensor:
+    """table [T, H] contiguous → bias [H, N, N] float32 (arguments checked by :func:`relative_position_bias`)."""
+    H = table.shape[1]
+    N = wh * ww
+    bias = torch.empty(H, N, N, dtype=torch.float32, device=table.device)
+    launch(_table_gather_kernel, (H, wh), table, bias, H, wh, ww, BLOCK_E=BLOCK_E, num_warps=NUM_WARPS)
+    return bias
+
+
+def _table_backward(dbias: torch.Tensor, table: torch.Tensor, wh: int, ww: int) -> torch.Tensor:
+    """dbias [H, N, N] (any strides) → the table's gradient [T, H] in its dtype (``table``: for its shape
+    and dtype)."""
+    T, H = table.shape
+    dtable = torch.empty(T, H, dtype=table.dtype, device=table.device)
+    launch(_dz_kernel, (H, cdiv(T, DZ_BLOCK_T)), dbias, dbias, dtable, T, wh, ww, *dbias.stride(), 1, H,
+           SIGMOID=False, BLOCK_T=DZ_BLOCK_T, BLOCK_I=DZ_BLOCK_I, num_warps=NUM_WARPS)
+    return dtable
+
+
+# torch.compile's path: inductor launches the kernels itself (see ops.py), autograd on the ops
 FWD = register("elsa_vision::swin_cpb_fwd", _forward)
 BWD = register("elsa_vision::swin_cpb_bwd", _backward)
+TABLE_FWD = register("elsa_vision::swin_table_bias_fwd", _table_forward)
+TABLE_BWD = register("elsa_vision::swin_table_bias_bwd", _table_backward)
 
 
 def _setup(ctx, inputs, output) -> None:
@@ -225,12 +297,28 @@ def _op_backward(ctx, dbias, _ds):
     return None, dw1, db1, dw2, None, None
 
 
-def _op_double_backward(ctx, *grads):
-    raise double_backward_error("continuous_position_bias")
+def _table_setup(ctx, inputs, output) -> None:
+    table, wh, ww = inputs
+    ctx.save_for_backward(table)
+    ctx.window = (wh, ww)
+
+
+def _table_op_backward(ctx, dbias):
+    return TABLE_BWD(dbias, *ctx.saved_tensors, *ctx.window), None, None
+
+
+def _refuse_double_backward(what: str):
+    def backward(ctx, *grads):
+        raise double_backward_error(what)
+    return backward
 
 
 FWD.register_autograd(_op_backward, setup_context=_setup)
-BWD.register_autograd(_op_double_backward, setup_context=lambda ctx, inputs, output: None)
+BWD.register_autograd(_refuse_double_backward("continuous_position_bias"),
+                      setup_context=lambda ctx, inputs, output: None)
+TABLE_FWD.register_autograd(_table_op_backward, setup_context=_table_setup)
+TABLE_BWD.register_autograd(_refuse_double_backward("relative_position_bias"),
+                            setup_context=lambda ctx, inputs, output: None)
 
 
 class _Function(torch.autograd.Function):
@@ -249,6 +337,39 @@ class _Function(torch.autograd.Function):
         return None, dw1, db1, dw2, None, None
 
 
+class _TableFunction(torch.autograd.Function):
+    """The eager path of :func:`relative_position_bias`."""
+
+    @staticmethod
+    def forward(ctx, table, wh, ww):
+        bias = _table_forward(table, wh, ww)
+        _table_setup(ctx, (table, wh, ww), bias)
+        return bias
+
+    @staticmethod
+    def backward(ctx, dbias):
+        check_first_order("relative_position_bias")
+        return _table_backward(dbias, *ctx.saved_tensors, *ctx.window), None, None
+
+
+def _window(what: str, window, table: torch.Tensor, name: str, cols: Optional[int]) -> tuple[int, int]:
+    """(wh, ww) of ``window``, checked against the rows of ``table`` (and its columns, ``cols`` if given)."""
+    wh, ww = (int(w) for w in window)
+    T = (2 * wh - 1) * (2 * ww - 1)
+    if wh < 1 or ww < 1 or table.dim() != 2 or table.shape[0] != T or (cols is not None and table.shape[1] != cols):
+        raise ValueError(f"{what}: {name} must be [(2·wh − 1)(2·ww − 1), {cols or 'heads'}] = "
+                         f"[{T}, {cols or 'heads'}] for the window {(wh, ww)}, got {tuple(table.shape)}")
+    return wh, ww
+
+
+def _check_tensors(what: str, tensors: tuple) -> None:
+    if any(t.dtype not in DTYPES for t in tensors) or len({t.device for t in tensors}) != 1:
+        raise ValueError(f"{what}: tables and parameters must be float32, bfloat16 or float16 on one device, got "
+                         f"{[(t.dtype, str(t.device)) for t in tensors]}")
+    if not (tensors[0].is_cuda or INTERPRET):
+        raise ValueError(f"{what} runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1)")
+
+
 def continuous_position_bias(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
                              window: tuple[int, int]) -> torch.Tensor:
     """Swin v2's relative-position bias of a window (wh, ww) = ``window``: coords [T, 2] (its
@@ -256,25 +377,33 @@ def continuous_position_bias(coords: torch.Tensor, w1: torch.Tensor, b1: torch.T
     W1 [C, 2], b1 [C], W2 [H, C] (``cpb_mlp[0].weight``, ``cpb_mlp[0].bias``, ``cpb_mlp[2].weight``)
     → bias [H, N, N] float32, N = wh·ww: 16·sigmoid(MLP(coords))[t(i, j)] with timm's relative
     position index t (module docstring). Differentiable in W1, b1 and W2 (first order)."""
-    wh, ww = (int(w) for w in window)
-    T = (2 * wh - 1) * (2 * ww - 1)
-    if wh < 1 or ww < 1 or coords.shape != (T, 2):
-        raise ValueError(f"continuous_position_bias: coords must be [(2·wh − 1)(2·ww − 1), 2] = [{T}, 2] for the "
-                         f"window {(wh, ww)}, got {tuple(coords.shape)}")
+    wh, ww = _window("continuous_position_bias", window, coords, "coords", 2)
     C = w1.shape[0]
     if w1.shape != (C, 2) or b1.shape != (C,) or w2.dim() != 2 or w2.shape[1] != C:
         raise ValueError(f"continuous_position_bias: W1 [C, 2], b1 [C], W2 [H, C] expected, got "
                          f"{tuple(w1.shape)}, {tuple(b1.shape)}, {tuple(w2.shape)}")
-    tensors = (coords, w1, b1, w2)
-    if any(t.dtype not in DTYPES for t in tensors) or len({t.device for t in tensors}) != 1:
-        raise ValueError(f"continuous_position_bias: coords and parameters must be float32, bfloat16 or float16 on "
-                         f"one device, got {[(t.dtype, str(t.device)) for t in tensors]}")
-    if not (w2.is_cuda or INTERPRET):
-        raise ValueError("continuous_position_bias runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1)")
-    coords, w1, b1, w2 = (t.contiguous() for t in tensors)
+    _check_tensors("continuous_position_bias", (coords, w1, b1, w2))
+    coords, w1, b1, w2 = (t.contiguous() for t in (coords, w1, b1, w2))
     how = route((w1, b1, w2))
     if how is COMPILED:
         return FWD(coords, w1, b1, w2, wh, ww)[0]
     if how is AUTOGRAD:
         return _Function.apply(coords, w1, b1, w2, wh, ww)
     return _forward(coords, w1, b1, w2, wh, ww)[0]
+
+
+def relative_position_bias(table: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
+    """Swin v1's relative-position bias of a window (wh, ww) = ``window``: table [T, H] (its
+    ``relative_position_bias_table``, T = (2·wh − 1)(2·ww − 1)) → bias [H, N, N] float32, N = wh·ww,
+    bias[h, i, j] = table[t(i, j), h] with timm's relative position index t (module docstring): the
+    table's values, exactly. Differentiable in the table (first order): its gradient is summed over
+    the token pairs of each entry in float32, in a fixed order, and returned in the table's dtype."""
+    wh, ww = _window("relative_position_bias", window, table, "the table", None)
+    _check_tensors("relative_position_bias", (table,))
+    table = table.contiguous()
+    how = route((table,))
+    if how is COMPILED:
+        return TABLE_FWD(table, wh, ww)
+    if how is AUTOGRAD:
+        return _TableFunction.apply(table, wh, ww)
+    return _table_forward(table, wh, ww)
