@@ -21,7 +21,7 @@ attention modules only, timm's cyclic shift and window partition / merge copies 
 show what running the blocks' shifted windows in place adds; for ViT models
 ``patch(fuse_residual=False)`` (the blocks' own residual adds and norms), to show what the fused
 residual passes add. ``--nofuse OPTION ...`` sets those patch options False instead, e.g.
-``--nofuse fuse_position_bias`` (Swin v2's position bias by the module's own MLP).
+``--nofuse fuse_position_bias`` (Swin's position bias by the module's own gather, and v2's MLP).
 
 A training step is forward + backward + SGD step. fp32 runs with ``torch.set_float32_matmul_precision
 ("highest")`` (native attention is true fp32; ELSA's "auto" runs its float32-accurate fp16x3 mode);
