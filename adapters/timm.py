@@ -44,8 +44,9 @@ Swin's position bias is gathered by the kernels of ``kernels/position_bias.py`` 
 gathered in one launch, its gradient summed in one; v2: its MLP, sigmoid and gather in one launch),
 which derive the index from the window size: a module whose ``relative_position_index`` is not
 timm's formula is not patched (reported), unless the model is patched with
-``fuse_position_bias=False``. The module's own gather runs instead — v2's ``cpb_mlp`` too — where a
-backend is named, the table or parameters are not float32 / bfloat16 / float16, with
+``fuse_position_bias=False`` or a named backend. The module's own gather runs instead — v2's
+``cpb_mlp`` too — where a backend is named, the table or parameters are not float32 / bfloat16 /
+float16 or on a device the Triton kernels do not serve, the index is not [N, N], with
 ``fuse_position_bias=False`` (then v2's bias is timm's to the bit: its MLP in the autocast dtype;
 v1's is the table's values either way), and for v2 where its MLP has hooks or is not timm's
 Linear → ReLU → Linear.
@@ -336,21 +337,23 @@ class _SwinBase(Adapter):
 
     def skip_reason(self, module, options):
         why = _check_common(self._head_dim(module))
-        if why is None and options.get("fuse_position_bias", True) and not _canonical_index(module):
+        if (why is None and options.get("fuse_position_bias", True) and options.get("backend", "auto") == "auto"
+                and not _canonical_index(module)):
             # the position-bias kernels derive each token pair's table row from the window size (checked
             # here, once: what keeps a later call on the module's own gather may change)
-            why = ("relative_position_index is not the one timm builds from window_size; the fused position-bias "
-                   "kernels derive it from the window size (rebuild it with module.set_window_size, or patch "
-                   "with fuse_position_bias=False to keep the module's own index)")
+            why = ("relative_position_index is missing or not the one timm builds from window_size; the fused "
+                   "position-bias kernels derive it from the window size (rebuild it as timm does with "
+                   "module.init_non_persistent_buffers(), or patch with fuse_position_bias=False to keep the "
+                   "module's own index)")
         return why
 
     @staticmethod
-    def _fuses_bias(module, state, tensors) -> bool:
-        """Whether the position-bias kernels serve this call: option and backend, the tensors' device
-        and dtypes, the index's shape."""
+    def _fuses_bias(module, state, table: torch.Tensor) -> bool:
+        """Whether the position-bias kernels may serve this call: the option and the backend, the
+        table's device and dtype, the index's shape (v2 checks its MLP beside)."""
         n = module.window_size[0] * module.window_size[1]
         return (_backend(state) == "auto" and state.options.get("fuse_position_bias", True)
-                and triton_serves(tensors[0].device.type) and all(t.dtype in POSITION_BIAS_DTYPES for t in tensors)
+                and triton_serves(table.device.type) and table.dtype in POSITION_BIAS_DTYPES
                 and tuple(module.relative_position_index.shape) == (n, n))
 
     def _qkv(self, module, x):
@@ -412,7 +415,7 @@ class SwinWindowAttention(_SwinBase):
         launch, deterministic) where it serves (:meth:`_fuses_bias`), else by the module's index
         (:func:`_gather_heads` says which gather, by the gradient's layout)."""
         table = module.relative_position_bias_table
-        if self._fuses_bias(module, state, (table,)):
+        if self._fuses_bias(module, state, table):
             from ..kernels.position_bias import relative_position_bias
             return relative_position_bias(table, module.window_size)
         return _gather_heads(table, module.relative_position_index, module.window_area)
@@ -491,9 +494,9 @@ class SwinV2WindowAttention(_SwinBase):
         wh, ww = module.window_size
         n = wh * ww
         coords = module.relative_coords_table
-        layers = cls._cpb_layers(module)
-        if layers is not None and cls._fuses_bias(module, state, (coords, layers[0].weight, layers[0].bias,
-                                                                  layers[1].weight)):
+        layers = cls._cpb_layers(module) if cls._fuses_bias(module, state, coords) else None
+        if layers is not None and all(p.dtype in POSITION_BIAS_DTYPES for p in (layers[0].weight, layers[0].bias,
+                                                                               layers[1].weight)):
             from ..kernels.position_bias import continuous_position_bias
             l1, l2 = layers
             return continuous_position_bias(coords.view(-1, 2), l1.weight, l1.bias, l2.weight, (wh, ww))

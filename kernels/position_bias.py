@@ -17,8 +17,8 @@ an atomic scatter whose order of additions varies between runs.
 
 - :func:`relative_position_bias`: :func:`_table_gather_kernel` (grid H × wh) forms the bias rows of a
   window's token row from the table, float32; the gradient is :func:`_dz_kernel`'s fixed-order sum
-  of the bias gradient over the token pairs that read each entry, written in the table's layout
-  and dtype — one launch, no zeroing, no atomics.
+  of the bias gradient over the token pairs that read each entry, in float32 in the table's layout
+  — one launch, no zeroing, no atomics (and a cast for a table of another dtype).
 
 Swin v2 (timm's ``swin_transformer_v2.WindowAttention``) makes its table with a two-layer MLP of the
 relative coordinates,
@@ -269,11 +269,11 @@ def _table_forward(table: torch.Tensor, wh: int, ww: int) -> torch.Tensor:
     return bias
 
 
-def _table_backward(dbias: torch.Tensor, table: torch.Tensor, wh: int, ww: int) -> torch.Tensor:
-    """dbias [H, N, N] (any strides) → the table's gradient [T, H] in its dtype (``table``: for its shape
-    and dtype)."""
-    T, H = table.shape
-    dtable = torch.empty(T, H, dtype=table.dtype, device=table.device)
+def _table_backward(dbias: torch.Tensor, T: int, H: int, wh: int, ww: int) -> torch.Tensor:
+    """dbias [H, N, N] (any strides) → the table's gradient [T, H] float32 (the callers cast it to the
+    table's dtype: the table itself is not kept for the backward, so that an in-place update of it
+    before the backward is no error, as with timm's gather)."""
+    dtable = torch.empty(T, H, dtype=torch.float32, device=dbias.device)
     launch(_dz_kernel, (H, cdiv(T, DZ_BLOCK_T)), dbias, dbias, dtable, T, wh, ww, *dbias.stride(), 1, H,
            SIGMOID=False, BLOCK_T=DZ_BLOCK_T, BLOCK_I=DZ_BLOCK_I, num_warps=NUM_WARPS)
     return dtable
@@ -299,12 +299,12 @@ def _op_backward(ctx, dbias, _ds):
 
 def _table_setup(ctx, inputs, output) -> None:
     table, wh, ww = inputs
-    ctx.save_for_backward(table)
-    ctx.window = (wh, ww)
+    ctx.table = (*table.shape, wh, ww)
+    ctx.dtype = table.dtype
 
 
 def _table_op_backward(ctx, dbias):
-    return TABLE_BWD(dbias, *ctx.saved_tensors, *ctx.window), None, None
+    return TABLE_BWD(dbias, *ctx.table).to(ctx.dtype), None, None
 
 
 def _refuse_double_backward(what: str):
@@ -349,7 +349,7 @@ class _TableFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dbias):
         check_first_order("relative_position_bias")
-        return _table_backward(dbias, *ctx.saved_tensors, *ctx.window), None, None
+        return _table_backward(dbias, *ctx.table).to(ctx.dtype), None, None
 
 
 def _window(what: str, window, table: torch.Tensor, name: str, cols: Optional[int]) -> tuple[int, int]:
