@@ -145,18 +145,24 @@ def _step(m, x, module=None):
     return out.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
 
 
+def _check_same_step(m, ref, x, names=None):
+    """One training step of the patched ``m`` and of timm's ``ref``: outputs and the named parameters'
+    gradients (default: all) agree to float32 rounding."""
+    out, grads = _step(m, x)
+    want, want_grads = _step(ref, x)
+    assert m._elsa.delegated == 0 and max_err(out, want) <= 1e-4
+    for n in names or want_grads:
+        assert max_err(grads[n], want_grads[n]) <= 1e-4 * max(1.0, want_grads[n].abs().max().item()), n
+
+
 def test_patched_module_uses_the_kernel(monkeypatch):
     m, ref = _patched_pair()
     calls = []
     real = pb._forward
     monkeypatch.setattr(pb, "_forward", lambda *a: calls.append(1) or real(*a))
-    x = torch.randn(4, 16, 32, device=DEVICE)
-    out, grads = _step(m, x)
-    assert calls == [1] and m._elsa.delegated == 0
-    want, want_grads = _step(ref, x)
-    assert max_err(out, want) <= 1e-4
-    for n in ("cpb_mlp.0.weight", "cpb_mlp.0.bias", "cpb_mlp.2.weight"):
-        assert max_err(grads[n], want_grads[n]) <= 1e-4 * max(1.0, want_grads[n].abs().max().item()), n
+    _check_same_step(m, ref, torch.randn(4, 16, 32, device=DEVICE), ("cpb_mlp.0.weight", "cpb_mlp.0.bias",
+                                                                      "cpb_mlp.2.weight"))
+    assert calls == [1]
 
 
 def test_hooks_on_the_mlp_keep_the_modules_own_path(monkeypatch):
@@ -194,52 +200,7 @@ def test_fuse_position_bias_false_keeps_the_modules_mlp(monkeypatch):
             mod.relative_position_index.copy_(mod.relative_position_index.flip(1))
     assert elsa_vision.patch(m, fuse_position_bias=False).num_patched == 1
     monkeypatch.setattr(pb, "_forward", lambda *a: pytest.fail("fuse_position_bias=False launched the kernel"))
-    x = torch.randn(4, 16, 32, device=DEVICE)
-    out, grads = _step(m, x)
-    want, want_grads = _step(ref, x)
-    assert m._elsa.delegated == 0 and max_err(out, want) <= 1e-4
-    for n in ("cpb_mlp.0.weight", "cpb_mlp.2.weight"):
-        assert max_err(grads[n], want_grads[n]) <= 1e-4 * max(1.0, want_grads[n].abs().max().item()), n
-
-
-def test_compiled_module_calls_the_op():
-    """A fullgraph compile of the patched module traces the op (aot_eager on the CPU, where the op is
-    opaque; inductor on a GPU): gradients as the eager call's."""
-    m, _ = _patched_pair()
-    x = torch.randn(4, 16, 32, device=DEVICE)
-    want, want_grads = _step(m, x)
-    ops = []
-
-    def backend(gm, example_inputs):
-        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return torch._dynamo.lookup_backend("inductor" if DEVICE == "cuda" else "aot_eager")(gm, example_inputs)
-
-    torch._dynamo.reset()
-    c = torch.compile(m, fullgraph=True, backend=backend)
-    out, grads = _step(c, x, m)
-    torch._dynamo.reset()
-    assert any("swin_cpb" in o for o in ops), ops
-    assert max_err(out, want) <= 1e-5
-    for n, g in want_grads.items():
-        assert max_err(grads[n], g) <= 1e-5 * max(1.0, g.abs().max().item()), n
-
-
-@pytest.mark.gpu
-def test_compiled_graph_launches_the_kernels_itself(monkeypatch):
-    """Once compiled, the module's training step makes the position bias with inductor's launches of
-    the kernels: the host functions are never called."""
-    m, _ = _patched_pair((8, 8), 6)
-    x = torch.randn(8, 64, 96, device="cuda")
-    torch._dynamo.reset()
-    c = torch.compile(m, fullgraph=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        _, want = _step(c, x, m)
-        # (the ops hold the host functions themselves; what they would call to launch is pb.launch)
-        monkeypatch.setattr(pb, "launch", lambda *a, **k: pytest.fail("a compiled graph called the host launcher"))
-        _, grads = _step(c, x, m)
-    torch._dynamo.reset()
-    assert all(torch.equal(grads[n], g) for n, g in want.items())
-    assert math.isfinite(sum(g.abs().sum().item() for g in grads.values()))
+    _check_same_step(m, ref, torch.randn(4, 16, 32, device=DEVICE), ("cpb_mlp.0.weight", "cpb_mlp.2.weight"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,13 +296,8 @@ def test_patched_v1_module_gathers_its_table_with_the_kernel(monkeypatch):
     calls = []
     real = pb._table_forward
     monkeypatch.setattr(pb, "_table_forward", lambda *a: calls.append(1) or real(*a))
-    x = torch.randn(4, 16, 32, device=DEVICE)
-    out, grads = _step(m, x)
-    want, want_grads = _step(ref, x)
-    assert calls == [1] and m._elsa.delegated == 0
-    assert max_err(out, want) <= 1e-4
-    for n, g in want_grads.items():
-        assert max_err(grads[n], g) <= 1e-4 * max(1.0, g.abs().max().item()), n
+    _check_same_step(m, ref, torch.randn(4, 16, 32, device=DEVICE))
+    assert calls == [1]
 
 
 def test_v1_index_of_another_formula_is_not_patched_unless_the_fusion_is_off(monkeypatch):
@@ -357,17 +313,27 @@ def test_v1_index_of_another_formula_is_not_patched_unless_the_fusion_is_off(mon
     elsa_vision.unpatch(m)
     assert elsa_vision.patch(m, fuse_position_bias=False).num_patched == 1
     monkeypatch.setattr(pb, "_table_forward", lambda *a: pytest.fail("fuse_position_bias=False launched the kernel"))
-    x = torch.randn(4, 16, 32, device=DEVICE)
-    out, grads = _step(m, x)
-    want, want_grads = _step(ref, x)
-    assert m._elsa.delegated == 0 and max_err(out, want) <= 1e-4
-    g = want_grads["relative_position_bias_table"]
-    assert max_err(grads["relative_position_bias_table"], g) <= 1e-4 * max(1.0, g.abs().max().item())
+    _check_same_step(m, ref, torch.randn(4, 16, 32, device=DEVICE))
 
 
-def test_compiled_v1_module_calls_the_op():
-    m, _ = _v1_pair((4, 4), 2)
-    elsa_vision.patch(m)
+# --------------------------------------------------------------------------------------------
+# both under torch.compile
+
+
+def _patched_for_compile(version, window, heads):
+    """(patched module, the name of its bias op) for Swin ``version`` 1 or 2."""
+    if version == 1:
+        m, _ = _v1_pair(window, heads)
+        elsa_vision.patch(m)
+        return m, "swin_table_bias"
+    return _patched_pair(window, heads)[0], "swin_cpb"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_compiled_module_calls_the_op(version):
+    """A fullgraph compile of the patched module traces the op (aot_eager on the CPU, where the op is
+    opaque; inductor on a GPU): gradients as the eager call's."""
+    m, op = _patched_for_compile(version, (4, 4), 2)
     x = torch.randn(4, 16, 32, device=DEVICE)
     want, want_grads = _step(m, x)
     ops = []
@@ -380,17 +346,20 @@ def test_compiled_v1_module_calls_the_op():
     c = torch.compile(m, fullgraph=True, backend=backend)
     out, grads = _step(c, x, m)
     torch._dynamo.reset()
-    assert any("swin_table_bias" in o for o in ops), ops
+    assert any(op in o for o in ops), ops
     assert max_err(out, want) <= 1e-5
     for n, g in want_grads.items():
         assert max_err(grads[n], g) <= 1e-5 * max(1.0, g.abs().max().item()), n
 
 
 @pytest.mark.gpu
-def test_compiled_v1_graph_launches_the_kernels_itself(monkeypatch):
-    m, _ = _v1_pair((7, 7), 6)
-    elsa_vision.patch(m)
-    x = torch.randn(8, 49, 96, device="cuda")
+@pytest.mark.parametrize("version,window", [(1, (7, 7)), (2, (8, 8))])
+def test_compiled_graph_launches_the_kernels_itself(monkeypatch, version, window):
+    """Once compiled, the module's training step makes the position bias with inductor's launches of
+    the kernels: the host launcher is never called (the ops hold the host functions themselves; what
+    those would call to launch is pb.launch)."""
+    m, _ = _patched_for_compile(version, window, 6)
+    x = torch.randn(8, window[0] * window[1], 96, device="cuda")
     torch._dynamo.reset()
     c = torch.compile(m, fullgraph=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -399,3 +368,4 @@ def test_compiled_v1_graph_launches_the_kernels_itself(monkeypatch):
         _, grads = _step(c, x, m)
     torch._dynamo.reset()
     assert all(torch.equal(grads[n], g) for n, g in want.items())
+    assert math.isfinite(sum(g.abs().sum().item() for g in grads.values()))
