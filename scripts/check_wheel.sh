@@ -20,8 +20,8 @@ import importlib
 import torch
 import elsa_vision
 assert "site-packages" in elsa_vision.__file__, elsa_vision.__file__
-for mod in ("kernels.attention", "kernels.window", "kernels.rope", "kernels.nearest", "adapters.timm",
-            "adapters.vggt", "adapters.vggt.lean"):
+for mod in ("kernels.attention", "kernels.window", "kernels.rope", "kernels.nearest", "kernels.position_bias",
+            "adapters.timm", "adapters.vggt", "adapters.vggt.lean"):
     importlib.import_module(f"elsa_vision.{mod}")
 q = torch.randn(1, 2, 9, 16)
 out = elsa_vision.attention(q, q, q)
