@@ -24,10 +24,12 @@ module's own ``qkv`` and ``proj``: the kernels read each window's tokens where t
 [B, H, W, C] feature map, so the four copies of the tokens timm makes per block (two rolls, the
 partition and the merge), and their gradients' copies, are never made. It serves a block whose
 ``attn`` is itself patched (so ``include`` / ``exclude`` on the attention modules holds) and falls
-back to the block's own ``_attn`` — which then calls the patched ``attn`` — for a feature map that
-is not a multiple of the window (timm pads it), hooks on ``attn``, an active ``proj_drop`` (its
-random mask follows timm's window order) or any reason ``attn`` itself would delegate. Patch option
-``fuse_windows=False`` leaves the blocks alone.
+back to the block's own ``_attn`` — which then calls the patched ``attn`` — for hooks on ``attn``,
+an active ``proj_drop`` (its random mask follows timm's window order) or any reason ``attn`` itself
+would delegate. A feature map that the window does not tile is padded before the projection, as
+timm pads it after the roll (zeros at the bottom and right, whose q, k, v are the projection's
+bias), and the kernels roll the image alone (``image_size``): the same windows, the pad and the
+crop the only copies. Patch option ``fuse_windows=False`` leaves the blocks alone.
 
 Calls that are delegated to the original forward (and counted in ``module._elsa.delegated``):
 
@@ -371,8 +373,9 @@ class _SwinBase(Adapter):
         return window_core(q, k, v, bias, mask, scale, precision=state.options.get("precision", "auto"),
                            backend=_backend(state))
 
-    def _attend_image(self, module, state, qkv, window, shift, mask):
-        """The Swin block's path: qkv [B, H, W, 3·heads·D] of the feature map (not partitioned) →
+    def _attend_image(self, module, state, qkv, window, shift, mask, image):
+        """The Swin block's path: qkv [B, H, W, 3·heads·D] of the feature map (not partitioned;
+        padded to the window's multiple, ``image`` = the map's own (rows, columns)) →
         [B, H, W, heads, D] by :func:`elsa_vision.shifted_window_attention` on the packed qkv."""
         raise NotImplementedError
 
@@ -430,14 +433,14 @@ class SwinWindowAttention(_SwinBase):
         return window_attention_packed(qkv.reshape(Bw, N, 3, module.num_heads, -1), bias=bias, mask=mask,
                                           scale=scale, precision=state.options.get("precision", "auto"))
 
-    def _attend_image(self, module, state, qkv, window, shift, mask):
+    def _attend_image(self, module, state, qkv, window, shift, mask, image):
         # the packed form: qkv's gradient comes out of the kernels in one piece
         B, IH, IW, _ = qkv.shape
         _, _, scale, bias = self._prepare(module, state, None, None)
         return shifted_window_attention(qkv.reshape(B, IH, IW, 3, module.num_heads, -1), window_size=window,
-                                               shift_size=shift, bias=bias, mask=mask, scale=scale,
-                                               precision=state.options.get("precision", "auto"),
-                                               backend=_backend(state))
+                                        shift_size=shift, bias=bias, mask=mask, scale=scale,
+                                        precision=state.options.get("precision", "auto"),
+                                        backend=_backend(state), image_size=image)
 
 
 class SwinV2WindowAttention(_SwinBase):
@@ -532,10 +535,10 @@ class SwinV2WindowAttention(_SwinBase):
         return window_attention_packed(packed, bias=self._bias(module, state), mask=mask, scale=1.0,
                                           precision=state.options.get("precision", "auto"))
 
-    def _attend_image(self, module, state, qkv, window, shift, mask):
+    def _attend_image(self, module, state, qkv, window, shift, mask, image):
         B, IH, IW, _ = qkv.shape
         how = dict(window_size=window, shift_size=shift, bias=self._bias(module, state), mask=mask, scale=1.0,
-                   precision=state.options.get("precision", "auto"), backend=_backend(state))
+                   precision=state.options.get("precision", "auto"), backend=_backend(state), image_size=image)
         qkv = qkv.reshape(B, IH, IW, 3, module.num_heads, -1)
         if self._packs(qkv):
             return shifted_window_attention(self._cosine(module, qkv), **how)
@@ -580,9 +583,6 @@ class SwinBlock(Adapter):
             return "output-projection dropout in training (its random mask follows timm's window order)"
         if x.dim() != 4:
             return "input is not a [B, H, W, C] feature map"
-        (wh, ww), (_, IH, IW, _) = block.window_size, x.shape
-        if IH % wh or IW % ww:
-            return "feature map not a multiple of the window (timm pads it)"
         return None
 
     def forward(self, block, state, x):
@@ -591,15 +591,24 @@ class SwinBlock(Adapter):
             return state.delegate(x, reason=why)
         attn = block.attn
         astate = attn.__dict__["_elsa"]
-        mask = block.get_attn_mask(x) if block.dynamic_mask else block.attn_mask
-        B, IH, IW, _ = x.shape
+        B, H, W, _ = x.shape
         (wh, ww), N = block.window_size, block.window_size[0] * block.window_size[1]
+        # a map the window does not tile is padded as timm pads it — at the bottom and right, with
+        # zeros (the projection makes them its bias) — but before the projection and unrolled: the
+        # kernels roll the image alone (image_size), so timm's roll-then-pad is index arithmetic
+        ph, pw = -H % wh, -W % ww
+        xp = F.pad(x, (0, 0, 0, pw, 0, ph)) if ph or pw else x
+        IH, IW = H + ph, W + pw
+        mask = block.get_attn_mask(xp) if block.dynamic_mask else block.attn_mask
         if mask is not None and tuple(mask.shape) != ((IH // wh) * (IW // ww), N, N):
             return state.delegate(x, reason="attn_mask is not [nW, N, N] for this feature map")
         astate.count_call()  # the attention module's call, served here
-        o = astate.adapter._attend_image(attn, astate, astate.adapter._qkv(attn, x), block.window_size,
-                                         block.shift_size, _float_mask(mask))
-        return attn.proj_drop(attn.proj(o.reshape(B, IH, IW, -1)))
+        o = astate.adapter._attend_image(attn, astate, astate.adapter._qkv(attn, xp), block.window_size,
+                                         block.shift_size, _float_mask(mask), (H, W) if ph or pw else None)
+        o = o.reshape(B, IH, IW, -1)
+        if ph or pw:
+            o = o[:, :H, :W]  # (timm crops the padding's outputs too)
+        return attn.proj_drop(attn.proj(o))
 
 
 class TimmBlock(PreNormBlock):

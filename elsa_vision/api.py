@@ -382,6 +382,7 @@ def shifted_window_attention(
     block="auto",
     precision: str = "auto",
     backend: str = "auto",
+    image_size=None,
 ) -> torch.Tensor:
     """Swin's (shifted-)window attention on tokens laid out as images: the cyclic shift, the window
     partition, :func:`window_attention` and the inverse partition and shift in one call, with no
@@ -399,7 +400,8 @@ def shifted_window_attention(
         q: [B, height, width, H, D] — or, with k and v left out, the packed projection qkv
             [B, height, width, 3, H, D] (Swin's ``qkv(x).reshape(B, height, width, 3, H, D)``: its
             gradient is then written in one piece). height and width must be multiples of the
-            window's (pad the image first: timm pads after the roll, with zeros).
+            window's: an image that is not is padded at its bottom and right first, and
+            ``image_size`` says where its own tokens end (see there).
         k, v: [B, height, width, H, D], or None with packed q.
         window_size: int or (rows, columns); N = rows · columns ≤ 256 tokens per window on the Triton
             backend.
@@ -410,6 +412,13 @@ def shifted_window_attention(
             in the order above (Swin's shifted-window mask; timm's ``attn_mask`` buffer). Additive or
             bool (True = attend). Takes no gradient.
         scale, block, precision, backend: as in :func:`window_attention`.
+        image_size: None (the whole map is the image), or int or (rows, columns): the image is the
+            map's top-left rows × columns tokens, the others pad it (fewer than a window's rows /
+            columns), as timm pads a feature map that the window does not tile: the cyclic shift
+            rolls the image only and the padding stays at the bottom and right, after the roll
+            (``roll(x, −shift)``, then the pad). The pad tokens are keys and values like the others
+            (timm's are the projection of zeros: its bias); their outputs are computed and not
+            meant to be read (timm crops them).
 
     Returns:
         [B, height, width, H, D] in the inputs' dtype, row-major (``out.reshape(B, height, width, H·D)``
@@ -419,7 +428,9 @@ def shifted_window_attention(
     wh, ww = pair(window_size, "window_size", fn)
     sh, sw = pair(shift_size, "shift_size", fn)
     packed = k is None and v is None
-    key, kept = _kept_call("shifted", (q, k, v, bias, mask), (scale, block, precision, backend, wh, ww, sh, sw))
+    rows, cols = (None, None) if image_size is None else pair(image_size, "image_size", fn)
+    key, kept = _kept_call("shifted", (q, k, v, bias, mask),
+                           (scale, block, precision, backend, wh, ww, sh, sw, rows, cols))
     if kept is not None:
         run, sc, prec, blk, geo = kept
         *lead, H, D = q.shape
@@ -459,10 +470,17 @@ def shifted_window_attention(
         key = None  # a repeat would need the cast too
     if min(wh, ww) < 1 or IH % wh or IW % ww:
         raise ValueError(f"{fn}: the {IH}×{IW} token image is not tiled by {wh}×{ww} windows; pad it to a multiple "
-                         "of the window first (timm pads the rolled image with zeros)")
+                         "of the window at its bottom and right first and pass image_size=(rows, columns), as timm pads "
+                         "the rolled image)")
     if not (0 <= sh < wh and 0 <= sw < ww):
         raise ValueError(f"{fn}: shift_size {(sh, sw)} must lie in [0, window_size) = [0, {(wh, ww)})")
-    geo = Geometry(B, IH, IW, wh, ww, sh, sw)
+    if image_size is None:
+        rows, cols = IH, IW
+    elif not (IH - wh < rows <= IH and IW - ww < cols <= IW):
+        raise ValueError(f"{fn}: image_size {(rows, cols)} must lie within the {IH}×{IW} map and leave less than a "
+                         f"{wh}×{ww} window of padding at its bottom and right (pad the image to the next multiple "
+                         "of the window, as timm does)")
+    geo = Geometry(B, IH, IW, wh, ww, sh, sw, rows, cols)
     if isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[0] != geo.nW:
         raise ValueError(f"{fn}: mask has {mask.shape[0]} window slices but a {IH}×{IW} image has {geo.nW} windows "
                          f"of {wh}×{ww}; pass one [N, N] slice per window position")

@@ -153,10 +153,13 @@ def qkv_views(qkv: torch.Tensor, geo: Optional["Geometry"] = None) -> tuple[torc
 
 
 class Geometry(NamedTuple):
-    """Swin's shifted windows over a batch of token images: windows of wh × ww tokens tiling an
-    image of height × width tokens after it is rolled by (−sh, −sw), as ``torch.roll`` followed by
-    ``window_partition`` builds them in timm. Window w of image b is row r = b·nW + w of the window
-    batch, w = (row of the window grid)·nwx + (column), its tokens row-major::
+    """Swin's shifted windows over a batch of token images: windows of wh × ww tokens tiling a grid
+    of height × width tokens after the image in its top-left rows × cols corner is rolled by
+    (−sh, −sw), as ``torch.roll`` followed by ``F.pad`` and ``window_partition`` builds them in timm.
+    The grid's other tokens (rows ≥ ``rows`` or columns ≥ ``cols``: the padding, there when the
+    image is not a multiple of the window) are never rolled. Window w of image b is row
+    r = b·nW + w of the window batch, w = (row of the window grid)·nwx + (column), its tokens
+    row-major::
 
         image (height × width), shift (sh, sw) = (1, 1), windows 2 × 2:
 
@@ -164,9 +167,10 @@ class Geometry(NamedTuple):
           a b c d                 a b         c d         i j         k l
           e f g h         →       e f         g h         m n         o p
           i j k l
-          m n o p             token (y, x) of the rolled image is token ((y + sh) mod height,
-                              (x + sw) mod width) of the image
-    """
+          m n o p             token (y, x) of the rolled image is token ((y + sh) mod rows,
+                              (x + sw) mod cols) of the image (y < rows, x < cols)
+
+    ``rows`` = height and ``cols`` = width where there is no padding."""
     batch: int
     height: int
     width: int
@@ -174,6 +178,8 @@ class Geometry(NamedTuple):
     ww: int
     sh: int
     sw: int
+    rows: int
+    cols: int
 
     @property
     def nwx(self) -> int:
@@ -195,29 +201,44 @@ class Geometry(NamedTuple):
 
     @property
     def args(self) -> tuple[int, ...]:
-        """What the window kernels take to find a window's tokens in image rows (kernels/window.py _tok)."""
-        return (self.nwx, self.wh, self.ww, self.height, self.width, self.sh, self.sw)
+        """What the window kernels take to find a window's tokens in image rows (kernels/window.py
+        _tok; the shifts reduced mod the image's extent: a roll by rows is none)."""
+        return (self.nwx, self.wh, self.ww, self.height, self.width, self.rows, self.cols, self.sh % self.rows,
+                self.sw % self.cols)
+
+
+def _regrid(x: torch.Tensor, geo: Geometry, inverse: bool) -> torch.Tensor:
+    """x [B, height, width, *rest] stored → rolled (``inverse``: back): the image's rows [0, rows)
+    rolled by −sh (+sh), the padding's after them kept; columns likewise. Slices and concatenations
+    (torch.roll where there is no padding): nothing kept for the backward."""
+    for dim, extent, shift in ((1, geo.rows, geo.sh), (2, geo.cols, geo.sw)):
+        shift %= extent
+        if not shift:
+            continue
+        if extent == x.shape[dim]:
+            x = torch.roll(x, shifts=shift if inverse else -shift, dims=dim)
+        else:
+            cut = extent - shift if inverse else shift
+            x = torch.cat((x.narrow(dim, cut, extent - cut), x.narrow(dim, 0, cut),
+                           x.narrow(dim, extent, x.shape[dim] - extent)), dim=dim)
+    return x
 
 
 def to_windows(x: torch.Tensor, geo: Geometry) -> torch.Tensor:
     """Image rows x [B·height·width, *rest] → the window batch [B·nW, N, *rest] (roll, then partition)."""
-    b, ih, iw, wh, ww, sh, sw = geo
+    b, ih, iw, wh, ww = geo[:5]
     rest = x.shape[1:]
-    x = x.reshape(b, ih, iw, *rest)
-    if sh or sw:
-        x = torch.roll(x, shifts=(-sh, -sw), dims=(1, 2))
+    x = _regrid(x.reshape(b, ih, iw, *rest), geo, inverse=False)
     x = x.reshape(b, ih // wh, wh, iw // ww, ww, *rest).transpose(2, 3)
     return x.reshape(geo.windows, wh * ww, *rest)
 
 
 def from_windows(xw: torch.Tensor, geo: Geometry) -> torch.Tensor:
     """The inverse of :func:`to_windows`: [B·nW, N, *rest] → image rows [B·height·width, *rest]."""
-    b, ih, iw, wh, ww, sh, sw = geo
+    b, ih, iw, wh, ww = geo[:5]
     rest = xw.shape[2:]
     x = xw.reshape(b, ih // wh, iw // ww, wh, ww, *rest).transpose(2, 3).reshape(b, ih, iw, *rest)
-    if sh or sw:
-        x = torch.roll(x, shifts=(sh, sw), dims=(1, 2))
-    return x.reshape(b * ih * iw, *rest)
+    return _regrid(x, geo, inverse=True).reshape(b * ih * iw, *rest)
 
 
 def window_attention(

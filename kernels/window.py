@@ -102,18 +102,24 @@ def _load_rows(base, tok, offs_r, offs_d, s_r, s_d, N, D: tl.constexpr):
 
 
 @triton.jit
-def _tok(rr, offs, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO: tl.constexpr):
+def _tok(rr, offs, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO: tl.constexpr):
     """Where token ``offs`` of window ``rr`` is stored. Window rows ([BW, N] tokens, the window
     stride applied by the caller): ``offs`` itself. Image rows (GEO): its index in the [B, IH, IW]
     token grid — window w = rr mod nW of image rr // nW is cell (w // NWX, w mod NWX) of the grid
-    of WH×WW windows over the image rolled by (−SH, −SW), as Swin's torch.roll + window_partition
-    build it, so neither the roll nor the partition copies (nor their inverses) are made."""
+    of WH×WW windows over the grid whose top-left RH×RW image is rolled by (−SH, −SW) (SH < RH,
+    SW < RW) and whose other tokens (the padding) stay in place, as timm's torch.roll, pad and
+    window_partition build it, so neither the roll, the pad nor the partition copies (nor their
+    inverses) are made."""
     if GEO:
         w = rr % nW
-        y = (w // G_NWX) * G_WH + offs // G_WW + G_SH
-        x = (w % G_NWX) * G_WW + offs % G_WW + G_SW
-        y = tl.where(y >= G_IH, y - G_IH, y)
-        x = tl.where(x >= G_IW, x - G_IW, x)
+        y = (w // G_NWX) * G_WH + offs // G_WW
+        x = (w % G_NWX) * G_WW + offs % G_WW
+        ys = y + G_SH
+        xs = x + G_SW
+        ys = tl.where(ys >= G_RH, ys - G_RH, ys)
+        xs = tl.where(xs >= G_RW, xs - G_RW, xs)
+        y = tl.where(y < G_RH, ys, y)
+        x = tl.where(x < G_RW, xs, x)
         return ((rr // nW) * G_IH + y) * G_IW + x
     else:
         return offs
@@ -170,17 +176,17 @@ def _parts_at(x, c, PREC: tl.constexpr):
 
 
 @triton.jit
-def _window_scale(base, rr, offs_r0, offs_d, s_r, s_d, N, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
+def _window_scale(base, rr, offs_r0, offs_d, s_r, s_d, N, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW,
                   D: tl.constexpr, BLOCK: tl.constexpr, GEO: tl.constexpr):
     """fp16x3: one scalar scale (_f16_scale, v's floor) for all N rows of a window's [N, D] tensor at
     ``base``, read BLOCK rows at a time. The backward needs it for v when a window spans several
     key tiles: delta_i sums P·dP over every key, so in the units of a key tile whose own v is small
     (zero-padded tokens: all zero) dP − delta would leave float16's range when dS is split."""
-    tok = _tok(rr, offs_r0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+    tok = _tok(rr, offs_r0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
     top = tl.max(tl.max(tl.abs(_load_rows(base, tok, offs_r0, offs_d, s_r, s_d, N, D)), 1), 0)
     for start in range(BLOCK, N, BLOCK):
         offs = start + offs_r0
-        tok = _tok(rr, offs, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        tok = _tok(rr, offs, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
         top = tl.maximum(top, tl.max(tl.max(tl.abs(_load_rows(base, tok, offs, offs_d, s_r, s_d, N, D)), 1), 0))
     return _f16_scale(top, _LOW_ONE)
 
@@ -265,7 +271,7 @@ def _win_fwd_kernel(
     Q, K, V, Bias, Mask, Out, Stats,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     so_b, so_h, so_n, so_d, sb_h,
-    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
+    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, GEO: tl.constexpr,
@@ -287,14 +293,14 @@ def _win_fwd_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
         q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, tok_m, offs_m, offs_d, sq_n, sq_d, N, D), False,
                              _LOW_QK, PREC)
         k_base = K + rr * sk_b + h * sk_h
         v_base = V + rr * sv_b + h * sv_h
         if SINGLE:
             # the whole window is one key tile: the fold of one tile is a plain softmax
-            tok_n = _tok(rr, offs_n0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+            tok_n = _tok(rr, offs_n0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
             k, k_lo, ck = _parts(_load_rows(k_base, tok_n, offs_n0, offs_d, sk_n, sk_d, N, D), False, _LOW_QK, PREC)
             v, v_lo, cv = _parts(_load_rows(v_base, tok_n, offs_n0, offs_d, sv_n, sv_d, N, D), True, _LOW_ONE, PREC)
             s = _logits(q, q_lo, k, k_lo, bias2, bias_h, mask_base, offs_m, offs_n0, N, NR, scale / cq / ck,
@@ -312,7 +318,7 @@ def _win_fwd_kernel(
             acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
             for start in range(0, N, BLOCK_N):
                 offs_n = start + offs_n0
-                tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+                tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
                 k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
                     q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, tok_n, offs_d,
                     sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, 1.0, D, HAS_BIAS, HAS_MASK, PREC, True, False)
@@ -344,7 +350,7 @@ def _win_bwd_fused_kernel(
     Q, K, V, Bias, Mask, dOut, Stats, dQ, dK, dV, dBiasPart,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, g_k, g_v, sb_h,
-    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
+    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_REGS: tl.constexpr, HAS_MASK: tl.constexpr, BIAS_GRAD: tl.constexpr,
     PREC: tl.constexpr, EXACT: tl.constexpr, GEO: tl.constexpr, ONE_BUFFER: tl.constexpr,
@@ -372,7 +378,7 @@ def _win_bwd_fused_kernel(
         dbias = tl.zeros([BLOCK, BLOCK], tl.float32)
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
-        tok = _tok(rr, offs, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        tok = _tok(rr, offs, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
         q = _load_rows(Q + rr * sq_b + h * sq_h, tok, offs, offs_d, sq_n, sq_d, N, D)
         k = _load_rows(K + rr * sk_b + h * sk_h, tok, offs, offs_d, sk_n, sk_d, N, D)
         v = _load_rows(V + rr * sv_b + h * sv_h, tok, offs, offs_d, sv_n, sv_d, N, D)
@@ -409,7 +415,7 @@ def _win_bwd_dq_kernel(
     Q, K, V, Bias, Mask, dOut, Out, Stats, Delta, dQ,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, so_b, so_h, so_n, so_d, sg_b, sg_h, sg_n, sb_h,
-    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
+    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
     ONE_TILE: tl.constexpr, GEO: tl.constexpr,
@@ -435,7 +441,7 @@ def _win_bwd_dq_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
         q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, tok_m, offs_m, offs_d, sq_n, sq_d, N, D), False,
                              _LOW_QK, PREC)
         do, do_lo, cdo = _parts(_load_rows(dOut + rr * sdo_b + h * sdo_h, tok_m, offs_m, offs_d, sdo_n, sdo_d, N, D),
@@ -447,7 +453,7 @@ def _win_bwd_dq_kernel(
         if PREC == FP16X3:
             f = ds_units(r_r, D_PAD)
         if EXACT and ONE_TILE:
-            tok_n = _tok(rr, offs_n0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+            tok_n = _tok(rr, offs_n0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
             k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
                 q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n0, tok_n, offs_d,
                 sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, 1.0, D, HAS_BIAS, HAS_MASK, PREC, False, False)
@@ -460,13 +466,13 @@ def _win_bwd_dq_kernel(
             cv_w = 1.0
             if PREC == FP16X3:  # one v scale for the window's key tiles (see _window_scale)
                 cv_w = _window_scale(v_base, rr, offs_n0, offs_d, sv_n, sv_d, N, nW, G_NWX, G_WH, G_WW, G_IH, G_IW,
-                                     G_SH, G_SW, D, BLOCK_N, GEO)
+                                     G_RH, G_RW, G_SH, G_SW, D, BLOCK_N, GEO)
             if EXACT:
                 delta = tl.zeros([BLOCK_M], tl.float32)
                 l = tl.zeros([BLOCK_M], tl.float32)
                 for start in range(0, N, BLOCK_N):
                     offs_n = start + offs_n0
-                    tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+                    tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
                     k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
                         q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, tok_n,
                         offs_d, sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False,
@@ -482,7 +488,7 @@ def _win_bwd_dq_kernel(
             dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
             for start in range(0, N, BLOCK_N):
                 offs_n = start + offs_n0
-                tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+                tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
                 k, k_lo, ck, v, v_lo, cv, s = _kv_logits(
                     q, q_lo, k_base, v_base, bias_h, mask_base, offs_m, offs_n, tok_n, offs_d,
                     sk_n, sk_d, sv_n, sv_d, N, NR, scale / cq, cv_w, D, HAS_BIAS, HAS_MASK, PREC, False, True)
@@ -505,7 +511,7 @@ def _win_bwd_dkdv_kernel(
     Q, K, V, Bias, Mask, dOut, Stats, Delta, dK, dV, dBiasPart,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, sg_b, sg_h, sg_n, g_k, g_v, sb_h,
-    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
+    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
     BIAS_GRAD: tl.constexpr, GEO: tl.constexpr, ONE_BUFFER: tl.constexpr,
@@ -530,7 +536,7 @@ def _win_bwd_dkdv_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         mask_base = Mask + (rr % nW) * mask_stride
-        tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
         k, k_lo, ck = _parts(_load_rows(K + rr * sk_b + h * sk_h, tok_n, offs_n, offs_d, sk_n, sk_d, N, D), False,
                              _LOW_QK, PREC)
         v_raw = _load_rows(V + rr * sv_b + h * sv_h, tok_n, offs_n, offs_d, sv_n, sv_d, N, D)
@@ -538,7 +544,7 @@ def _win_bwd_dkdv_kernel(
         if PREC == FP16X3:
             if N > BLOCK_N:  # the window spans several key tiles: one v scale for all (see _window_scale)
                 cv_w = _window_scale(V + rr * sv_b + h * sv_h, rr, tl.arange(0, BLOCK_N), offs_d, sv_n, sv_d, N,
-                                     nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, D, BLOCK_N, GEO)
+                                     nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, D, BLOCK_N, GEO)
             else:
                 cv_w = _f16_scale(tl.max(tl.max(tl.abs(v_raw), 1), 0), _LOW_ONE)
         v, v_lo, cv = _parts_at(v_raw, cv_w, PREC)
@@ -550,7 +556,7 @@ def _win_bwd_dkdv_kernel(
         for start in range(0, N, BLOCK_M):
             offs_m = start + offs_m0
             row_ok = offs_m < N
-            tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+            tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
             q, q_lo, cq = _parts(_load_rows(q_base, tok_m, offs_m, offs_d, sq_n, sq_d, N, D), False, _LOW_QK, PREC)
             do, do_lo, cdo = _parts(_load_rows(do_base, tok_m, offs_m, offs_d, sdo_n, sdo_d, N, D), False, _LOW_ONE,
                                     PREC)
@@ -599,7 +605,7 @@ def _win_bwd_dbias_kernel(
     Q, K, V, Bias, Mask, dOut, Stats, Delta, dBiasPart,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     sdo_b, sdo_h, sdo_n, sdo_d, sb_h,
-    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW,
+    BW, H, N, NR, nW, WPP, scale, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr, GEO: tl.constexpr,
 ):
@@ -619,8 +625,8 @@ def _win_bwd_dbias_kernel(
     for r in range(r0, r1):
         rr = tl.cast(r, tl.int64)
         # (dS is not split here: each tile's own scales serve)
-        tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
-        tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_SH, G_SW, GEO)
+        tok_m = _tok(rr, offs_m, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
+        tok_n = _tok(rr, offs_n, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
         q, q_lo, cq = _parts(_load_rows(Q + rr * sq_b + h * sq_h, tok_m, offs_m, offs_d, sq_n, sq_d, N, D), False,
                              _LOW_QK, PREC)
         do, do_lo, cdo = _parts(_load_rows(dOut + rr * sdo_b + h * sdo_h, tok_m, offs_m, offs_d, sdo_n, sdo_d, N, D),
@@ -663,7 +669,7 @@ def _out_empty(like: torch.Tensor, geo: Optional[Geometry]) -> torch.Tensor:
 
 
 # the kernels' geometry arguments when the rows are window rows (unused there)
-_NO_GEO = (1, 1, 1, 1, 1, 0, 0)
+_NO_GEO = (1, 1, 1, 1, 1, 1, 1, 0, 0)
 
 
 def _rows4(t: torch.Tensor, geo: Optional[Geometry]) -> tuple:

@@ -177,6 +177,31 @@ def test_swin_tiny():
     check_model(m, _img(1, 56))
 
 
+def test_swin_padded_feature_map():
+    """A 10 × 10 map under 7 × 7 windows: timm pads it to 14 × 14 after the shift's roll. The
+    fused blocks pad before the projection and the kernels roll the image alone: the same windows
+    (served, not delegated), the pad tokens' gradient reaching qkv's bias. Then a 5 × 5 stage."""
+    torch.manual_seed(0)
+    m = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=40, depths=(2, 2),
+                          num_heads=(3, 6), drop_path_rate=0.0)
+    assert m.layers[0].blocks[1].shift_size == (3, 3) and m.layers[0].blocks[1].attn_mask.shape[0] == 4
+    check_model(m, _img(2, 40))
+
+
+def test_swinv2_padded_feature_map():
+    """Swin v2 (cosine attention: the pad tokens' k normalized from zero, their q from q's bias) on
+    a 12 × 12 map under 8 × 8 windows, padded to 16 × 16; then a 6 × 6 stage. (Weights of a fixed
+    seed: logit_scale's gradient, a float32 sum over every token, is over the rule for a few draws
+    of the weights here — 3 of 40 — on every ELSA path alike, timm's own pad and partition around
+    the patched attention and the reference backend included.)"""
+    torch.manual_seed(0)
+    m = timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=48, depths=(2, 2), num_heads=(2, 4),
+                          embed_dim=32, drop_path_rate=0.0)
+    assert verify.unzero_residual_norms(m) == 8
+    assert m.layers[0].blocks[1].shift_size == (4, 4)
+    check_model(m, _img(1, 48))
+
+
 def test_swinv2_tiny_window8():
     m = timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=64, depths=(2, 2), num_heads=(3, 6),
                           drop_path_rate=0.0)
@@ -765,6 +790,7 @@ GPU_MODELS = [
     ("eva02_tiny_patch14_224", {}, 224),
     ("eva02_tiny_patch14_224", dict(attn_type="rope"), 224),
     ("swin_tiny_patch4_window7_224", dict(drop_path_rate=0.0), 224),
+    ("swin_tiny_patch4_window7_224", dict(drop_path_rate=0.0, img_size=256), 256),  # every stage's map padded
     ("swinv2_tiny_window8_256", dict(drop_path_rate=0.0), 256),
     ("swinv2_tiny_window16_256", dict(drop_path_rate=0.0), 256),
 ]

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import elsa_vision
 from elsa_vision import dispatch
@@ -788,7 +789,7 @@ def _shift_mask(ih: int, iw: int, wh: int, ww: int, sh: int, sw: int) -> torch.T
             img[hs[0]:hs[1], ws[0]:ws[1]] = cnt
             cnt += 1
     # timm partitions the region map without rolling it: the map is drawn in rolled coordinates
-    win = to_windows(img.reshape(-1, 1), Geometry(1, ih, iw, wh, ww, 0, 0))[..., 0]
+    win = to_windows(img.reshape(-1, 1), Geometry(1, ih, iw, wh, ww, 0, 0, ih, iw))[..., 0]
     m = win[:, None, :] - win[:, :, None]
     return m.masked_fill(m != 0, -100.0).masked_fill(m == 0, 0.0)
 
@@ -806,12 +807,15 @@ def _image_inputs(B, ih, iw, H, D, dtype, wh, ww, sh, sw, *, device="cpu", seed=
     return qkv, bias, m
 
 
-def _check_shifted(qkv, bias, mask, window, shift, *, packed=True, **kw):
+def _check_shifted(qkv, bias, mask, window, shift, *, packed=True, image=None, **kw):
     """shifted_window_attention on image rows against the oracle of the same windows (the exactness rule), the
-    windows taken by the reference roll + partition (exact: a permutation). Returns (out, grads)."""
+    windows taken by the reference roll + partition (exact: a permutation). ``image``: the image's
+    (rows, columns) in a padded map. Returns (out, grads)."""
     from elsa_vision.kernels.reference import Geometry, to_windows
     B, ih, iw, _, H, D = qkv.shape
-    geo = Geometry(B, ih, iw, *window, *shift)
+    geo = Geometry(B, ih, iw, *window, *shift, *(image or (ih, iw)))
+    if image is not None:
+        kw["image_size"] = image
     if packed:
         out = elsa_vision.shifted_window_attention(qkv, window_size=window, shift_size=shift, bias=bias, mask=mask, **kw)
     else:
@@ -869,7 +873,7 @@ def test_shifted_is_roll_partition_window_attention(backend):
     from elsa_vision.kernels.reference import Geometry, from_windows, to_windows
     B, ih, iw, H, D, (wh, ww), (sh, sw) = 2, 14, 14, 2, 16, (7, 7), (3, 2)
     qkv, bias, mask = _image_inputs(B, ih, iw, H, D, torch.float32, wh, ww, sh, sw, mask="random")
-    geo = Geometry(B, ih, iw, wh, ww, sh, sw)
+    geo = Geometry(B, ih, iw, wh, ww, sh, sw, ih, iw)
     go = torch.randn(B, ih, iw, H, D)
     out = elsa_vision.shifted_window_attention(qkv, window_size=(wh, ww), shift_size=(sh, sw), bias=bias, mask=mask,
                                                backend=backend)
@@ -884,6 +888,62 @@ def test_shifted_is_roll_partition_window_attention(backend):
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
         for a, b in zip(g1, g2):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+# (image rows, columns, window, shift): the map is padded to the next multiple of the window
+PADDED = [(5, 7, (4, 4), (2, 2)), (9, 8, (4, 4), (2, 2)), (8, 6, (4, 4), (0, 0)), (3, 10, (4, 3), (1, 2)),
+          (6, 6, (4, 4), (3, 1))]
+
+
+def _padded(rows, cols, wh, ww):
+    return rows + (-rows) % wh, cols + (-cols) % ww
+
+
+@pytest.mark.parametrize("rows,cols,window,shift", PADDED, ids=[f"{c[0]}x{c[1]}-w{c[2][0]}x{c[2][1]}-s{c[3][0]}{c[3][1]}"
+                                                                 for c in PADDED])
+def test_padded_geometry_is_timms_roll_then_pad(rows, cols, window, shift):
+    """to_windows of a padded map — the image in its top-left corner, pad tokens after it — is timm's
+    roll of the image, then its pad at the bottom and right, then the partition (the pad tokens all
+    alike, as timm's projection of zeros), for the values; as a permutation of the map's tokens it is
+    undone by from_windows."""
+    from elsa_vision.kernels.reference import Geometry, from_windows, to_windows
+    (wh, ww), (sh, sw) = window, shift
+    ih, iw = _padded(rows, cols, wh, ww)
+    img = torch.randn(2, rows, cols, 3)
+    pad = (0, 0, 0, iw - cols, 0, ih - rows)
+    timm = F.pad(torch.roll(img, shifts=(-sh, -sw), dims=(1, 2)), pad, value=0.5)
+    want = to_windows(timm.reshape(-1, 3), Geometry(2, ih, iw, wh, ww, 0, 0, ih, iw))
+    geo = Geometry(2, ih, iw, wh, ww, sh, sw, rows, cols)
+    stored = F.pad(img, pad, value=0.5).reshape(-1, 3)
+    assert torch.equal(to_windows(stored, geo), want)
+    ids = torch.arange(2 * ih * iw, dtype=torch.float64)[:, None]
+    assert torch.equal(from_windows(to_windows(ids, geo), geo), ids)
+
+
+@pytest.mark.parametrize("rows,cols,window,shift", PADDED, ids=[f"{c[0]}x{c[1]}-w{c[2][0]}x{c[2][1]}-s{c[3][0]}{c[3][1]}"
+                                                                 for c in PADDED])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_shifted_padded_matches_oracle(rows, cols, window, shift, backend):
+    """An image padded to the window's multiple (``image_size``): the exactness rule against the
+    oracle of timm's windows, outputs and gradients (the pad tokens' too), on each backend; with
+    timm's shift mask of the padded map where there is a shift."""
+    if backend == "triton" and not INTERP:
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    (wh, ww), (sh, sw) = window, shift
+    ih, iw = _padded(rows, cols, wh, ww)
+    qkv, bias, mask = _image_inputs(2, ih, iw, 2, 16, torch.float32, wh, ww, sh, sw)
+    _check_shifted(qkv, bias, mask, window, shift, image=(rows, cols), backend=backend)
+
+
+def test_shifted_padded_bf16_kernels_match_oracle():
+    """The half-precision kernels on a padded Swin-like map (9 × 9 image in a 12 × 12 map, window 4,
+    shift 2), q, k, v given apart and packed: bitwise the same."""
+    if not INTERP:
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    qkv, bias, mask = _image_inputs(1, 12, 12, 2, 32, torch.bfloat16, 4, 4, 2, 2)
+    out, grads = _check_shifted(qkv, bias, mask, (4, 4), (2, 2), image=(9, 9), backend="triton")
+    out2, grads2 = _check_shifted(qkv, bias, mask, (4, 4), (2, 2), image=(9, 9), packed=False, backend="triton")
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
 
 
 def test_shifted_bad_inputs_raise_clear_errors():
@@ -914,6 +974,12 @@ def test_shifted_bad_inputs_raise_clear_errors():
         swa(q, q.double(), q, window_size=7)
     with pytest.raises(ValueError, match="takes no gradient"):
         swa(qkv, window_size=7, mask=torch.zeros(4, 49, 49, requires_grad=True))
+    with pytest.raises(ValueError, match=r"image_size \(7, 14\) must lie within the 14×14 map and leave less than"):
+        swa(qkv, window_size=7, image_size=(7, 14))
+    with pytest.raises(ValueError, match="image_size"):
+        swa(qkv, window_size=7, image_size=(15, 14))
+    with pytest.raises(TypeError, match="image_size must be an int or a pair of ints"):
+        swa(qkv, window_size=7, image_size=(14.0, 14))
     p = dispatch.Problem(op="shifted_window_attention", device="cuda", dtype=torch.float32, head_dim=32,
                          window_tokens=400)
     with pytest.raises(elsa_vision.NotSupportedError, match="window of 400 tokens exceeds 256"):
@@ -949,11 +1015,42 @@ def test_gpu_shifted_swin_sizes(side, H, w, s, dp):
     _check_shifted(qkv, bias, mask, (w, w), (s, s), precision=precision, backend="triton")
     # the same windows through window_attention_packed after torch's roll + partition: bitwise
     from elsa_vision.kernels.reference import Geometry, from_windows, to_windows
-    geo = Geometry(4, side, side, w, w, s, s)
+    geo = Geometry(4, side, side, w, w, s, s, side, side)
     out = elsa_vision.shifted_window_attention(qkv, window_size=w, shift_size=s, bias=bias, mask=mask,
                                                precision=precision, backend="triton")
     win = to_windows(qkv.reshape(-1, 3, H, 32), geo)
     ow = elsa_vision.window_attention_packed(win, bias=bias, mask=mask, precision=precision, backend="triton")
+    ref = from_windows(ow.transpose(1, 2), geo).reshape(out.shape)
+    g = torch.randn(out.shape, device="cuda", dtype=dtype)
+    assert torch.equal(out, ref)
+    a = torch.autograd.grad(out, (qkv, bias), g)
+    b = torch.autograd.grad(ref, (qkv, bias), g)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# Swin-T at 256 px: its stages' maps (64, 32, 16, 8 tokens a side) padded to the 7 × 7 windows' multiple
+GPU_PADDED = [(64, 3, 7, 3), (32, 6, 7, 3), (16, 12, 7, 3), (8, 24, 7, 3)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("side,H,w,s", GPU_PADDED, ids=[f"{c[0]}px-w{c[2]}" for c in GPU_PADDED])
+@pytest.mark.parametrize("dp", [(torch.float32, "fp16x3"), (torch.float32, "ieee"), (torch.bfloat16, "auto")],
+                         ids=["fp32-fp16x3", "fp32-ieee", "bf16"])
+def test_gpu_shifted_padded_swin_sizes(side, H, w, s, dp):
+    """Padded maps on the GPU's kernels: the exactness rule against the oracle of timm's windows,
+    and bitwise the kernels' own result on those windows taken apart (the reference roll + pad
+    + partition, then window_attention_packed)."""
+    dtype, precision = dp
+    grid = side + (-side) % w
+    qkv, bias, mask = _image_inputs(4, grid, grid, H, 32, dtype, w, w, s, s, device="cuda")
+    _check_shifted(qkv, bias, mask, (w, w), (s, s), image=(side, side), precision=precision, backend="triton")
+    from elsa_vision.kernels.reference import Geometry, from_windows, to_windows
+    geo = Geometry(4, grid, grid, w, w, s, s, side, side)
+    out = elsa_vision.shifted_window_attention(qkv, window_size=w, shift_size=s, bias=bias, mask=mask,
+                                               precision=precision, backend="triton", image_size=side)
+    ow = elsa_vision.window_attention_packed(to_windows(qkv.reshape(-1, 3, H, 32), geo), bias=bias, mask=mask,
+                                             precision=precision, backend="triton")
     ref = from_windows(ow.transpose(1, 2), geo).reshape(out.shape)
     g = torch.randn(out.shape, device="cuda", dtype=dtype)
     assert torch.equal(out, ref)
