@@ -470,8 +470,8 @@ def shifted_window_attention(
         key = None  # a repeat would need the cast too
     if min(wh, ww) < 1 or IH % wh or IW % ww:
         raise ValueError(f"{fn}: the {IH}×{IW} token image is not tiled by {wh}×{ww} windows; pad it to a multiple "
-                         "of the window at its bottom and right first and pass image_size=(rows, columns), as timm pads "
-                         "the rolled image)")
+                         "of the window at its bottom and right first and pass image_size=(rows, columns) (timm pads "
+                         "the rolled image so)")
     if not (0 <= sh < wh and 0 <= sw < ww):
         raise ValueError(f"{fn}: shift_size {(sh, sw)} must lie in [0, window_size) = [0, {(wh, ww)})")
     if image_size is None:

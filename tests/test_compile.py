@@ -93,11 +93,12 @@ def test_window_dynamic_batch():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_shifted_windows_compiled_in_place(packed):
+@pytest.mark.parametrize("packed,image", [(True, None), (False, None), (True, (7, 10))],
+                         ids=["packed", "apart", "packed-padded"])
+def test_shifted_windows_compiled_in_place(packed, image):
     """Shifted windows under compile: image rows go into the window op as they are (the kernels roll
     and partition them by their addressing; no roll in the graph), outputs and gradients as eager's,
-    one graph for every batch size."""
+    one graph for every batch size; a padded map (``image_size``) likewise."""
     backend, graphs = _counting("inductor" if GPU else "aot_eager")
     rolls = []
 
@@ -112,7 +113,7 @@ def test_shifted_windows_compiled_in_place(packed):
 
     def step(*args):  # (q, k, v or the packed qkv), then the bias
         return elsa_vision.shifted_window_attention(*args[:-1], window_size=ws, shift_size=sh, bias=args[-1],
-                                                    mask=mask, precision="ieee")  # (one product: the
+                                                    mask=mask, precision="ieee", image_size=image)  # (one product: the
         # interpreter's quickest; the kernels' addressing is every precision's)
 
     c = torch.compile(step, fullgraph=True, backend=counting)

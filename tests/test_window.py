@@ -893,14 +893,14 @@ def test_shifted_is_roll_partition_window_attention(backend):
 # (image rows, columns, window, shift): the map is padded to the next multiple of the window
 PADDED = [(5, 7, (4, 4), (2, 2)), (9, 8, (4, 4), (2, 2)), (8, 6, (4, 4), (0, 0)), (3, 10, (4, 3), (1, 2)),
           (6, 6, (4, 4), (3, 1))]
+PADDED_IDS = [f"{r}x{c}-w{w[0]}x{w[1]}-s{s[0]}{s[1]}" for r, c, w, s in PADDED]
 
 
 def _padded(rows, cols, wh, ww):
     return rows + (-rows) % wh, cols + (-cols) % ww
 
 
-@pytest.mark.parametrize("rows,cols,window,shift", PADDED, ids=[f"{c[0]}x{c[1]}-w{c[2][0]}x{c[2][1]}-s{c[3][0]}{c[3][1]}"
-                                                                 for c in PADDED])
+@pytest.mark.parametrize("rows,cols,window,shift", PADDED, ids=PADDED_IDS)
 def test_padded_geometry_is_timms_roll_then_pad(rows, cols, window, shift):
     """to_windows of a padded map — the image in its top-left corner, pad tokens after it — is timm's
     roll of the image, then its pad at the bottom and right, then the partition (the pad tokens all
@@ -920,8 +920,7 @@ def test_padded_geometry_is_timms_roll_then_pad(rows, cols, window, shift):
     assert torch.equal(from_windows(to_windows(ids, geo), geo), ids)
 
 
-@pytest.mark.parametrize("rows,cols,window,shift", PADDED, ids=[f"{c[0]}x{c[1]}-w{c[2][0]}x{c[2][1]}-s{c[3][0]}{c[3][1]}"
-                                                                 for c in PADDED])
+@pytest.mark.parametrize("rows,cols,window,shift", PADDED, ids=PADDED_IDS)
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_shifted_padded_matches_oracle(rows, cols, window, shift, backend):
     """An image padded to the window's multiple (``image_size``): the exactness rule against the
