@@ -944,7 +944,7 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
 
 
 def _geometry(geometry: Optional[list[int]]) -> Optional[Geometry]:
-    """The op's geometry argument (a :class:`Geometry`'s seven ints, or None) as a Geometry."""
+    """The op's geometry argument (a :class:`Geometry`'s nine ints, or None) as a Geometry."""
     return Geometry(*geometry) if geometry is not None else None
 
 
@@ -992,7 +992,7 @@ def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optiona
     row statistics [BW,H,2,N], and the padded bias / mask tables [LB + LM, NR, NR] float32 the kernels
     read (an empty tensor where they read bias and mask in place): the backward reuses them.
     ``block`` 0 = auto; ``windows_per_program`` ≤ 0 lets the planner choose.
-    ``geometry`` (a :class:`Geometry` as its seven ints): q/k/v and out are image rows [T,H,D]
+    ``geometry`` (a :class:`Geometry` as its nine ints): q/k/v and out are image rows [T,H,D]
     instead, rolled and partitioned by the kernels' addressing (see :func:`forward`)."""
     wpp = windows_per_program if windows_per_program > 0 else None
     geo = _geometry(geometry)

@@ -358,6 +358,9 @@ def test_compile_modes_on_a_patched_vit(mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,kw,size", [("vit_tiny_patch16_224", dict(depth=2), 224),
                                           ("swin_tiny_patch4_window7_224", dict(depths=(2, 2), num_heads=(3, 6)), 224),
+                                          # 64 × 64 and 32 × 32 maps under 7 × 7 windows: padded
+                                          ("swin_tiny_patch4_window7_224", dict(depths=(2, 2), num_heads=(3, 6),
+                                                                                img_size=256), 256),
                                           ("swinv2_tiny_window8_256", dict(depths=(2, 2), num_heads=(3, 6)), 256)])
 def test_inductor_training_step_of_patched_timm(name, kw, size):
     """A compiled training step of a patched model: one graph, gradients as the eager patched step's."""

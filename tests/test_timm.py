@@ -202,6 +202,30 @@ def test_swinv2_padded_feature_map():
     check_model(m, _img(1, 48))
 
 
+class _Features(torch.nn.Module):
+    """A features_only backbone's feature maps, flattened and concatenated (one tensor for check_model)."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, x):
+        return torch.cat([f.flatten(1) for f in self.backbone(x)], 1)
+
+
+@pytest.mark.parametrize("hw", [(44, 52), (60, 36)], ids=["11x13", "15x9"])
+def test_swin_backbone_any_input_size(hw):
+    """Swin as a detection backbone (features_only, strict_img_size=False: the blocks build their
+    shift mask per call for the padded map): inputs of other sizes than the model's, whose maps
+    (11 × 13, 15 × 9) pad to 14 × 14 and 21 × 14 — served by the fused blocks under the oracle rule."""
+    torch.manual_seed(0)
+    m = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=56, depths=(2, 2), num_heads=(3, 6),
+                          embed_dim=48, drop_path_rate=0.0, strict_img_size=False, features_only=True)
+    assert m.layers_0.blocks[1].dynamic_mask
+    x = torch.randn(1, 3, *hw, generator=torch.Generator().manual_seed(1))
+    check_model(_Features(m), x)
+
+
 def test_swinv2_tiny_window8():
     m = timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=64, depths=(2, 2), num_heads=(3, 6),
                           drop_path_rate=0.0)

@@ -892,7 +892,7 @@ def test_shifted_is_roll_partition_window_attention(backend):
 
 # (image rows, columns, window, shift): the map is padded to the next multiple of the window
 PADDED = [(5, 7, (4, 4), (2, 2)), (9, 8, (4, 4), (2, 2)), (8, 6, (4, 4), (0, 0)), (3, 10, (4, 3), (1, 2)),
-          (6, 6, (4, 4), (3, 1))]
+          (6, 6, (4, 4), (3, 1)), (4, 5, (4, 4), (1, 2)), (2, 8, (4, 4), (3, 1))]  # (columns only; shift ≥ rows)
 PADDED_IDS = [f"{r}x{c}-w{w[0]}x{w[1]}-s{s[0]}{s[1]}" for r, c, w, s in PADDED]
 
 
