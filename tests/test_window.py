@@ -1003,6 +1003,25 @@ def test_shifted_repeated_calls_keep_their_checks():
 GPU_IMAGES = [(56, 3, 7, 3), (28, 6, 7, 3), (14, 12, 7, 3), (7, 24, 7, 0), (64, 3, 8, 4), (64, 3, 16, 8)]
 
 
+def _bitwise_as_taken_apart(qkv, bias, mask, w, s, precision, image=None):
+    """shifted_window_attention on image rows is bitwise the kernels' own result on its windows taken
+    apart (the reference roll, pad and partition, window_attention_packed, the inverse), outputs and
+    gradients."""
+    from elsa_vision.kernels.reference import Geometry, from_windows, to_windows
+    B, ih, iw, _, H, D = qkv.shape
+    geo = Geometry(B, ih, iw, w, w, s, s, *(image or (ih, iw)))
+    out = elsa_vision.shifted_window_attention(qkv, window_size=w, shift_size=s, bias=bias, mask=mask,
+                                               precision=precision, backend="triton", image_size=image)
+    ow = elsa_vision.window_attention_packed(to_windows(qkv.reshape(-1, 3, H, D), geo), bias=bias, mask=mask,
+                                             precision=precision, backend="triton")
+    ref = from_windows(ow.transpose(1, 2), geo).reshape(out.shape)
+    g = torch.randn(out.shape, device=out.device, dtype=out.dtype)
+    assert torch.equal(out, ref)
+    a = torch.autograd.grad(out, (qkv, bias), g)
+    b = torch.autograd.grad(ref, (qkv, bias), g)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("side,H,w,s", GPU_IMAGES, ids=[f"{c[0]}px-w{c[2]}" for c in GPU_IMAGES])
@@ -1012,19 +1031,7 @@ def test_gpu_shifted_swin_sizes(side, H, w, s, dp):
     dtype, precision = dp
     qkv, bias, mask = _image_inputs(4, side, side, H, 32, dtype, w, w, s, s, device="cuda")
     _check_shifted(qkv, bias, mask, (w, w), (s, s), precision=precision, backend="triton")
-    # the same windows through window_attention_packed after torch's roll + partition: bitwise
-    from elsa_vision.kernels.reference import Geometry, from_windows, to_windows
-    geo = Geometry(4, side, side, w, w, s, s, side, side)
-    out = elsa_vision.shifted_window_attention(qkv, window_size=w, shift_size=s, bias=bias, mask=mask,
-                                               precision=precision, backend="triton")
-    win = to_windows(qkv.reshape(-1, 3, H, 32), geo)
-    ow = elsa_vision.window_attention_packed(win, bias=bias, mask=mask, precision=precision, backend="triton")
-    ref = from_windows(ow.transpose(1, 2), geo).reshape(out.shape)
-    g = torch.randn(out.shape, device="cuda", dtype=dtype)
-    assert torch.equal(out, ref)
-    a = torch.autograd.grad(out, (qkv, bias), g)
-    b = torch.autograd.grad(ref, (qkv, bias), g)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    _bitwise_as_taken_apart(qkv, bias, mask, w, s, precision)
 
 
 # Swin-T at 256 px: its stages' maps (64, 32, 16, 8 tokens a side) padded to the 7 × 7 windows' multiple
@@ -1038,21 +1045,9 @@ GPU_PADDED = [(64, 3, 7, 3), (32, 6, 7, 3), (16, 12, 7, 3), (8, 24, 7, 3)]
                          ids=["fp32-fp16x3", "fp32-ieee", "bf16"])
 def test_gpu_shifted_padded_swin_sizes(side, H, w, s, dp):
     """Padded maps on the GPU's kernels: the exactness rule against the oracle of timm's windows,
-    and bitwise the kernels' own result on those windows taken apart (the reference roll + pad
-    + partition, then window_attention_packed)."""
+    and bitwise the kernels' own result on those windows taken apart."""
     dtype, precision = dp
     grid = side + (-side) % w
     qkv, bias, mask = _image_inputs(4, grid, grid, H, 32, dtype, w, w, s, s, device="cuda")
     _check_shifted(qkv, bias, mask, (w, w), (s, s), image=(side, side), precision=precision, backend="triton")
-    from elsa_vision.kernels.reference import Geometry, from_windows, to_windows
-    geo = Geometry(4, grid, grid, w, w, s, s, side, side)
-    out = elsa_vision.shifted_window_attention(qkv, window_size=w, shift_size=s, bias=bias, mask=mask,
-                                               precision=precision, backend="triton", image_size=side)
-    ow = elsa_vision.window_attention_packed(to_windows(qkv.reshape(-1, 3, H, 32), geo), bias=bias, mask=mask,
-                                             precision=precision, backend="triton")
-    ref = from_windows(ow.transpose(1, 2), geo).reshape(out.shape)
-    g = torch.randn(out.shape, device="cuda", dtype=dtype)
-    assert torch.equal(out, ref)
-    a = torch.autograd.grad(out, (qkv, bias), g)
-    b = torch.autograd.grad(ref, (qkv, bias), g)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    _bitwise_as_taken_apart(qkv, bias, mask, w, s, precision, image=(side, side))
