@@ -72,6 +72,11 @@ def check_scale(scale, d: int, fn: str) -> float:
         value = float(scale)
     except OverflowError:
         value = math.inf
+    if torch.compiler.is_compiling():
+        # torch.compile(dynamic=True) traces a module's float attribute (its ``scale``) as a symbol
+        # whose value is unknown while tracing: math.isfinite would break the graph, and a
+        # torch._check of it breaks it too. Not tested here, as an eager call tests it.
+        return value
     if not math.isfinite(value):
         raise ValueError(f"{fn}: scale must be a finite number, got {scale!r}")
     return value
