@@ -260,18 +260,28 @@ def test_swinv2_tiny_window16():
     check_model(m, _img(1, 64))
 
 
-@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "swinv2_tiny_window8_256"])
-def test_compile_fullgraph(name):
-    if name.startswith("vit"):
-        m = timm.create_model(name, pretrained=False, img_size=32, depth=2)
-    else:  # one stage of two blocks, 4 windows of 4x4, the second shifted
-        m = timm.create_model(name, pretrained=False, img_size=32, depths=(2,), num_heads=(2,), embed_dim=32,
-                              window_size=4, drop_path_rate=0.0)
-        verify.unzero_residual_norms(m)
+# (model, create_model keywords, image size): every family of the test list; Swin's one stage of two
+# blocks (4 windows of 4 × 4, the second shifted; "padded": a 7 × 7 map padded to 8 × 8)
+FULLGRAPH = [
+    ("vit_tiny_patch16_224", dict(img_size=32, depth=2), 32),
+    ("vit_small_patch14_reg4_dinov2", dict(img_size=28, depth=2, init_values=1.0), 28),
+    ("eva02_tiny_patch14_224", dict(img_size=28, depth=2), 28),
+    ("eva02_tiny_patch14_224", dict(img_size=28, depth=2, attn_type="rope"), 28),
+    ("swin_tiny_patch4_window7_224", dict(img_size=32, depths=(2,), num_heads=(2,), embed_dim=32, window_size=4), 32),
+    ("swin_tiny_patch4_window7_224", dict(img_size=28, depths=(2,), num_heads=(2,), embed_dim=32, window_size=4), 28),
+    ("swinv2_tiny_window8_256", dict(img_size=32, depths=(2,), num_heads=(2,), embed_dim=32, window_size=4), 32),
+]
+
+
+@pytest.mark.parametrize("name,kw,size", FULLGRAPH, ids=["vit", "dinov2-reg", "eva", "eva-rope", "swin", "swin-padded",
+                                                          "swinv2"])
+def test_compile_fullgraph(name, kw, size):
+    m = timm.create_model(name, pretrained=False, **kw, **({"drop_path_rate": 0.0} if "swin" in name else {}))
+    verify.unzero_residual_norms(m)
     # on the kernels' device: CPU tensors under the interpreter, CUDA ones on a GPU machine
     dev = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
     m.eval().to(dev)
-    x = _img(2, 32).to(dev)
+    x = _img(2, size).to(dev)
     with torch.no_grad():
         ref = m(x)
     elsa_vision.patch(m)
