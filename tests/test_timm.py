@@ -188,6 +188,18 @@ def test_swin_padded_feature_map():
     check_model(m, _img(2, 40))
 
 
+def test_swin_always_partition_pads_maps_smaller_than_the_window():
+    """always_partition=True keeps 7 × 7 windows and their shift over a 5 × 5 map (padded to one
+    window, the image rolled by 3 within its own 5 rows), where timm would otherwise shrink the
+    window: served by the fused blocks under the oracle rule."""
+    torch.manual_seed(0)
+    m = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=40, depths=(2, 2), num_heads=(2, 4),
+                          embed_dim=32, drop_path_rate=0.0, always_partition=True)
+    blk = m.layers[1].blocks[1]
+    assert blk.input_resolution == (5, 5) and blk.window_size == (7, 7) and blk.shift_size == (3, 3)
+    check_model(m, _img(1, 40))
+
+
 def test_swinv2_padded_feature_map():
     """Swin v2 (cosine attention: the pad tokens' k normalized from zero, their q from q's bias) on
     a 12 × 12 map under 8 × 8 windows, padded to 16 × 16; then a 6 × 6 stage. (Weights of a fixed
