@@ -551,7 +551,9 @@ class SwinBlock(Adapter):
     """Swin v1 ``SwinTransformerBlock`` / v2 ``SwinTransformerV2Block``: their ``_attn(x)`` — x
     [B, H, W, C] → roll by −shift → window partition → ``attn`` → window merge → roll by +shift —
     as ``attn.qkv`` → :func:`elsa_vision.shifted_window_attention` → ``attn.proj`` →
-    ``attn.proj_drop`` on the feature map itself (see the module docstring). The block's
+    ``attn.proj_drop`` on the feature map itself (see the module docstring); a map the window does
+    not tile padded before ``attn.qkv`` and its image rolled alone (``image_size``), the output
+    cropped before ``attn.proj``. The block's
     ``forward`` (norms, residuals, MLP, drop-path) stays timm's."""
 
     name = "timm.SwinBlock"
