@@ -5,6 +5,7 @@ warps laid out beyond the tile (replicated work).
     python benchmarks/window_compile.py                       # Swin sizes, all precisions and blocks, sm_90
     python benchmarks/window_compile.py --n 49,144 --d 32,64 --arch 90 --blocks 64,256
     python benchmarks/window_compile.py --attention --d 16,32,64,128,256   # kernels/attention.py tile table
+    python benchmarks/window_compile.py --static --n 49,64 --blocks 64    # can inductor's static launcher take them?
 
 Run it with the Triton version the GPU machine has (registers and spills differ between releases;
 e.g. ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``). It runs the real launchers (kernels/window.py forward + backward on small CPU tensors) with Triton's
@@ -30,6 +31,7 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+STATIC = False  # --static: report inductor's static launcher per kernel
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 COMPILED: list = []
 
@@ -106,7 +108,13 @@ def main(argv=None):
     ap.add_argument("--precisions", default="fp32:tf32x3,fp32:tf32,fp32:ieee,bf16:native")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--attention", action="store_true", help="the attention kernels' tile table instead")
+    ap.add_argument("--static", action="store_true",
+                    help="also say per kernel whether torch.compile's static launcher (inductor's C++ launch path, "
+                         "which user-defined kernels take only under static_launch_user_defined_triton_kernels) "
+                         "can launch it, with the argument types it would pass")
     a = ap.parse_args(argv)
+    global STATIC
+    STATIC = a.static
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
     print(f"triton {triton.__version__}, target sm_{a.arch}", flush=True)
@@ -132,6 +140,18 @@ def main(argv=None):
                     print(f"N={N} D={D} {spec} block={block} | " + _cells(), flush=True)
 
 
+def static_launch(kern) -> str:
+    """Whether torch's StaticallyLaunchedCudaKernel takes the compiled kernel: its argument type codes (one
+    per runtime argument: O pointer, i int32, f float32, ...) or the reason it refuses."""
+    from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel
+    if not hasattr(kern, "_cubin_path"):  # inductor sets it to the cache's cubin before it builds one
+        kern._cubin_path = os.path.join(tempfile.gettempdir(), f"{kern.src.fn.__name__}.cubin")
+    try:
+        return f"static launch: {StaticallyLaunchedCudaKernel(kern).arg_tys}"
+    except (NotImplementedError, RuntimeError, KeyError) as e:
+        return f"static launch: NO ({type(e).__name__}: {e})"
+
+
 def _cells() -> str:
     """One report cell per kernel compiled since COMPILED was cleared."""
     cells = []
@@ -139,7 +159,7 @@ def _cells() -> str:
         regs, spill = ptxas_report(kern)
         smem, rep = kern.metadata.shared, replication(kern)
         flags = ("  SPILL" if spill else "") + ("  SMEM>227K" if smem > 232448 else "") + \
-                (f"  REPLICATED×{rep:g}" if rep > 1 else "")
+                (f"  REPLICATED×{rep:g}" if rep > 1 else "") + (f"  {static_launch(kern)}" if STATIC else "")
         ops = mma_operands(kern)
         cells.append(f"{name.replace('_win_', '').replace('_kernel', '')}: {kern.metadata.num_warps}w "
                      f"{regs}r {spill}B-spill {smem // 1024}K-smem{flags}" + (f" ({ops})" if ops else ""))
