@@ -110,7 +110,9 @@ def _triton_available() -> Optional[str]:
 
 class BackendFallbackWarning(UserWarning):
     """``backend="auto"`` passed over a backend that serves the call's device but is not usable here
-    (e.g. Triton not installed): the call runs on a slower backend."""
+    (e.g. Triton not installed): the call runs on a slower backend. Also: the Triton backend's
+    Hopper kernels cannot run on an sm_90 GPU with the installed Triton (a version they were not
+    checked against), so its portable kernels serve the call."""
 
 
 def _interpret() -> bool:
@@ -289,6 +291,8 @@ def select(p: Problem, backend: str = "auto") -> Backend:
                 _warn_fallback(name, why, b.name, p)
             if memo:
                 _CHOSEN[key] = b
+                if b is TRITON:
+                    _say_hopper_off(p)
             return b
         if reasons and reasons == [b.available()] and p.device in (b.devices() if callable(b.devices) else b.devices):
             unusable.append((b.name, reasons[0]))
@@ -307,6 +311,39 @@ def _warn_fallback(name: str, why: str, chosen: str, p: Problem) -> None:
     _WARNED.add((name, why, p.device))
     warnings.warn(f"elsa_vision: the {name} backend cannot run here ({why}); {p.op} on {p.device} runs on the "
                   f"{chosen} backend instead, which is exact but slower", BackendFallbackWarning, stacklevel=4)
+
+
+def _cuda_capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability()
+
+
+def _say_hopper_off(p: Problem) -> None:
+    """Say once per process when an attention call of a kind the Hopper kernels (kernels/hopper.py)
+    serve — half precision at their head dims, or float32 in fp16x3, no bias — reaches an sm_90 GPU
+    where they are off because the installed Triton is not a version they were checked against
+    (Gluon's API is experimental): the portable kernels run it, exact but slower there. Not when
+    ELSA_HOPPER=0 turned them off, which asks for that. (Eager calls: the first selection of a
+    problem, before :func:`select`'s memo keeps it.)"""
+    if p.op != "attention" or p.device != "cuda" or p.has_bias or ("hopper", "triton") in _WARNED:
+        return
+    if os.environ.get("ELSA_HOPPER", "1").strip() == "0":
+        return
+    from .kernels import launch
+    if launch.CHECKED:
+        return
+    if not ((p.dtype in HALF and p.head_dim in limits.HOPPER_HEAD_DIMS)
+            or (p.precision == "fp16x3" and p.head_dim in limits.HOPPER_SPLIT_HEAD_DIMS)):
+        return
+    if _cuda_capability() != (9, 0):
+        return
+    _WARNED.add(("hopper", "triton"))
+    import triton
+    checked = " or ".join(".".join(map(str, v)) for v in launch.CHECKED_TRITON)
+    warnings.warn(f"elsa_vision: the Hopper kernels cannot run here (triton {triton.__version__} is not a version "
+                  f"they were checked against: {checked}); attention on this sm_90 GPU runs on the portable Triton "
+                  f"kernels, which are exact but slower here, and every launch takes Triton's own launcher. "
+                  f"Install the torch that brings triton {checked} for them, or set ELSA_HOPPER=0 to keep the "
+                  f"portable kernels without this warning", BackendFallbackWarning, stacklevel=4)
 
 
 def device_problem(device: str, backend: str = "auto") -> Optional[str]:

@@ -55,12 +55,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E, dk_units, ds_units, split_f16
 from .launch import CHECKED, Launch, cdiv, launch, prepared, sm_count
+from .limits import HOPPER_HEAD_DIMS, HOPPER_SPLIT_HEAD_DIMS
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = HOPPER_HEAD_DIMS
 DTYPES = (torch.float16, torch.bfloat16)
 # float32 in fp16x3: its tiles are twice as many float16 buffers, which fit the shared memory at
 # D = 64 (a power of two: the kernels read Scales' rows as 2 + D long, 2 + D_PAD)
-SPLIT_HEAD_DIMS = (64,)
+SPLIT_HEAD_DIMS = HOPPER_SPLIT_HEAD_DIMS
 # Gluon is experimental: its API is the one of the Triton versions this file was checked against.
 # ELSA_HOPPER=0 (or ENABLED = False) keeps every call on the portable kernels; EVERYWHERE = True
 # sends every call the kernel supports here, whatever the measured policy of ``serves`` says.

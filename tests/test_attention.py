@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import elsa_vision
-from elsa_vision import NotSupportedError, verify
+from elsa_vision import BackendFallbackWarning, NotSupportedError, verify
 from oracle_check import assert_close_to_oracle, assert_fake_matches_real, check_case, torch_same_dtype
 
 from conftest import DEVICE
@@ -478,6 +478,41 @@ def test_dispatch_memo_follows_the_interpreter_flag_and_never_hides_a_refusal(mo
             dispatch.select(p, "triton")
     with pytest.raises(ValueError, match="unknown backend"):
         dispatch.select(p, "flash")
+
+
+def test_hopper_kernels_off_under_an_unchecked_triton_are_said_once(monkeypatch):
+    """On an sm_90 GPU, an attention call of a kind the Hopper kernels serve, while they are off
+    because the installed Triton is not a checked version, warns once (BackendFallbackWarning);
+    not for calls they would not serve, not off Hopper, not with ELSA_HOPPER=0, not under a
+    checked Triton. (Problems on the "cuda" device type select without a GPU: no tensor.)"""
+    import warnings
+    from elsa_vision import dispatch
+    from elsa_vision.kernels import launch
+
+    def said(p, capability=(9, 0), checked=False, env="1"):
+        monkeypatch.setattr(dispatch, "_WARNED", set())
+        monkeypatch.setattr(dispatch, "_CHOSEN", {})
+        monkeypatch.setattr(dispatch, "_cuda_capability", lambda: capability)
+        monkeypatch.setattr(launch, "CHECKED", checked)
+        monkeypatch.setenv("ELSA_HOPPER", env)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                dispatch.clear_memo()
+                assert dispatch.select(p).name == "triton"
+        return [str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)]
+
+    half = dispatch.Problem(op="attention", device="cuda", dtype=torch.bfloat16, head_dim=64, precision="native")
+    msgs = said(half)
+    assert len(msgs) == 1 and "Hopper kernels cannot run here" in msgs[0] and "ELSA_HOPPER=0" in msgs[0]
+    assert len(said(half._replace(dtype=torch.float32, precision="fp16x3"))) == 1
+    for quiet in (half._replace(head_dim=32), half._replace(has_bias=True), half._replace(op="window_attention"),
+                  half._replace(dtype=torch.float32, precision="tf32"),
+                  half._replace(dtype=torch.float32, precision="fp16x3", head_dim=128)):
+        assert said(quiet) == [], quiet
+    assert said(half, capability=(8, 0)) == []
+    assert said(half, checked=True) == []
+    assert said(half, env="0") == []
 
 
 def test_repeated_calls_keep_their_checks():
