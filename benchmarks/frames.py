@@ -681,7 +681,7 @@ def main():
     if args.quick:
         args.frames = args.frames or [8, 16, 32]
         args.dtype = ["bf16"]
-        if args.variants == list(VARIANTS):
+        if args.variants == p.get_default("variants"):  # (not named on the command line)
             args.variants = ["native", "elsa", "elsa-merge", "elsa-lean"]
     args.repeats = args.repeats or (2 if args.quick else 1)
     if args.memory_rehearsal:
