@@ -85,6 +85,7 @@ class PatchState:
     calls: int = 0
     delegated: int = 0
     delegate_reasons: dict = field(default_factory=dict)
+    memo: dict = field(default_factory=dict)  # what the adapter keeps between this module's calls
 
     def count_call(self) -> None:
         if not torch.compiler.is_compiling():

@@ -316,6 +316,24 @@ def _canonical_index(module) -> bool:
     return tuple(index.shape) == tuple(want.shape) and bool(torch.equal(index.cpu().long(), want))
 
 
+def _index_still_canonical(module, state) -> bool:
+    """Whether relative_position_index is still timm's formula (:func:`_canonical_index`, which
+    patch() checked): checked again on the first eager call after it became another tensor or was
+    written in place (its version counter), so that an edited index takes the module's own gather
+    instead of the kernels' derived one. A compiled graph keeps what the last eager check found."""
+    memo = state.memo
+    if torch.compiler.is_compiling():
+        return memo.get("index_ok", True)
+    index = module_attr(module, "relative_position_index")
+    seen = memo.get("index")
+    if seen is None or seen[0] is not index or seen[1] != getattr(index, "_version", 0):
+        ok = _canonical_index(module)
+        memo["index"] = (index, getattr(index, "_version", 0))
+        memo["index_ok"] = ok
+        return ok
+    return memo["index_ok"]
+
+
 def _mask_ok(mask: Optional[torch.Tensor], Bw: int, N: int) -> bool:
     return mask is None or (mask.dim() == 3 and tuple(mask.shape[1:]) == (N, N) and mask.shape[0] > 0
                             and Bw % mask.shape[0] == 0)
@@ -352,11 +370,11 @@ class _SwinBase(Adapter):
     @staticmethod
     def _fuses_bias(module, state, table: torch.Tensor) -> bool:
         """Whether the position-bias kernels may serve this call: the option and the backend, the
-        table's device and dtype, the index's shape (v2 checks its MLP beside)."""
+        table's device and dtype, the index's shape and formula (v2 checks its MLP beside)."""
         n = module.window_size[0] * module.window_size[1]
         return (_backend(state) == "auto" and state.options.get("fuse_position_bias", True)
                 and triton_serves(table.device.type) and table.dtype in POSITION_BIAS_DTYPES
-                and tuple(module.relative_position_index.shape) == (n, n))
+                and tuple(module.relative_position_index.shape) == (n, n) and _index_still_canonical(module, state))
 
     def _qkv(self, module, x):
         raise NotImplementedError

@@ -316,6 +316,29 @@ def test_v1_index_of_another_formula_is_not_patched_unless_the_fusion_is_off(mon
     _check_same_step(m, ref, torch.randn(4, 16, 32, device=DEVICE))
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_index_edited_after_patching_takes_the_modules_gather(version):
+    """patch() checks the index once; an index written in place (or replaced) afterwards is checked
+    again at the next call: another formula takes the module's own gather (timm's answer), timm's
+    formula back takes the kernels again."""
+    m, ref = _v1_pair((4, 4), 2) if version == 1 else _patched_pair()
+    if version == 1:
+        assert elsa_vision.patch(m).num_patched == 1
+    x = torch.randn(4, 16, 32, device=DEVICE)
+    _check_same_step(m, ref, x)
+    assert m._elsa.memo["index_ok"]
+    canonical = m.relative_position_index.clone()
+    with torch.no_grad():
+        for mod in (m, ref):
+            mod.relative_position_index.copy_(mod.relative_position_index.flip(1))
+    _check_same_step(m, ref, x)
+    assert not m._elsa.memo["index_ok"]
+    for mod in (m, ref):  # a new tensor, timm's formula again
+        mod.relative_position_index = canonical.clone()
+    _check_same_step(m, ref, x)
+    assert m._elsa.memo["index_ok"]
+
+
 # --------------------------------------------------------------------------------------------
 # both under torch.compile
 
