@@ -414,11 +414,14 @@ def shifted_window_attention(
         scale, block, precision, backend: as in :func:`window_attention`.
         image_size: None (the whole map is the image), or int or (rows, columns): the image is the
             map's top-left rows × columns tokens, the others pad it (fewer than a window's rows /
-            columns), as timm pads a feature map that the window does not tile: the cyclic shift
-            rolls the image only and the padding stays at the bottom and right, after the roll
-            (``roll(x, −shift)``, then the pad). The pad tokens are keys and values like the others
-            (timm's are the projection of zeros: its bias); their outputs are computed and not
-            meant to be read (timm crops them).
+            columns), as timm pads a feature map that the window does not tile. The shift rolls
+            rows [0, rows) by −shift[0] across the map's whole width and columns [0, columns) by
+            −shift[1] across its whole height: each image token lands where timm's
+            ``roll(x, −shift)`` then pad puts it, and a pad token moves only among pad positions
+            (along its column or row). That is timm's answer exactly when the pad tokens are equal,
+            as timm's are (the projection of zeros: its bias); distinct pad tokens are not kept in
+            place. The pad tokens are keys and values like the others; their outputs are computed
+            and not meant to be read (timm crops them).
 
     Returns:
         [B, height, width, H, D] in the inputs' dtype, row-major (``out.reshape(B, height, width, H·D)``
