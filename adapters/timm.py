@@ -28,8 +28,8 @@ back to the block's own ``_attn`` — which then calls the patched ``attn`` — 
 an active ``proj_drop`` (its random mask follows timm's window order) or any reason ``attn`` itself
 would delegate. A feature map that the window does not tile is padded before the projection, as
 timm pads it after the roll (zeros at the bottom and right, whose q, k, v are the projection's
-bias), and the kernels roll the image alone (``image_size``): the same windows, the pad and the
-crop the only copies. Patch option ``fuse_windows=False`` leaves the blocks alone.
+bias), and the kernels roll the image's rows and columns (``image_size``; the equal pad tokens move
+among pad positions only): the same windows, the pad and the crop the only copies. Patch option ``fuse_windows=False`` leaves the blocks alone.
 
 Calls that are delegated to the original forward (and counted in ``module._elsa.delegated``):
 
@@ -615,7 +615,8 @@ class SwinBlock(Adapter):
         (wh, ww), N = block.window_size, block.window_size[0] * block.window_size[1]
         # a map the window does not tile is padded as timm pads it — at the bottom and right, with
         # zeros (the projection makes them its bias) — but before the projection and unrolled: the
-        # kernels roll the image alone (image_size), so timm's roll-then-pad is index arithmetic
+        # kernels roll the image's rows and columns (image_size; the pad tokens, all equal, move among
+        # pad positions only), so timm's roll-then-pad is index arithmetic
         ph, pw = -H % wh, -W % ww
         xp = F.pad(x, (0, 0, 0, pw, 0, ph)) if ph or pw else x
         IH, IW = H + ph, W + pw

@@ -106,10 +106,11 @@ def _tok(rr, offs, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GE
     """Where token ``offs`` of window ``rr`` is stored. Window rows ([BW, N] tokens, the window
     stride applied by the caller): ``offs`` itself. Image rows (GEO): its index in the [B, IH, IW]
     token grid — window w = rr mod nW of image rr // nW is cell (w // NWX, w mod NWX) of the grid
-    of WH×WW windows over the grid whose top-left RH×RW image is rolled by (−SH, −SW) (SH < RH,
-    SW < RW) and whose other tokens (the padding) stay in place, as timm's torch.roll, pad and
-    window_partition build it, so neither the roll, the pad nor the partition copies (nor their
-    inverses) are made."""
+    of WH×WW windows over the grid whose rows [0, RH) are rolled by −SH across its whole width and
+    whose columns [0, RW) by −SW across its whole height (SH < RH, SW < RW; the padding's rows and
+    columns after them stay): the top-left RH×RW image as timm's torch.roll, pad and
+    window_partition build it, pad tokens moved among pad positions only, so neither the roll, the
+    pad nor the partition copies (nor their inverses) are made."""
     if GEO:
         w = rr % nW
         y = (w // G_NWX) * G_WH + offs // G_WW
