@@ -365,16 +365,22 @@ def is_patched(mod: torch.nn.Module) -> bool:
 
 
 def unpatch(model: torch.nn.Module) -> int:
-    """Restore every patched module's original forward; returns the number restored."""
-    n = 0
-    for mod in model.modules():
-        state = mod.__dict__.get("_elsa")
-        if not isinstance(state, PatchState):
-            continue
-        del mod.__dict__[state.adapter.method]  # (patch skips modules with one of their own)
+    """Restore every patched module's original forward; returns the number restored. A module whose
+    patched method was replaced or removed since (a wrapper set on it) is an error, raised before
+    any module is restored: restoring would drop that wrapper, keeping it would call a forward
+    that is no longer patched."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"unpatch expects a torch.nn.Module, got {type(model).__name__}")
+    found = [(name, mod) for name, mod in model.named_modules() if isinstance(mod.__dict__.get("_elsa"), PatchState)]
+    changed = [name or "<root>" for name, mod in found if not is_patched(mod)]
+    if changed:
+        raise RuntimeError(f"unpatch: the patched method of {', '.join(changed)} was replaced or removed after "
+                           "patch() (e.g. a hook library's wrapper); remove that wrapper first, then unpatch. "
+                           "No module was restored.")
+    for _, mod in found:
+        del mod.__dict__[mod.__dict__["_elsa"].adapter.method]  # (patch skips modules with one of their own)
         del mod.__dict__["_elsa"]
-        n += 1
-    return n
+    return len(found)
 
 
 def patched_modules(model: torch.nn.Module) -> list[tuple[str, PatchState]]:

@@ -148,6 +148,7 @@ def _attention(q, k, v, qkv, bias, bias_in, scale, causal, precision, backend, p
     scale = check_scale(scale, D, fn)
     bias = bias4(bias, B, H, Nq, Nk, q, fn)
     causal = check_flag(causal, "causal", fn)
+    check_flag(return_lse, "return_lse", fn)
     if partitions is not None and (not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1):
         raise ValueError(f"{fn}: partitions must be a positive int or None, got {partitions!r}")
     prec = resolve_precision(precision, q.dtype)
@@ -298,7 +299,7 @@ def _call_key(op, tensors, args):
     """The signature of a call (None: not kept — under torch.compile, or arguments other than plain
     numbers / strings, which take the checks every time). ``args`` go in with their types: 1, 1.0
     and True hash alike, but the checks refuse a bool scale."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not isinstance(tensors[0], torch.Tensor):  # (the checks say what is wrong)
         return None
     for a in args:  # (a loop: host time on every call)
         if type(a) not in _PLAIN_ARGS:

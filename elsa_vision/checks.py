@@ -16,7 +16,7 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 def autocast(*ts):
     """SDPA's autocast rule: inside CUDA/CPU autocast, floating inputs run in the autocast dtype."""
-    if not all(t is None or isinstance(t, torch.Tensor) for t in ts):
+    if not isinstance(ts[0], torch.Tensor) or not all(t is None or isinstance(t, torch.Tensor) for t in ts):
         return ts  # the input checks that follow explain what is wrong
     dt = autocast_dtype(ts[0].device.type)
     if dt is None:

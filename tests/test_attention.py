@@ -643,6 +643,8 @@ def test_inference_matches_the_autograd_path():
      "floating point"),
     (lambda q, k, v: (q.int(), k.int(), v.int(), {}), TypeError, "not supported"),
     (lambda q, k, v: ("q", k, v, {}), TypeError, "torch.Tensor"),
+    (lambda q, k, v: (None, k, v, {}), TypeError, "q must be a torch.Tensor"),
+    (lambda q, k, v: (q, k, v, {"return_lse": "no"}), TypeError, "return_lse must be True or False"),
     (lambda q, k, v: (q, k, v, {"partitions": 0}), ValueError, "partitions"),
     (lambda q, k, v: (q, k, v, {"partitions": True}), ValueError, "partitions"),
     (lambda q, k, v: (q, k, v, {"scale": True}), TypeError, "scale must be a Python number"),

@@ -125,6 +125,25 @@ def test_a_model_dependent_refusal_patches_nothing():
     _untouched(model, before)
 
 
+def test_unpatch_refuses_a_replaced_method_and_restores_nothing():
+    """A patched method replaced (a hook library's wrapper) or removed after patch(): unpatch raises
+    before it restores any module, so the model is never left half-patched."""
+    model = _swin()
+    n = elsa_vision.patch(model).num_patched
+    mod = next(m for m in model.modules() if registry.is_patched(m))
+    method = mod._elsa.adapter.method
+    object.__setattr__(mod, method, lambda *args, **kwargs: None)
+    with pytest.raises(RuntimeError, match="replaced or removed after patch"):
+        elsa_vision.unpatch(model)
+    assert len(registry.patched_modules(model)) == n
+    del mod.__dict__[method]
+    with pytest.raises(RuntimeError, match="No module was restored"):
+        elsa_vision.unpatch(model)
+    assert len(registry.patched_modules(model)) == n
+    with pytest.raises(TypeError, match="unpatch expects a torch.nn.Module"):
+        elsa_vision.unpatch(None)
+
+
 def test_module_attr_reads_what_getattr_reads():
     """registry.module_attr (the adapters' lookup of attributes a module may lack) gives what
     getattr gives for instance attributes, parameters, buffers, submodules, class attributes and
