@@ -272,6 +272,23 @@ def test_swinv2_tiny_window16():
     check_model(m, _img(1, 64))
 
 
+@pytest.mark.parametrize("name,kw,size", [
+    ("vit_tiny_patch16_224", dict(img_size=32, depth=2), 32),
+    ("swin_tiny_patch4_window7_224", dict(img_size=56, depths=(2,), num_heads=(2,), embed_dim=32), 56),
+    ("swinv2_tiny_window8_256", dict(img_size=64, depths=(2,), num_heads=(2,), embed_dim=32, window_size=8), 64),
+], ids=["vit", "swin", "swinv2"])
+def test_patched_model_on_the_meta_device(name, kw, size):
+    """A model built on the meta device (shapes only) runs patched as it does unpatched: its calls
+    take the reference backend, which serves meta tensors."""
+    with torch.device("meta"):
+        m = timm.create_model(name, pretrained=False, **kw)
+    x = torch.empty(2, 3, size, size, device="meta")
+    want = m(x)
+    assert elsa_vision.patch(m).num_patched > 0
+    out = m(x)
+    assert out.device.type == "meta" and out.shape == want.shape and out.dtype == want.dtype
+
+
 # (model, create_model keywords, image size): every family of the test list; Swin's one stage of two
 # blocks (4 windows of 4 × 4, the second shifted; "padded": a 7 × 7 map padded to 8 × 8)
 FULLGRAPH = [
