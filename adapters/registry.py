@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import importlib.util
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -175,7 +176,8 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
 
     include / exclude: glob patterns on module names (``model.named_modules()``), e.g.
     ``exclude=["blocks.0.*"]``. Other keyword options are passed to the adapters (see each adapter's
-    docs). Patching an already-patched module is a no-op (listed in ``report.already``).
+    docs). Patching an already-patched module is a no-op (listed in ``report.already``; a warning
+    says so where this call's options differ from the ones it was patched with).
     """
     from ..api import PRECISIONS
     if precision not in PRECISIONS:
@@ -197,6 +199,7 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
         adapter.check_options(opts)
     report = PatchReport()
     chosen = []  # (name, module, adapter): bound only once every module has been asked
+    differ = []  # already patched, with other options
     for name, mod in model.named_modules():
         adapter = table.get(type(mod))
         if adapter is None:
@@ -209,6 +212,8 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
             continue
         if isinstance(getattr(mod, "_elsa", None), PatchState):
             report.already.append(name)
+            if mod._elsa.options != opts:
+                differ.append(name)
             continue
         if not _selected(name, include, exclude):
             report.skipped.setdefault(adapter.name, []).append((name, "excluded by include/exclude"))
@@ -229,6 +234,9 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
     for name, mod, adapter in chosen:
         _bind(mod, adapter, opts)
         report.patched.setdefault(adapter.name, []).append(name)
+    if differ:
+        warnings.warn(f"patch(): {len(differ)} module(s) already patched with other options keep those "
+                      f"(e.g. {differ[0] or '<root>'}); unpatch() first to patch with these", UserWarning, stacklevel=3)
     return report
 
 

@@ -125,6 +125,19 @@ def test_a_model_dependent_refusal_patches_nothing():
     _untouched(model, before)
 
 
+def test_patching_again_with_other_options_warns_and_keeps_the_first():
+    import warnings
+    model = _swin()
+    n = elsa_vision.patch(model, precision="ieee").num_patched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(elsa_vision.patch(model, precision="ieee").already) == n  # the same options: quiet
+    with pytest.warns(UserWarning, match=r"already patched with other options keep those"):
+        report = elsa_vision.patch(model, precision="tf32")
+    assert report.num_patched == 0 and len(report.already) == n
+    assert all(st.options["precision"] == "ieee" for _, st in registry.patched_modules(model))
+
+
 def test_unpatch_refuses_a_replaced_method_and_restores_nothing():
     """A patched method replaced (a hook library's wrapper) or removed after patch(): unpatch raises
     before it restores any module, so the model is never left half-patched."""
