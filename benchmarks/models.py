@@ -22,6 +22,11 @@ show what running the blocks' shifted windows in place adds; for ViT models
 ``patch(fuse_residual=False)`` (the blocks' own residual adds and norms), to show what the fused
 residual passes add. ``--nofuse OPTION ...`` sets those patch options False instead, e.g.
 ``--nofuse fuse_position_bias`` (Swin's position bias by the module's own gather, and v2's MLP).
+With ``--compile default --static-launch``, also ``elsa_static``: the patched model compiled with
+inductor's static launcher for user-defined Triton kernels (ELSA's) as well as its own
+(:data:`STATIC_LAUNCH_OPTIONS`), against ``elsa`` (Triton's launcher for them, inductor's default):
+``static_speedup_vs_elsa``, and ``user_kernel_launchers`` (which launcher each user-defined kernel
+inductor loaded got).
 
 A training step is forward + backward + SGD step. fp32 runs with ``torch.set_float32_matmul_precision
 ("highest")`` (native attention is true fp32; ELSA's "auto" runs its float32-accurate fp16x3 mode);
@@ -125,6 +130,29 @@ def nofuse_options(case: Case, names: Sequence[str]) -> dict:
     return {"fuse_windows": False} if case.model in SWIN else {"fuse_residual": False}
 
 
+# torch.compile options of the elsa_static variant (--static-launch). Inductor picks a kernel's
+# launcher where it compiles it; its compile workers get only use_static_triton_launcher from this
+# process's config, so this variant compiles in this process (compile_threads=1), where the option
+# is in force. (Compile time only: the steps run as any compiled step.)
+STATIC_LAUNCH_OPTIONS = {"static_launch_user_defined_triton_kernels": True, "compile_threads": 1}
+
+
+def user_kernel_launchers() -> str:
+    """Which launcher inductor gave each user-defined Triton kernel it has loaded in this process:
+    "name: static|triton" entries (both when two compiled variants gave it both)."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner, HeuristicType
+    kinds: dict = {}
+    for o in gc.get_objects():
+        # (type(): isinstance reads __class__, which some deprecated proxies among the objects warn on)
+        if issubclass(type(o), CachingAutotuner) and getattr(o, "heuristic_type", None) == HeuristicType.USER_AUTOTUNE:
+            for launcher in o.launchers:
+                runner = getattr(launcher, "__globals__", {}).get("runner")
+                owner = getattr(runner, "__self__", runner)
+                kinds.setdefault(o.fn.__name__, set()).add("static" if "Statically" in type(owner).__name__
+                                                            else "triton")
+    return "; ".join(f"{n}: {'|'.join(sorted(k))}" for n, k in sorted(kinds.items()))
+
+
 def build(case: Case, device: str) -> torch.nn.Module:
     import timm
     name = {**VIT, **SWIN}[case.model]
@@ -144,10 +172,11 @@ def set_fused(model: torch.nn.Module, fused: bool) -> bool:
     return found
 
 
-def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None):
+def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None,
+            compile_options: Optional[dict] = None):
     """A callable running one forward (no grad) or one training step of ``model`` on ``x``; with
     ``compile_mode``, the model's forward (and its backward) through ``torch.compile`` in that mode
-    (the optimizer step stays eager)."""
+    (the optimizer step stays eager), with inductor ``compile_options`` in the default mode."""
     amp = case.dtype == "bf16"
     dev = x.device.type
     run = model
@@ -155,7 +184,10 @@ def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None
         if fused is not None:  # fixed before compiling: a switch inside the graph would recompile
             set_fused(model, fused)
             fused = None
-        run = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
+        if compile_options:  # (torch.compile takes a mode or options, not both)
+            run = torch.compile(model, options=compile_options)
+        else:
+            run = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
 
     def prep():
         if fused is not None:
@@ -185,14 +217,15 @@ def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None
 
 def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0,
              profile: Optional[list] = None, graphs: bool = False, compile_mode: Optional[str] = None,
-             nofuse: Optional[Sequence[str]] = None, host: bool = False) -> dict:
+             nofuse: Optional[Sequence[str]] = None, host: bool = False, static_launch: bool = False) -> dict:
     """Time one case (ELSA vs timm's paths, interleaved); with ``profile`` (a list), also append one
     profiled call per variant: CUDA time per kernel category and the top kernels; with ``graphs``,
     also time each variant replayed from a CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<b>``);
     with ``compile_mode``, every variant is its model under ``torch.compile`` (timm's two paths on
     two copies), compiled during the warm-up calls; with ``host``, also each variant's host time
     (``<variant>_host_ms``, :func:`harness.host_time`) and its share of the wall time
-    (``<variant>_host_share``: near 1, the host paces that variant)."""
+    (``<variant>_host_share``: near 1, the host paces that variant); with ``static_launch`` (default
+    compile mode), also ``elsa_static`` (:data:`STATIC_LAUNCH_OPTIONS`)."""
     row = {"model": case.model, "size": case.size, "batch": case.batch, "mode": case.mode, "dtype": case.dtype}
     if compile_mode is not None:
         row["compile"] = compile_mode
@@ -205,6 +238,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         if nofuse is not None:
             elsa_nf = copy.deepcopy(native)
             elsa_vision.patch(elsa_nf, precision=precision, **nofuse_options(case, nofuse))
+        if static_launch:
+            elsa_st = copy.deepcopy(native)
+            elsa_vision.patch(elsa_st, precision=precision)
         x = torch.randn(case.batch, 3, case.size, case.size, device=device)
     except Exception as e:  # noqa: BLE001 - a case that cannot be built is a result
         row["error"] = f"build: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -214,6 +250,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     variants = {"elsa": make_fn(elsa, x, case, compile_mode=compile_mode)}
     if nofuse is not None:
         variants["elsa_nofuse"] = make_fn(elsa_nf, x, case, compile_mode=compile_mode)
+    if static_launch:
+        variants["elsa_static"] = make_fn(elsa_st, x, case, compile_mode=compile_mode,
+                                          compile_options=STATIC_LAUNCH_OPTIONS)
     if has_fused:
         fused_model = copy.deepcopy(native) if compile_mode is not None else native
         variants["fused"] = make_fn(fused_model, x, case, fused=True, compile_mode=compile_mode)
@@ -234,6 +273,8 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         for f in variants.values():
             f()
         row["steady"] = counters["stats"]["unique_graphs"] == row["graphs_compiled"] and not row["graph_breaks"]
+        if static_launch:
+            row["user_kernel_launchers"] = user_kernel_launchers()
     for name, r in res.items():
         row[f"{name}_ms"] = r.ms
         row[f"{name}_mib"] = None if r.peak_bytes is None else r.peak_bytes / 2**20
@@ -243,6 +284,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
             row[f"{name}_host_ms"] = host_time(variants[name], max(3, rounds))
             row[f"{name}_host_share"] = row[f"{name}_host_ms"] / r.ms
     e = res["elsa"]
+    st = res.get("elsa_static")
+    if st is not None and st.ms and e.ms:
+        row["static_speedup_vs_elsa"] = e.ms / st.ms
     for b in BASELINES:
         r = res.get(b)
         if r is not None and r.ms and e.ms:
@@ -293,6 +337,8 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     del native, elsa, variants, x
     if nofuse is not None:
         del elsa_nf
+    if static_launch:
+        del elsa_st
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -363,7 +409,12 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
                     help="run every variant under torch.compile in this mode (compiled in the warm-up; "
                          "not with --graphs)")
+    ap.add_argument("--static-launch", action="store_true",
+                    help="with --compile default: also ELSA compiled with inductor's static launcher for its "
+                         "kernels (variant elsa_static; static_speedup_vs_elsa, user_kernel_launchers)")
     a = ap.parse_args(argv)
+    if a.static_launch and a.compile != "default":
+        ap.error("--static-launch compares launchers of compiled steps: pass --compile default")
     if a.compile and a.graphs:
         ap.error("--compile and --graphs measure different things; pick one (reduce-overhead already replays "
                  "CUDA graphs)")
@@ -391,7 +442,8 @@ def main(argv=None) -> int:
             break
         print(f"[{i + 1}/{len(cases)}] {c.label}", flush=True)
         rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision, 1e3 * a.budget_s,
-                             prof_rows if a.profile else None, a.graphs, a.compile, a.nofuse, a.host))
+                             prof_rows if a.profile else None, a.graphs, a.compile, a.nofuse, a.host,
+                             a.static_launch))
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
             "speedup_vs_unfused", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
@@ -403,6 +455,8 @@ def main(argv=None) -> int:
             cols += ["nofuse_graph_speedup_vs_fused", "nofuse_graph_speedup_vs_unfused"]
     if a.compile:
         cols += ["graphs_compiled", "graph_breaks", "steady"]
+    if a.static_launch:
+        cols += ["elsa_static_ms", "static_speedup_vs_elsa"]
     if a.host:
         cols += [f"{v}_host_share" for v in ("elsa", *BASELINES)]
     print(fmt_table(rows, cols))

@@ -376,3 +376,24 @@ def test_distributed_benchmark_cpu_smoke(tmp_path):
     assert all(float(r["seconds"]) > 0 and float(r["efficiency"]) > 0 for r in rows)
     assert all(float(r["rel_l2_vs_one_gpu"]) < 1e-5 for r in rows)  # the shards make up the same problem
     assert (tmp_path / "distributed_3.png").stat().st_size > 0
+
+
+def test_models_benchmark_static_launch_variant(tmp_path, monkeypatch):
+    """benchmarks/models.py --compile default --static-launch: an elsa_static variant compiled with
+    STATIC_LAUNCH_OPTIONS (torch.compile recorded here and left out: the CPU has no launcher to
+    compare), its ratio to elsa in the row; refused without --compile default."""
+    pytest.importorskip("timm")
+    import csv
+    from benchmarks import models
+    compiled = []
+    monkeypatch.setattr(models.torch, "compile", lambda model, **kw: compiled.append(kw) or model)
+    monkeypatch.setenv("ELSA_RESULTS_DIR", str(tmp_path))
+    models.main(["--models", "ViT-T", "--sizes", "32", "--batches", "2", "--modes", "fwd", "--dtypes", "bf16",
+                 "--warmup", "1", "--rounds", "2", "--device", "cpu", "--name", "static", "--compile", "default",
+                 "--static-launch"])
+    (row,) = list(csv.DictReader(open(tmp_path / "static.csv")))
+    assert float(row["elsa_static_ms"]) > 0 and float(row["static_speedup_vs_elsa"]) > 0, row
+    assert row["user_kernel_launchers"] == ""  # (none loaded on the CPU)
+    assert compiled.count({"options": models.STATIC_LAUNCH_OPTIONS}) == 1 and {"mode": None} in compiled
+    with pytest.raises(SystemExit):
+        models.main(["--static-launch", "--compile", "reduce-overhead", "--device", "cpu"])
