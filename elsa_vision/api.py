@@ -78,7 +78,7 @@ def attention(
         backend: ``"triton"``, ``"reference"`` or ``"auto"`` (first that fits; see dispatch.BACKENDS).
         partitions: force the number of key partitions of phase 1 (testing / structure proofs).
         return_lse: also return the rows' natural-log log-sum-exp [B, H, Nq] (float32, +inf for
-            rows that see no key); it carries no gradient.
+            rows that see no key, NaN for rows whose output is NaN); it carries no gradient.
 
     Returns:
         [B, H, Nq, D] in the inputs' dtype (and the lse with ``return_lse``).

@@ -133,7 +133,12 @@ def _triton_devices() -> tuple[str, ...]:
 def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
     from .kernels import attention as K
     out, lse = K.attention(q, k, v, bias, scale, causal, precision, partitions, qkv)
-    return out, (K.natural_lse(lse, bias is not None) if want_lse else None)
+    if not want_lse:
+        return out, None
+    # a NaN among a row's logits leaves the kernels' statistics as a row that sees no key (+inf):
+    # its lse is NaN, as the reference backend's and torch.logsumexp's are
+    lse = K.natural_lse(lse, bias is not None)
+    return out, lse.masked_fill_(out.isnan().any(-1), float("nan"))
 
 
 # Backward entry points ("attention_backward") take (q, k, v, out, lse, do, scale, causal, precision)

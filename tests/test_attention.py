@@ -427,6 +427,25 @@ def test_autocast_keeps_bool_mask_and_checks_int_bias(backend):
     assert torch.equal(masked, additive)
 
 
+def test_lse_of_a_nan_row_is_nan_on_every_backend():
+    """A NaN in a row's logits (from q or the bias): the row's output and its lse are NaN on the
+    Triton backend as on the reference one; other rows unchanged; +inf stays the lse of a row that
+    sees no key."""
+    q, k, v = qkv(1, 1, 4, 4, 16)
+    bias = torch.zeros(1, 1, 4, 4)
+    bias[0, 0, 1, 2] = float("nan")
+    bias[0, 0, 3] = float("-inf")
+    qn = q.clone()
+    qn[0, 0, 2, 3] = float("nan")
+    for a, b in ((q, bias), (qn, None)):
+        got = [elsa_vision.attention(a, k, v, bias=b, return_lse=True, backend=be) for be in ("triton", "reference")]
+        (o1, l1), (o2, l2) = got
+        assert torch.equal(l1.isnan(), l2.isnan()) and torch.equal(o1.isnan(), o2.isnan())
+        assert l1.isnan().any() and torch.allclose(l1[~l1.isnan()], l2[~l2.isnan()], rtol=1e-5, atol=1e-6)
+    _, lse = elsa_vision.attention(q, k, v, bias=bias, return_lse=True, backend="triton")
+    assert lse[0, 0, 3] == float("inf")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_rows_stay_nan(backend):
     """A NaN input gives NaN in its row on every backend (not 0, which is for rows with no visible key)."""
