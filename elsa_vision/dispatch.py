@@ -135,10 +135,11 @@ def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, w
     out, lse = K.attention(q, k, v, bias, scale, causal, precision, partitions, qkv)
     if not want_lse:
         return out, None
-    # a NaN among a row's logits leaves the kernels' statistics as a row that sees no key (+inf):
-    # its lse is NaN, as the reference backend's and torch.logsumexp's are
+    # a NaN among a row's logits leaves the kernels' statistics as a row that sees no key (+inf),
+    # and every feature of its output NaN (a row that sees no key has zeros): its lse is NaN, as the
+    # reference backend's and torch.logsumexp's are. (One feature read: [B, H, Nq] temporaries.)
     lse = K.natural_lse(lse, bias is not None)
-    return out, lse.masked_fill_(out.isnan().any(-1), float("nan"))
+    return out, lse.masked_fill_((lse == float("inf")) & out[..., 0].isnan(), float("nan"))
 
 
 # Backward entry points ("attention_backward") take (q, k, v, out, lse, do, scale, causal, precision)
