@@ -39,7 +39,8 @@ Calls that are delegated to the original forward (and counted in ``module._elsa.
 * forward hooks on ``attn_drop`` or ``softmax`` (e.g. attention-map extraction), which ELSA's
   forward never calls;
 * ``attn_mask`` together with ``is_causal=True`` (SDPA refuses it, timm's unfused path ignores
-  the mask — the original decides);
+  the mask — the original decides), and an ``attn_mask`` of integer dtype (timm's unfused path
+  adds it as numbers, SDPA refuses it);
 * a Swin ``mask`` that is not ``[nW, N, N]`` with ``nW`` dividing the window batch.
 
 Swin's position bias is gathered by the kernels of ``kernels/position_bias.py`` (v1: the table
@@ -137,6 +138,17 @@ def _split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Ten
     return qkv.reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
 
 
+def _mask_reason(attn_mask, is_causal) -> Optional[str]:
+    """Why a ViT attention call's mask goes to the original forward (None: ELSA serves it)."""
+    if attn_mask is None:
+        return None
+    if is_causal:
+        return "attn_mask with is_causal"
+    if isinstance(attn_mask, torch.Tensor) and not (attn_mask.is_floating_point() or attn_mask.dtype == torch.bool):
+        return "attn_mask of integer dtype"
+    return None
+
+
 def _self_attention(module, state: PatchState, q, k, v, attn_mask, is_causal, qkv=None) -> torch.Tensor:
     """The ELSA core of the ViT-family modules: q/k/v [B, H, N, D] → [B, H, N, D]; or, with q, k, v
     None, the packed projection ``qkv`` [B, N, 3, H, D] (its gradient then comes out of the kernels
@@ -185,8 +197,9 @@ class TimmAttention(Adapter):
         why = _bypass_reason(module)
         if why:
             return state.delegate(x, attn_mask=attn_mask, is_causal=is_causal, reason=why)
-        if attn_mask is not None and is_causal:
-            return state.delegate(x, attn_mask=attn_mask, is_causal=is_causal, reason="attn_mask with is_causal")
+        why = _mask_reason(attn_mask, is_causal)
+        if why:
+            return state.delegate(x, attn_mask=attn_mask, is_causal=is_causal, reason=why)
         B, N, C = x.shape
         gate = _gate(module, x)
         qkv = module.qkv(x)
@@ -217,9 +230,9 @@ class TimmRopeAttention(Adapter):
         why = _bypass_reason(module)
         if why:
             return state.delegate(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal, reason=why)
-        if attn_mask is not None and is_causal:
-            return state.delegate(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal,
-                                  reason="attn_mask with is_causal")
+        why = _mask_reason(attn_mask, is_causal)
+        if why:
+            return state.delegate(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal, reason=why)
         B, N, C = x.shape
         H = module.num_heads
         gate = _gate(module, x)

@@ -421,6 +421,20 @@ def test_attention_mask_and_causal_delegates():
     assert torch.equal(out, ref)
 
 
+def test_attention_integer_mask_delegates():
+    """An attn_mask of integer dtype goes to the original forward (timm's unfused path adds it as
+    numbers), not to ELSA's bias checks."""
+    mod = Attention(32, num_heads=2).eval()
+    mod.fused_attn = False
+    x = _x(1, 6, 32)
+    mask = torch.randint(-2, 2, (6, 6))
+    ref = mod(x, attn_mask=mask)
+    with elsa_vision.patched(mod):
+        out = mod(x, attn_mask=mask)
+        assert mod._elsa.delegated == 1 and "attn_mask of integer dtype" in mod._elsa.delegate_reasons
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("cls", [Attention, swin1.WindowAttention])
 def test_attention_dropout_in_training_delegates(cls):
     mod = (Attention(32, num_heads=2, attn_drop=0.2) if cls is Attention
