@@ -44,8 +44,9 @@ class Adapter:
     # ``token_merging`` (patch refuses a keyword that no registered adapter reads: a typo never
     # silently does nothing)
     options: frozenset = frozenset()
-    # options that take effect through a module of this adapter only: ``patch`` raises when one is
-    # given (not None) and no module of this adapter gets patched (it would silently do nothing)
+    # options that take effect through modules of the adapters that list them only: ``patch`` raises
+    # when one is given (not None or False) and no module of those adapters gets patched (it would
+    # silently do nothing)
     anchors: frozenset = frozenset()
 
     def classes(self) -> tuple[type, ...]:
@@ -226,11 +227,15 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
             report.skipped.setdefault(adapter.name, []).append((name, why))
             continue
         chosen.append((name, mod, adapter))
+    owners: dict = {}
     for adapter in ADAPTERS:
         for opt in adapter.anchors:
-            if opts.get(opt) is not None and not any(a is adapter for _, _, a in chosen):
-                raise ValueError(f"patch(): {opt} works through {adapter.name} modules, and this model has none that "
-                                 f"would be patched ({type(model).__name__}); leave {opt} out")
+            owners.setdefault(opt, []).append(adapter)
+    for opt, adapters in owners.items():
+        value = opts.get(opt)
+        if value is not None and value is not False and not any(a is b for _, _, a in chosen for b in adapters):
+            raise ValueError(f"patch(): {opt} works through {' / '.join(a.name for a in adapters)} modules, and "
+                             f"this model has none that would be patched ({type(model).__name__}); leave {opt} out")
     for name, mod, adapter in chosen:
         _bind(mod, adapter, opts)
         report.patched.setdefault(adapter.name, []).append(name)

@@ -125,6 +125,21 @@ def test_a_model_dependent_refusal_patches_nothing():
     _untouched(model, before)
 
 
+@pytest.mark.parametrize("options,owner", [
+    (dict(token_merging=A.TokenMerging(ratio=0.5)), "vggt-aggregator"),
+    (dict(lean_memory=True), "vggt-dpt-head / vggt-aggregator"),
+])
+def test_a_vggt_option_on_a_model_without_its_modules_raises(options, owner):
+    """An option that works through VGGT's modules only, on a model that has none (a timm Swin),
+    raises rather than silently doing nothing; its off values (None, False) are accepted."""
+    model = _swin()
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=f"works through {owner} modules"):
+        elsa_vision.patch(model, **options)
+    _untouched(model, before)
+    assert elsa_vision.patch(model, lean_memory=False, token_merging=None).num_patched > 0
+
+
 def test_patching_again_with_other_options_warns_and_keeps_the_first():
     import warnings
     model = _swin()

@@ -232,7 +232,7 @@ class VGGTAggregatorAdapter(VGGTAdapter):
     name = "vggt-aggregator"
     targets = AGGREGATOR_TARGETS
     options = frozenset({"lean_memory", "lean_chunk", "lean_offload", "process_group"})
-    anchors = frozenset({"process_group"})
+    anchors = frozenset({"process_group", "token_merging", "lean_memory"})
 
     extra = "aggregator"
 
@@ -326,6 +326,7 @@ class VGGTDPTHeadAdapter(VGGTAdapter):
     name = "vggt-dpt-head"
     targets = DPT_HEAD_TARGETS
     options = frozenset({"lean_memory", "head_chunk"})
+    anchors = frozenset({"lean_memory"})
 
     extra = "dpt_head"
 
