@@ -70,6 +70,12 @@ class Adapter:
         it patches any, so the model is then left untouched)."""
         return None
 
+    def initial_memo(self, module: torch.nn.Module, options: dict) -> dict:
+        """What :attr:`PatchState.memo` starts with when ``module`` is patched. (A key a compiled
+        graph reads must be there from the start: dynamo guards on a missing key's absence, and an
+        eager call that adds it would recompile the graph.)"""
+        return {}
+
     def forward(self, module: torch.nn.Module, state: "PatchState", *args, **kwargs):
         """The ELSA forward for one call. Call ``state.delegate(*args, **kwargs)`` for inputs this
         adapter cannot serve exactly."""
@@ -200,7 +206,8 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
         adapter.check_options(opts)
     report = PatchReport()
     chosen = []  # (name, module, adapter): bound only once every module has been asked
-    differ = []  # already patched, with other options
+    differ = []  # already patched, with other options, and selected by this call
+    kept = []  # the adapters of the modules already patched
     for name, mod in model.named_modules():
         adapter = table.get(type(mod))
         if adapter is None:
@@ -213,7 +220,8 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
             continue
         if isinstance(getattr(mod, "_elsa", None), PatchState):
             report.already.append(name)
-            if mod._elsa.options != opts:
+            kept.append(mod._elsa.adapter)
+            if mod._elsa.options != opts and _selected(name, include, exclude):
                 differ.append(name)
             continue
         if not _selected(name, include, exclude):
@@ -233,7 +241,8 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
             owners.setdefault(opt, []).append(adapter)
     for opt, adapters in owners.items():
         value = opts.get(opt)
-        if value is not None and value is not False and not any(a is b for _, _, a in chosen for b in adapters):
+        served = [a for _, _, a in chosen] + kept
+        if value is not None and value is not False and not any(a is b for a in served for b in adapters):
             raise ValueError(f"patch(): {opt} works through {' / '.join(a.name for a in adapters)} modules, and "
                              f"this model has none that would be patched ({type(model).__name__}); leave {opt} out")
     for name, mod, adapter in chosen:
@@ -365,7 +374,8 @@ class _PatchedForward:
 
 
 def _bind(mod: torch.nn.Module, adapter: Adapter, opts: dict) -> None:
-    state = PatchState(adapter=adapter, original=getattr(mod, adapter.method), options=dict(opts))
+    state = PatchState(adapter=adapter, original=getattr(mod, adapter.method), options=dict(opts),
+                       memo=adapter.initial_memo(mod, opts))
     # object.__setattr__: nn.Module.__setattr__ would try to register these as submodules/params
     object.__setattr__(mod, "_elsa", state)
     object.__setattr__(mod, adapter.method, _PatchedForward(mod))

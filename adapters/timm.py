@@ -329,21 +329,34 @@ def _canonical_index(module) -> bool:
     return tuple(index.shape) == tuple(want.shape) and bool(torch.equal(index.cpu().long(), want))
 
 
+def _index_seen(module) -> tuple:
+    """What identifies relative_position_index's contents without reading them: the tensor and its
+    version counter (which in-place writes bump; an inference tensor has none, and cannot be written
+    outside inference mode: the tensor alone)."""
+    index = module_attr(module, "relative_position_index")
+    if not isinstance(index, torch.Tensor):
+        return (index, None)
+    return (index, None if index.is_inference() else index._version)
+
+
+def _index_memo(module) -> dict:
+    """The Swin adapters' initial PatchState.memo: the index as patch() found it, and whether it is
+    timm's formula."""
+    return {"index": _index_seen(module), "index_ok": _canonical_index(module)}
+
+
 def _index_still_canonical(module, state) -> bool:
     """Whether relative_position_index is still timm's formula (:func:`_canonical_index`, which
     patch() checked): checked again on the first eager call after it became another tensor or was
-    written in place (its version counter), so that an edited index takes the module's own gather
+    written in place (:func:`_index_seen`), so that an edited index takes the module's own gather
     instead of the kernels' derived one. A compiled graph keeps what the last eager check found."""
     memo = state.memo
     if torch.compiler.is_compiling():
-        return memo.get("index_ok", True)
-    index = module_attr(module, "relative_position_index")
-    seen = memo.get("index")
-    if seen is None or seen[0] is not index or seen[1] != getattr(index, "_version", 0):
-        ok = _canonical_index(module)
-        memo["index"] = (index, getattr(index, "_version", 0))
-        memo["index_ok"] = ok
-        return ok
+        return memo["index_ok"]
+    seen = _index_seen(module)
+    was = memo["index"]
+    if was[0] is not seen[0] or was[1] != seen[1]:
+        memo["index"], memo["index_ok"] = seen, _canonical_index(module)
     return memo["index_ok"]
 
 
@@ -364,6 +377,9 @@ class _SwinBase(Adapter):
 
     def check_options(self, options):
         check_flag(options, "fuse_position_bias", True)
+
+    def initial_memo(self, module, options):
+        return _index_memo(module)
 
     def _head_dim(self, module) -> int:
         return module.qkv.out_features // 3 // module.num_heads

@@ -324,12 +324,13 @@ def _cuda_capability() -> tuple[int, int]:
 
 
 def _say_hopper_off(p: Problem) -> None:
-    """Say once per process when an attention call of a kind the Hopper kernels (kernels/hopper.py)
-    serve — half precision at their head dims, or float32 in fp16x3, no bias — reaches an sm_90 GPU
-    where they are off because the installed Triton is not a version they were checked against
-    (Gluon's API is experimental): the portable kernels run it, exact but slower there. Not when
-    ELSA_HOPPER=0 turned them off, which asks for that. (Eager calls: the first selection of a
-    problem, before :func:`select`'s memo keeps it.)"""
+    """Say once per process when an attention call in a dtype, head dim and bias the Hopper kernels
+    (kernels/hopper.py) take — half precision at their head dims, or float32 in fp16x3, no bias;
+    whatever its length, which their measured policy also weighs — reaches an sm_90 GPU (the current
+    device) where they are off because the installed Triton is not a version they were checked
+    against (Gluon's API is experimental): the portable kernels run it, exact but slower there. Not
+    when ELSA_HOPPER=0 turned them off, which asks for that. (Eager calls: the first selection of a
+    problem, before :func:`select`'s memo keeps it; a graph torch.compile traces says nothing.)"""
     if p.op != "attention" or p.device != "cuda" or p.has_bias or ("hopper", "triton") in _WARNED:
         return
     if os.environ.get("ELSA_HOPPER", "1").strip() == "0":

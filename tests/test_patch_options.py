@@ -140,9 +140,22 @@ def test_a_vggt_option_on_a_model_without_its_modules_raises(options, owner):
     assert elsa_vision.patch(model, lean_memory=False, token_merging=None).num_patched > 0
 
 
+def test_patching_again_with_the_same_anchored_options_is_a_no_op():
+    model = _vggt()
+    n = elsa_vision.patch(model, lean_memory=True, token_merging=A.TokenMerging(ratio=0.5)).num_patched
+    report = elsa_vision.patch(model, lean_memory=True, token_merging=A.TokenMerging(ratio=0.5))
+    assert report.num_patched == 0 and len(report.already) == n
+
+
 def test_patching_again_with_other_options_warns_and_keeps_the_first():
     import warnings
     model = _swin()
+    part = elsa_vision.patch(model, include=["layers.0.blocks.0*"], precision="ieee").num_patched
+    with warnings.catch_warnings():  # the modules patched before are not this call's: no warning
+        warnings.simplefilter("error")
+        elsa_vision.patch(model, exclude=["layers.0.blocks.0*"], precision="tf32")
+    elsa_vision.unpatch(model)
+    assert part > 0
     n = elsa_vision.patch(model, precision="ieee").num_patched
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -339,6 +339,36 @@ def test_an_index_edited_after_patching_takes_the_modules_gather(version):
     assert m._elsa.memo["index_ok"]
 
 
+def test_a_module_built_in_inference_mode_is_served():
+    """An index made under torch.inference_mode (no version counter) is followed by identity."""
+    with torch.inference_mode():
+        m, ref = _v1_pair((4, 4), 2)
+        assert elsa_vision.patch(m).num_patched == 1
+        x = torch.randn(4, 16, 32, device=DEVICE)
+        assert max_err(m(x), ref(x)) <= 1e-4 and m._elsa.memo["index_ok"]
+
+
+def test_an_eager_call_between_compiled_calls_does_not_recompile():
+    """The compiled graph reads the index check's kept answer, there from patch() on: an eager call
+    in between (an eval pass, code around a graph break) leaves the graph's guards as they were."""
+    m, _ = _patched_pair()
+    x = torch.randn(4, 16, 32, device=DEVICE)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    c = torch.compile(m, backend=backend)
+    with torch.no_grad():
+        c(x)
+        m(x)
+        c(x)
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------------------------
 # both under torch.compile
 
