@@ -75,7 +75,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import attention, attention_packed, shifted_window_attention, window_attention, window_attention_packed
-from ..dispatch import triton_serves
+from ..dispatch import named_backend_refusal, triton_serves
 from ..kernels.limits import HEAD_DIMS, POSITION_BIAS_DTYPES
 from .blocks import PreNormBlock
 from .registry import Adapter, PatchState, bypass_reason, check_flag, hooked, is_patched, module_attr, register
@@ -104,14 +104,16 @@ def _old_timm() -> Optional[str]:
     return None
 
 
-def _check_common(head_dim: int) -> Optional[str]:
-    """Shared skip reasons (None if the module can be patched)."""
+def _check_common(head_dim: int, options: dict, has_bias: bool = False) -> Optional[str]:
+    """Shared skip reasons (None if the module can be patched): an old timm, a head dim past the
+    kernels', a named backend that can never run the module's attention calls (non-causal; Swin's
+    with its position bias)."""
     why = _old_timm()
     if why:
         return why
     if head_dim > HEAD_DIMS[1]:
         return f"head dim {head_dim} > {HEAD_DIMS[1]} is not supported by ELSA"
-    return None
+    return named_backend_refusal(options.get("backend", "auto"), "attention", head_dim, has_bias=has_bias)
 
 
 def _bypass_reason(module: torch.nn.Module) -> Optional[str]:
@@ -191,7 +193,7 @@ class TimmAttention(Adapter):
     targets = ("timm.layers.attention:Attention",)
 
     def skip_reason(self, module, options):
-        return _check_common(module.head_dim)
+        return _check_common(module.head_dim, options)
 
     def forward(self, module, state, x, attn_mask=None, is_causal=False):
         why = _bypass_reason(module)
@@ -224,7 +226,7 @@ class TimmRopeAttention(Adapter):
     targets = ("timm.layers.attention:AttentionRope", "timm.models.eva:EvaAttention")
 
     def skip_reason(self, module, options):
-        return _check_common(module.head_dim)
+        return _check_common(module.head_dim, options)
 
     def forward(self, module, state, x, rope=None, attn_mask=None, is_causal=False):
         why = _bypass_reason(module)
@@ -385,7 +387,7 @@ class _SwinBase(Adapter):
         return module.qkv.out_features // 3 // module.num_heads
 
     def skip_reason(self, module, options):
-        why = _check_common(self._head_dim(module))
+        why = _check_common(self._head_dim(module), options, has_bias=True)
         if (why is None and options.get("fuse_position_bias", True) and options.get("backend", "auto") == "auto"
                 and not _canonical_index(module)):
             # the position-bias kernels derive each token pair's table row from the window size (checked
@@ -615,7 +617,13 @@ class SwinBlock(Adapter):
     def skip_reason(self, module, options):
         if not options.get("fuse_windows", True):
             return "fuse_windows=False: timm's shift and window partition run around the patched attention"
-        return _old_timm()
+        why = _old_timm()
+        attn = module_attr(module, "attn")
+        qkv, heads = (module_attr(attn, "qkv"), module_attr(attn, "num_heads")) if attn is not None else (None, None)
+        if why or not isinstance(qkv, nn.Linear) or not isinstance(heads, int):
+            return why  # (an attention module of another kind: the call delegates, see _why_not)
+        return named_backend_refusal(options.get("backend", "auto"), "shifted_window_attention",
+                                     qkv.out_features // 3 // heads, has_bias=True)
 
     @staticmethod
     def _why_not(block, x) -> Optional[str]:

@@ -252,6 +252,30 @@ def triton_serves(device_type: str) -> bool:
     return TRITON.available() is None and device_type in TRITON.devices()
 
 
+def named_backend_refusal(backend: str, op: str, head_dim: int, causal: bool = False,
+                          has_bias: bool = False) -> Optional[str]:
+    """Why the named ``backend`` can never run ``op`` calls of this head dim (causal or not, with a
+    bias or not), whatever their device and dtype: what patch() can tell a module before any call.
+    None for "auto", or where some device and dtype would do."""
+    if backend == "auto":
+        return None
+    check_backend_name(backend)
+    b = next(b for b in BACKENDS if b.name == backend)
+    reasons = []
+    if op not in b.run:
+        reasons.append(f"does not implement {op}")
+    if b.requires_causal and not causal:
+        reasons.append("runs causal attention only (causal=True)")
+    if has_bias and not b.supports_bias:
+        reasons.append("additive bias not supported")
+    lo, hi = b.op_head_dims.get(op, b.head_dims)
+    if not lo <= head_dim <= hi:
+        reasons.append(f"head dim {head_dim} outside [{lo}, {hi}]")
+    if not reasons:
+        return None
+    return f"backend={backend!r} cannot run its calls ({op}: {'; '.join(reasons)}); patch with backend='auto' or another"
+
+
 def check_backend_name(backend) -> None:
     """ValueError unless ``backend`` is "auto" or the name of one of BACKENDS."""
     names = ["auto", *(b.name for b in BACKENDS)]

@@ -421,6 +421,29 @@ def test_attention_mask_and_causal_delegates():
     assert torch.equal(out, ref)
 
 
+def test_a_named_backend_that_cannot_run_the_model_is_reported_at_patch():
+    """backend="eca" (causal attention only, no bias) serves no ViT or Swin call, and "triton" no head
+    dim under 16: patch() skips those modules with the reason instead of patching calls that would
+    all raise; the model runs as it did."""
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2)
+    report = elsa_vision.patch(vit, backend="eca")
+    assert report.num_patched == 0
+    reasons = [why for _, why in report.skipped["timm.Attention"]]
+    assert len(reasons) == 2 and all("backend='eca' cannot run its calls" in w and "causal attention only" in w
+                                     for w in reasons)
+    x = _img(1, 32)
+    torch.testing.assert_close(vit(x), vit(x))
+    swin = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=56, depths=(2,),
+                             num_heads=(2,), embed_dim=32)
+    report = elsa_vision.patch(swin, backend="eca")
+    assert report.num_patched == 0 and set(report.skipped) >= {"timm.SwinWindowAttention", "timm.SwinBlock"}
+    small = Attention(16, num_heads=2)  # head dim 8
+    report = elsa_vision.patch(torch.nn.Sequential(small), backend="triton")
+    (why,) = [w for items in report.skipped.values() for _, w in items]
+    assert report.num_patched == 0 and "head dim 8 outside [16, 256]" in why
+    assert elsa_vision.patch(torch.nn.Sequential(small), backend="reference").num_patched == 1
+
+
 def test_attention_integer_mask_delegates():
     """An attn_mask of integer dtype goes to the original forward (timm's unfused path adds it as
     numbers), not to ELSA's bias checks."""

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from ...api import attention
-from ...dispatch import autocast_dtype, triton_serves
+from ...dispatch import autocast_dtype, named_backend_refusal, triton_serves
 from ...kernels.limits import HEAD_DIMS, ROPE_MIN_HEAD_DIM
 from ..registry import PatchState, bypass_reason, hooked
 from .common import ATTENTION_TARGETS, LEAN_CHUNK, Kind, VGGTAdapter, attention_kind, lean_option
@@ -291,7 +291,10 @@ class VGGTAttentionAdapter(VGGTAdapter):
         if tm is not None and attention_kind(type(module)).fork:
             raise ValueError("token_merging=TokenMerging(...) is for upstream VGGT; the FastVGGT fork merges tokens "
                              "itself (its `merging` setting) and its merged attention is patched without it")
-        return None
+        head_dim = getattr(module, "head_dim", None)
+        if not isinstance(head_dim, int):
+            return None
+        return named_backend_refusal(options.get("backend", "auto"), "attention", head_dim)
 
     def forward(self, module, state: PatchState, *args, **kwargs):
         kind = attention_kind(type(module))
