@@ -135,25 +135,27 @@ def test_dynamic_swin_backbone_compiles_as_timms():
     """torch.compile(dynamic=True) of a patched Swin backbone fed images of several sizes (maps
     padded to different grids, the blocks' shift masks built per call): no graph break — the
     attention module's float ``scale``, a symbol under dynamic=True, passes the checks unread — and
-    no more graphs than timm's own model compiles for the same sizes, outputs as eager's."""
+    no more graphs than timm's own model compiles for the same sizes, outputs as eager's. (On a GPU
+    machine: CUDA tensors under inductor, its fused norms and projections within float32 rounding.)"""
     timm = pytest.importorskip("timm")
     counts = {}
     for patched in (False, True):
         torch.manual_seed(0)
         m = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=56, depths=(2,),
                               num_heads=(2,), embed_dim=32, drop_path_rate=0.0, strict_img_size=False,
-                              features_only=True).eval()
+                              features_only=True).eval().to(DEVICE)
         m.layers_0.blocks[0].attn.fused_attn = False  # (the module's scale then reaches the call)
         if patched:
             elsa_vision.patch(m)
-        backend, graphs = _counting("aot_eager", count=lambda gm: 1)
+        backend, graphs = _counting("inductor" if GPU else "aot_eager", count=lambda gm: 1)
         torch._dynamo.reset()
         c = torch.compile(m, backend=backend, dynamic=True)
         for hw in ((44, 52), (60, 36), (48, 40)):
-            x = torch.randn(1, 3, *hw, generator=torch.Generator().manual_seed(hw[0]))
+            x = torch.randn(1, 3, *hw, generator=torch.Generator().manual_seed(hw[0])).to(DEVICE)
             with torch.no_grad():
                 out, ref = c(x), m(x)
-            assert all(verify.max_err(a, b) <= 1e-6 for a, b in zip(out, ref))
+            assert all(verify.max_err(a, b) <= (1e-5 * max(1.0, b.abs().max().item()) if GPU else 1e-6)
+                       for a, b in zip(out, ref))
         counts[patched] = len(graphs)
     torch._dynamo.reset()
     assert counts[True] == counts[False], counts
