@@ -239,9 +239,9 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
     for adapter in ADAPTERS:
         for opt in adapter.anchors:
             owners.setdefault(opt, []).append(adapter)
+    served = [a for _, _, a in chosen] + kept
     for opt, adapters in owners.items():
         value = opts.get(opt)
-        served = [a for _, _, a in chosen] + kept
         if value is not None and value is not False and not any(a is b for a in served for b in adapters):
             raise ValueError(f"patch(): {opt} works through {' / '.join(a.name for a in adapters)} modules, and "
                              f"this model has none that would be patched ({type(model).__name__}); leave {opt} out")

@@ -70,18 +70,21 @@ class Backend:
     # faster only somewhere); naming the backend takes it whenever it supports the problem
     auto_when: Callable[["Problem"], bool] = lambda p: True
 
-    def not_supported_reasons(self, p: Problem) -> list[str]:
+    def not_supported_reasons(self, p: Problem, anywhere: bool = False) -> list[str]:
+        """Why this backend cannot run ``p`` ([] when it can). ``anywhere``: only what no device or
+        dtype would change (availability, p.device and p.dtype are not looked at)."""
         reasons = []
-        why = self.available()
+        why = None if anywhere else self.available()
         if why:
             return [why]
         if p.op not in self.ops:
             reasons.append(f"does not implement {p.op}")
-        devices = self.devices() if callable(self.devices) else self.devices
-        if p.device not in devices:
-            reasons.append(f"device '{p.device}' not supported (supports {', '.join(devices)}{self.devices_note})")
-        if p.dtype not in self.dtypes:
-            reasons.append(f"dtype {p.dtype} not supported (supports {', '.join(str(d) for d in self.dtypes)})")
+        if not anywhere:
+            devices = self.devices() if callable(self.devices) else self.devices
+            if p.device not in devices:
+                reasons.append(f"device '{p.device}' not supported (supports {', '.join(devices)}{self.devices_note})")
+            if p.dtype not in self.dtypes:
+                reasons.append(f"dtype {p.dtype} not supported (supports {', '.join(str(d) for d in self.dtypes)})")
         lo, hi = self.op_head_dims.get(p.op, self.head_dims)
         if not lo <= p.head_dim <= hi:
             reasons.append(f"head dim {p.head_dim} outside [{lo}, {hi}]")
@@ -261,16 +264,8 @@ def named_backend_refusal(backend: str, op: str, head_dim: int, causal: bool = F
         return None
     check_backend_name(backend)
     b = next(b for b in BACKENDS if b.name == backend)
-    reasons = []
-    if op not in b.run:
-        reasons.append(f"does not implement {op}")
-    if b.requires_causal and not causal:
-        reasons.append("runs causal attention only (causal=True)")
-    if has_bias and not b.supports_bias:
-        reasons.append("additive bias not supported")
-    lo, hi = b.op_head_dims.get(op, b.head_dims)
-    if not lo <= head_dim <= hi:
-        reasons.append(f"head dim {head_dim} outside [{lo}, {hi}]")
+    p = Problem(op=op, device="", dtype=torch.float32, head_dim=head_dim, causal=causal, has_bias=has_bias)
+    reasons = b.not_supported_reasons(p, anywhere=True)
     if not reasons:
         return None
     return f"backend={backend!r} cannot run its calls ({op}: {'; '.join(reasons)}); patch with backend='auto' or another"
@@ -357,10 +352,8 @@ def _say_hopper_off(p: Problem) -> None:
     problem, before :func:`select`'s memo keeps it; a graph torch.compile traces says nothing.)"""
     if p.op != "attention" or p.device != "cuda" or p.has_bias or ("hopper", "triton") in _WARNED:
         return
-    if os.environ.get("ELSA_HOPPER", "1").strip() == "0":
-        return
     from .kernels import launch
-    if launch.CHECKED:
+    if launch.CHECKED or not launch.hopper_requested():
         return
     if not ((p.dtype in HALF and p.head_dim in limits.HOPPER_HEAD_DIMS)
             or (p.precision == "fp16x3" and p.head_dim in limits.HOPPER_SPLIT_HEAD_DIMS)):

@@ -42,7 +42,6 @@ rescaled for dK's product, and the rows' statistics; every product is then three
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -54,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E, dk_units, ds_units, split_f16
-from .launch import CHECKED, Launch, cdiv, launch, prepared, sm_count
+from .launch import CHECKED, Launch, cdiv, hopper_requested, launch, prepared, sm_count
 from .limits import HOPPER_HEAD_DIMS, HOPPER_SPLIT_HEAD_DIMS
 
 HEAD_DIMS = HOPPER_HEAD_DIMS
@@ -65,7 +64,7 @@ SPLIT_HEAD_DIMS = HOPPER_SPLIT_HEAD_DIMS
 # Gluon is experimental: its API is the one of the Triton versions this file was checked against.
 # ELSA_HOPPER=0 (or ENABLED = False) keeps every call on the portable kernels; EVERYWHERE = True
 # sends every call the kernel supports here, whatever the measured policy of ``serves`` says.
-ENABLED = os.environ.get("ELSA_HOPPER", "1").strip() != "0" and CHECKED
+ENABLED = hopper_requested() and CHECKED
 EVERYWHERE = False
 # TMA_OUT = False stores O and the gradients from registers (gl.store), as before the staging tiles
 # (an A/B switch: benchmarks/results/<device>/tma_out_ab.csv, tma_grads_ab.csv); float32's fp16x3

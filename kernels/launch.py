@@ -50,6 +50,11 @@ def _version(v: str) -> tuple[int, int]:
 CHECKED = _version(triton.__version__) in CHECKED_TRITON
 
 
+def hopper_requested() -> bool:
+    """Whether the environment leaves the Hopper kernels on (ELSA_HOPPER unset or not "0")."""
+    return os.environ.get("ELSA_HOPPER", "1").strip() != "0"
+
+
 def _fast_launch_reason() -> str:
     """Why launches take Triton's own path ("" when the fast path is used)."""
     if os.environ.get("ELSA_TRITON_LAUNCH", "").strip().lower() == "triton":
