@@ -362,6 +362,11 @@ def _index_still_canonical(module, state) -> bool:
     return memo["index_ok"]
 
 
+def _swin_head_dim(attn) -> int:
+    """A Swin WindowAttention's head dim (its qkv projection's width over 3 · heads)."""
+    return attn.qkv.out_features // 3 // attn.num_heads
+
+
 def _mask_ok(mask: Optional[torch.Tensor], Bw: int, N: int) -> bool:
     return mask is None or (mask.dim() == 3 and tuple(mask.shape[1:]) == (N, N) and mask.shape[0] > 0
                             and Bw % mask.shape[0] == 0)
@@ -383,11 +388,8 @@ class _SwinBase(Adapter):
     def initial_memo(self, module, options):
         return _index_memo(module)
 
-    def _head_dim(self, module) -> int:
-        return module.qkv.out_features // 3 // module.num_heads
-
     def skip_reason(self, module, options):
-        why = _check_common(self._head_dim(module), options, has_bias=True)
+        why = _check_common(_swin_head_dim(module), options, has_bias=True)
         if (why is None and options.get("fuse_position_bias", True) and options.get("backend", "auto") == "auto"
                 and not _canonical_index(module)):
             # the position-bias kernels derive each token pair's table row from the window size (checked
@@ -619,11 +621,11 @@ class SwinBlock(Adapter):
             return "fuse_windows=False: timm's shift and window partition run around the patched attention"
         why = _old_timm()
         attn = module_attr(module, "attn")
-        qkv, heads = (module_attr(attn, "qkv"), module_attr(attn, "num_heads")) if attn is not None else (None, None)
-        if why or not isinstance(qkv, nn.Linear) or not isinstance(heads, int):
+        if why or attn is None or not isinstance(module_attr(attn, "qkv"), nn.Linear) \
+                or not isinstance(module_attr(attn, "num_heads"), int):
             return why  # (an attention module of another kind: the call delegates, see _why_not)
         return named_backend_refusal(options.get("backend", "auto"), "shifted_window_attention",
-                                     qkv.out_features // 3 // heads, has_bias=True)
+                                     _swin_head_dim(attn), has_bias=True)
 
     @staticmethod
     def _why_not(block, x) -> Optional[str]:
