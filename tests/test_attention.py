@@ -432,7 +432,7 @@ def test_lse_of_a_nan_row_is_nan_on_every_backend():
     Triton backend as on the reference one; other rows unchanged; +inf stays the lse of a row that
     sees no key."""
     q, k, v = qkv(1, 1, 4, 4, 16)
-    bias = torch.zeros(1, 1, 4, 4)
+    bias = torch.zeros(1, 1, 4, 4, device=q.device)
     bias[0, 0, 1, 2] = float("nan")
     bias[0, 0, 3] = float("-inf")
     qn = q.clone()

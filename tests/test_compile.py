@@ -416,3 +416,49 @@ def test_inductor_training_step_of_patched_timm(name, kw, size):
             scale = max(1e-6, eager[n].abs().max().item())
             assert verify.max_err(p.grad, eager[n]) <= 5e-2 * scale, n
     torch._dynamo.reset()
+
+
+_STATIC_SCRIPT = r"""
+import sys, torch, timm, elsa_vision
+from benchmarks.models import user_kernel_launchers
+torch.manual_seed(0)
+m = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, depths=(2, 2), num_heads=(3, 6),
+                      drop_path_rate=0.0).cuda()
+elsa_vision.patch(m)
+x = torch.randn(4, 3, 224, 224, device="cuda")
+q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", requires_grad=True) for _ in range(3))
+
+def step(x, q, k, v):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return m(x).float().square().mean() + elsa_vision.attention(q, k, v).float().square().mean()
+
+step(x, q, k, v).backward()
+eager = [p.grad.clone() for p in (*m.parameters(), q, k, v)]
+m.zero_grad(set_to_none=True)
+q.grad = k.grad = v.grad = None
+torch.compile(step, fullgraph=True)(x, q, k, v).backward()
+for p, e in zip((*m.parameters(), q, k, v), eager):
+    assert (p.grad - e).abs().max().item() <= 5e-2 * max(1e-6, e.abs().max().item())
+print(user_kernel_launchers())
+"""
+
+
+@pytest.mark.gpu
+def test_static_launcher_switch_reaches_the_compile_workers():
+    """README's switch for compiled steps paced by the host: with
+    TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1 in the environment, inductor's compile
+    workers (default settings) give every ELSA kernel of a Swin training step and an attention
+    call its static launcher, and the gradients are the eager step's."""
+    import os
+    import subprocess
+    pytest.importorskip("timm")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
+    r = subprocess.run([sys.executable, "-c", _STATIC_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    launchers = dict(e.split(": ") for e in r.stdout.strip().splitlines()[-1].split("; "))
+    assert {"_win_fwd_kernel", "_win_bwd_fused_kernel"} <= set(launchers), launchers
+    assert all(kind == "static" for kind in launchers.values()), launchers
