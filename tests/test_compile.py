@@ -419,8 +419,13 @@ def test_inductor_training_step_of_patched_timm(name, kw, size):
 
 
 _STATIC_SCRIPT = r"""
-import sys, torch, timm, elsa_vision
+import time, torch, timm, elsa_vision
+from torch._inductor.async_compile import AsyncCompile
 from benchmarks.models import user_kernel_launchers
+t0 = time.time()
+while not AsyncCompile.use_process_pool():  # (until its workers are up, inductor compiles in this process)
+    assert time.time() - t0 < 300, "inductor's compile workers did not start"
+    time.sleep(0.5)
 torch.manual_seed(0)
 m = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, depths=(2, 2), num_heads=(3, 6),
                       drop_path_rate=0.0).cuda()
@@ -439,7 +444,7 @@ q.grad = k.grad = v.grad = None
 torch.compile(step, fullgraph=True)(x, q, k, v).backward()
 for p, e in zip((*m.parameters(), q, k, v), eager):
     assert (p.grad - e).abs().max().item() <= 5e-2 * max(1e-6, e.abs().max().item())
-print(user_kernel_launchers())
+print("LAUNCHERS=" + user_kernel_launchers())
 """
 
 
@@ -447,18 +452,23 @@ print(user_kernel_launchers())
 def test_static_launcher_switch_reaches_the_compile_workers():
     """README's switch for compiled steps paced by the host: with
     TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1 in the environment, inductor's compile
-    workers (default settings) give every ELSA kernel of a Swin training step and an attention
-    call its static launcher, and the gradients are the eager step's."""
+    workers (default settings; the script waits until they are up, so that they, not the parent,
+    compile the kernels) give every ELSA kernel of a Swin training step and an attention call its
+    static launcher, and the gradients are the eager step's."""
     import os
     import subprocess
     pytest.importorskip("timm")
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+           "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}  # (compiled here, not loaded from an earlier run)
     env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
     r = subprocess.run([sys.executable, "-c", _STATIC_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    launchers = dict(e.split(": ") for e in r.stdout.strip().splitlines()[-1].split("; "))
-    assert {"_win_fwd_kernel", "_win_bwd_fused_kernel"} <= set(launchers), launchers
+    listing = [line[len("LAUNCHERS="):] for line in r.stdout.splitlines() if line.startswith("LAUNCHERS=")]
+    assert listing and listing[0], f"no user-defined kernel was loaded: {r.stdout[-2000:]}"
+    launchers = dict(e.split(": ") for e in listing[0].split("; "))
+    # the window blocks' forward and fused backward, and the attention call's forward and backward
+    want = {"_win_fwd_kernel", "_win_bwd_fused_kernel", "_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
+    assert want <= set(launchers), launchers
     assert all(kind == "static" for kind in launchers.values()), launchers
