@@ -329,7 +329,7 @@ def module_attr(module: torch.nn.Module, name: str, default=None):
     its class, not by ``nn.Module.__getattr__``. That raises AttributeError for a missing name,
     and a graph torch.compile traces guards on the miss by asking again before every call: an
     exception raised and caught in Python per name and module, more than all of timm's own guards
-    together for a ViT (README, "Guards of compiled patched models")."""
+    together for a ViT (docs/RESULTS.md, "Guards of compiled patched models")."""
     for found in (module.__dict__, module._parameters, module._buffers, module._modules):
         if name in found:
             return found[name]

@@ -987,8 +987,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: s
     once per call signature (Launch, the TMA maps kept per address), up to about 20 µs more host
     time a call than the portable kernels' where it was 60–90 µs (gluon_host.csv). Between, a block of 128
     or 192 rows is mostly padding or the diagonal's masked tile, and the portable kernel's 64-row
-    tiles are ahead (at 257 and 401 keys by 9–13%, VGGT's 1041-token frames by 2%; README, "Short
-    rows in the portable forward").
+    tiles are ahead (at 257 and 401 keys by 9–13%, VGGT's 1041-token frames by 2%; docs/RESULTS.md,
+    "Short rows in the portable forward").
     ``fp16x3`` (benchmarks/results/<device>/attention_hopper_fp32.csv): from 768 keys, causal from
     2048; at 577 keys the portable forward is ahead (5%, causal 23%), and so it is below and at
     causal 1041.

@@ -60,7 +60,7 @@ from .ops import AUTOGRAD, COMPILED, check_first_order, double_backward_error, r
 
 # tile shapes (the kernels are latency-bound: many short programs, few steps each)
 FWD_BLOCK_U, FWD_BLOCK_C = 128, 32      # table entries × hidden units per step of the forward
-FWD_WARPS = 8                           # (the fastest of 64/128 entries × 16/32/64 units × 2/4/8 warps; README)
+FWD_WARPS = 8                           # (the fastest of 64/128 entries × 16/32/64 units × 2/4/8 warps; swinv2_cpb_fwd_sweep.txt)
 DZ_BLOCK_T, DZ_BLOCK_I = 32, 64         # table entries per program × token rows per step (dz)
 DP_BLOCK_T, DP_BLOCK_C = 64, 16         # table entries per step × hidden units per program (dparams)
 BLOCK_E = 1024                          # bias entries per step of the forward's gather

@@ -108,7 +108,7 @@ def tail_width(n, block: int, causal_keys: bool = False) -> int:
 
     Loops of 32-wide tiles keep them: there the narrow tile saves half a tile and its separate code
     after the software-pipelined loop measured slower (the half-precision backward at 197 tokens,
-    dQ's keys and dK/dV's queries 32 at a time; README, "Short rows in the portable forward"). The
+    dQ's keys and dK/dV's queries 32 at a time; docs/RESULTS.md, "Short rows in the portable forward"). The
     interpreter takes it at every width, so that the CPU tests cover it."""
     if causal_keys or type(n) is not int or n % block == 0 or (block < 64 and not INTERPRET):
         return block

@@ -397,3 +397,17 @@ def test_models_benchmark_static_launch_variant(tmp_path, monkeypatch):
     assert compiled.count({"options": models.STATIC_LAUNCH_OPTIONS}) == 1 and {"mode": None} in compiled
     with pytest.raises(SystemExit):
         models.main(["--static-launch", "--compile", "reduce-overhead", "--device", "cpu"])
+
+
+def test_logit_scale_benchmark_smoke(tmp_path):
+    """benchmarks/logit_scale.py on one weight draw (reference backend): a row per block of the padded
+    Swin v2 model with the three orders' errors, the rules' verdicts, and a PNG."""
+    from benchmarks import logit_scale
+    import csv
+    assert logit_scale.main(["--draws", "1", "--inputs", "0", "--backend", "reference", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "swinv2_logit_scale_rounding.csv")))
+    assert [r["block"] for r in rows] == [f"layers.{i}.blocks.{j}" for i in (0, 1) for j in (0, 1)]
+    assert [int(r["heads"]) for r in rows] == [2, 2, 4, 4]
+    assert all(0 < float(r[k]) < 1e-3 for r in rows for k in ("timm_err", "tau_in_q_err", "elsa_err"))
+    assert all(r["served"] == "True" for r in rows)
+    assert (tmp_path / "swinv2_logit_scale_rounding.png").stat().st_size > 0
