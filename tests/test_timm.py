@@ -229,7 +229,8 @@ def test_swinv2_logit_scale_gradient_within_float32_rounding(seed):
     test_swinv2_padded_feature_map, the blocks' fused passes serving: this file's fixture) where
     ELSA's error came nearest to, or over, the rule against timm's order alone. (With patch()'s
     thresholds the blocks' own ops serve these small calls, and one block tensor of 320 — 40 draws,
-    two inputs — is over this bound too, at 1.25×: see docs/RESULTS.md.)"""
+    two inputs — is over this bound too, at 1.25×: docs/RESULTS.md, "Padded Swin feature maps in
+    the fused blocks".)"""
     from benchmarks.logit_scale import logit_scale_errors
     rows = logit_scale_errors(seed)
     assert len(rows) == 4 and all(r["served"] for r in rows)
