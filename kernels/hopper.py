@@ -56,11 +56,9 @@ from .common import LOG2E, dk_units, ds_units, split_f16
 from .launch import CHECKED, Launch, cdiv, hopper_requested, launch, prepared, sm_count
 from .limits import HOPPER_HEAD_DIMS, HOPPER_SPLIT_HEAD_DIMS
 
-HEAD_DIMS = HOPPER_HEAD_DIMS
 DTYPES = (torch.float16, torch.bfloat16)
-# float32 in fp16x3: its tiles are twice as many float16 buffers, which fit the shared memory at
-# D = 64 (a power of two: the kernels read Scales' rows as 2 + D long, 2 + D_PAD)
-SPLIT_HEAD_DIMS = HOPPER_SPLIT_HEAD_DIMS
+# HOPPER_SPLIT_HEAD_DIMS (float32 in fp16x3): its tiles are twice as many float16 buffers, which fit
+# the shared memory at D = 64 (a power of two: the kernels read Scales' rows as 2 + D long, 2 + D_PAD)
 # Gluon is experimental: its API is the one of the Triton versions this file was checked against.
 # ELSA_HOPPER=0 (or ENABLED = False) keeps every call on the portable kernels; EVERYWHERE = True
 # sends every call the kernel supports here, whatever the measured policy of ``serves`` says.
@@ -952,17 +950,17 @@ def _tma_readable(t: torch.Tensor, traced: bool = False) -> bool:
 
 
 def _half(q: torch.Tensor, precision: str) -> bool:
-    return precision == "native" and q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS
+    return precision == "native" and q.dtype in DTYPES and q.shape[-1] in HOPPER_HEAD_DIMS
 
 
 def _split(q: torch.Tensor, precision: str) -> bool:
-    return precision == "fp16x3" and q.dtype == torch.float32 and q.shape[-1] in SPLIT_HEAD_DIMS
+    return precision == "fp16x3" and q.dtype == torch.float32 and q.shape[-1] in HOPPER_SPLIT_HEAD_DIMS
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, precision: str, traced: bool = False) -> bool:
     """Whether the forward here can take the call: sm_90, no bias, and either half precision at
-    D ∈ HEAD_DIMS with q/k/v of one dtype that TMA reads in place, or float32 in ``fp16x3`` at
-    D ∈ SPLIT_HEAD_DIMS (any strides: a pass splits q, k, v into float16 parts first). The backward
+    D ∈ HOPPER_HEAD_DIMS with q/k/v of one dtype that TMA reads in place, or float32 in ``fp16x3`` at
+    D ∈ HOPPER_SPLIT_HEAD_DIMS (any strides: a pass splits q, k, v into float16 parts first). The backward
     takes the same calls (``serves_backward``). ``traced``: see _tma_readable."""
     if not ENABLED or bias is not None or not (_half(q, precision) or _split(q, precision)):
         return False
