@@ -6,6 +6,7 @@
     python benchmarks/windows.py --quick --profile   # + CUDA time per kernel and host time per call
     python benchmarks/windows.py --blocks   # Swin blocks' whole _attn: shift + windows + attention
     python benchmarks/windows.py --quick --compile default   # every variant under torch.compile
+    python benchmarks/windows.py --quick --compile default --chain 6   # 6 independent ops per compiled call
     → benchmarks/results/<device>/windows.csv and windows.png (windows_quick.* with --quick,
       windows_blocks.* with --blocks)
 
@@ -33,6 +34,12 @@ runs it), elsa-window (``patch(fuse_windows=False)``: ELSA inside WindowAttentio
 partition copies around it) and elsa-block (``patch()``: one shifted_window_attention call on the
 feature map, no copies).
 
+--chain K: each timed call runs the op on K independent inputs (K blocks of a stage, each with its own
+qkv and bias table; one mask), and ms is the call's median over K: the time per op. Compiled, the K
+ops are one graph, so the compiled function's per-call host path (dynamo's guards, the autograd
+runtime around the graph, the backward's launch) is paid once per K ops, as in a compiled model;
+with K = 1 (the default) a call of a few kernels measures mostly that path on either side.
+
 Columns: ms (median), peak_mib (allocated above the inputs during one call), speedup =
 min(timm-sdpa, timm-math) ms / variant ms (> 1: faster than timm's better path), mem_ratio = variant peak /
 that path's peak. graph_ms / graph_speedup: the same calls replayed from CUDA graphs (on a GPU), which
@@ -43,6 +50,7 @@ captured training step or torch.compile(mode="reduce-overhead") gets).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -194,24 +202,30 @@ def variants(sweep: bool, generic: bool):
     return vs
 
 
-def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None, compile_mode=None):
+def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None, compile_mode=None, chain=1):
     """Rows of one (shape, dtype, mode): every variant timed interleaved. ``profile`` (a list): also
     one profiled call per variant, its CUDA time per kernel and the host time of the call
     (``host_ms``: wall time of the call without waiting for the GPU; above the kernels' total, the
     GPU idles between launches). ``compile_mode``: every variant's call — timm's strided q, k, v
     views included — under torch.compile(mode=…, fullgraph=True), its backward compiled with it;
-    compiled in the warm-up, in a fresh dynamo state per case (no CUDA-graph replays then)."""
+    compiled in the warm-up, in a fresh dynamo state per case (no CUDA-graph replays then).
+    ``chain``: each call runs the op on that many independent (qkv, bias) pairs (see --chain);
+    times are per op."""
     dtype = DT[dtype_name]
-    qkv, bias, mask = make_inputs(BW, nW, H, N, dtype, bwd)
-    leaves = (qkv, bias)
-    grad_out = torch.randn(BW, H, N, HEAD_DIM, device=DEVICE, dtype=dtype)
+    made = [make_inputs(BW, nW, H, N, dtype, bwd, seed=i) for i in range(chain)]
+    qkvs, biases, mask = [m[0] for m in made], [m[1] for m in made], made[0][2]
+    leaves = (*qkvs, *biases)
+    grad_outs = [torch.randn(BW, H, N, HEAD_DIM, device=DEVICE, dtype=dtype) for _ in range(chain)]
 
     def views(fn):
-        def f(qkv, bias, mask):
+        def one(qkv, bias, mask):
             if getattr(fn, "packed", False):
                 return fn(qkv, bias, mask, dtype)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # timm's strided q, k, v views
             return fn(q, k, v, bias, mask, dtype)
+
+        def f(qkvs, biases, mask):
+            return [one(qkv, bias, mask) for qkv, bias in zip(qkvs, biases)]
         return torch.compile(f, mode=compile_mode, fullgraph=True) if compile_mode else f
 
     if compile_mode:
@@ -223,16 +237,17 @@ def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None, comp
         if not bwd:
             def f():
                 with torch.no_grad():
-                    return fn(qkv, bias, mask)
+                    return fn(qkvs, biases, mask)
         else:
             def f():
-                return torch.autograd.grad(fn(qkv, bias, mask), leaves, grad_out)
+                return torch.autograd.grad(fn(qkvs, biases, mask), leaves, grad_outs)
         return f
 
-    res = measure({n: wrap(n) for n in vs}, rounds=rounds)
+    res = {n: _per_op(r, chain) for n, r in measure({n: wrap(n) for n in vs}, rounds=rounds).items()}
     # the same calls replayed from CUDA graphs: GPU time without the host's launch work
-    gres = measure_graphed({n: wrap(n) for n in vs if res[n].ms is not None},
-                           rounds=rounds) if DEVICE == "cuda" and not compile_mode else {}
+    gres = {n: _per_op(r, chain) for n, r in measure_graphed({n: wrap(n) for n in vs if res[n].ms is not None},
+                                                                rounds=rounds).items()} \
+        if DEVICE == "cuda" and not compile_mode else {}
     if profile is not None:
         for n in vs:
             if res[n].ms is None:
@@ -247,7 +262,7 @@ def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None, comp
             sync()
             _, kernels = cuda_breakdown(f, top=8, device=DEVICE)  # on CPU (--smoke): operator self time
             head = {"shape": name, "dtype": dtype_name, "mode": "fwd+bwd" if bwd else "fwd", "variant": n,
-                    "ms": res[n].ms, "host_ms": sorted(host)[2]}
+                    "chain": chain, "ms": res[n].ms, "host_ms": sorted(host)[2] / chain}
             profile += [{**head, **k} for k in kernels] or [head]
             print(f"  profile {n}: {res[n].ms:.3f} ms, host {head['host_ms']:.3f} ms; "
                   + ", ".join(f"{k['kernel'][:40]} {k['cuda_ms']:.3f}" for k in kernels[:5]), flush=True)
@@ -260,7 +275,7 @@ def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None, comp
         rows.append({
             "shape": name, "BW": BW, "nW": nW, "H": H, "N": N, "d": HEAD_DIM, "dtype": dtype_name,
             "mode": "fwd+bwd" if bwd else "fwd", "variant": n, "block": n.split("-b")[-1] if "-b" in n else "",
-            "ms": r.ms, "peak_mib": None if r.peak_bytes is None else r.peak_bytes / 2**20,
+            "chain": chain, "ms": r.ms, "peak_mib": None if r.peak_bytes is None else r.peak_bytes / 2**20,
             "best_timm": best.variant if best else "",
             "speedup": (best.ms / r.ms) if (best and r.ms) else None,
             "mem_ratio": (r.peak_bytes / best.peak_bytes) if (best and r.peak_bytes and best.peak_bytes) else None,
@@ -269,10 +284,16 @@ def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None, comp
             "graph_speedup": (gbest.ms / gres[n].ms) if (gbest and n in gres and gres[n].ms) else None,
             "error": r.error or (gres[n].error if n in gres else ""),
         })
-    del qkv, bias, mask
+    del made, qkvs, biases, mask
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _per_op(r, chain: int):
+    """A measurement of calls that each ran ``chain`` ops, as the time of one op (peak memory and
+    errors as measured: the call's)."""
+    return r if chain == 1 or r.ms is None else dataclasses.replace(r, ms=r.ms / chain)
 
 
 # Swin-T at 224² (stage, resolution, dim, heads, shift): one block per stage, batch 64
@@ -389,7 +410,14 @@ def main(argv=None):
     ap.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
                     help="every variant's call under torch.compile in this mode (fullgraph, backward included) "
                          "→ <stem>_compile_<mode>.*")
+    ap.add_argument("--chain", type=int, default=1, metavar="K",
+                    help="each timed call runs the op on K independent inputs (K blocks of a stage); times per "
+                         "op; compiled, one graph of K ops (see above) → <stem>_chain<K>.*")
     a = ap.parse_args(argv)
+    if a.chain < 1:
+        ap.error(f"--chain must be at least 1, got {a.chain}")
+    if a.chain > 1 and (a.blocks or a.tune):
+        ap.error("--chain repeats the attention calls; not with --blocks or --tune")
     if a.compile and (a.blocks or a.tune):
         ap.error("--compile times the attention calls; not with --blocks or --tune")
     global DEVICE
@@ -416,7 +444,7 @@ def main(argv=None):
     for dtype_name in a.dtypes.split(","):
         for bwd in [m for m in (False, True) if not (a.no_bwd and m or a.no_fwd and not m)]:
             for name, BW, nW, H, N in shapes:
-                rows += run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, prof, a.compile)
+                rows += run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, prof, a.compile, a.chain)
                 done = [r for r in rows if r["shape"] == name and r["dtype"] == dtype_name and r["mode"] == ("fwd+bwd" if bwd else "fwd")]
                 print(fmt_table(done, ["shape", "dtype", "mode", "variant", "ms", "peak_mib", "speedup", "mem_ratio", "graph_ms",
                                        "graph_speedup", "error"]), flush=True)
@@ -426,6 +454,8 @@ def main(argv=None):
     stem = "windows_tune" if a.tune else "windows_quick" if a.quick else "windows"
     if a.compile:
         stem += f"_compile_{a.compile.replace('-', '_')}"
+    if a.chain > 1:
+        stem += f"_chain{a.chain}"
     csv = write_csv(rows, outdir / f"{stem}.csv")
     plot(rows, outdir / f"{stem}.png")
     print(f"\nwrote {csv} and {outdir / (stem + '.png')}")

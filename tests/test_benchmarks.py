@@ -163,16 +163,27 @@ def test_windows_benchmark_smoke(tmp_path, args):
     assert all(float(r["host_ms"]) > 0 for r in prof) and any(r.get("kernel") for r in prof)
 
 
-def test_windows_benchmark_compile_smoke(tmp_path):
-    """--compile: every variant's call (forward and backward) compiled whole, no variant failing."""
+@pytest.mark.parametrize("chain", [1, 2])
+def test_windows_benchmark_compile_smoke(tmp_path, chain):
+    """--compile: every variant's call (forward and backward) compiled whole, no variant failing;
+    --chain 2: two independent ops per compiled call, rows per op."""
     from benchmarks import windows
     import csv
     windows.main(["--smoke", "--quick", "--shapes", "swinT-s4", "--dtypes", "fp32", "--compile", "default",
-                  "--out", str(tmp_path)])
-    rows = list(csv.DictReader(open(tmp_path / "windows_quick_compile_default.csv")))
+                  "--chain", str(chain), "--out", str(tmp_path)])
+    stem = "windows_quick_compile_default" + ("_chain2" if chain == 2 else "")
+    rows = list(csv.DictReader(open(tmp_path / f"{stem}.csv")))
     assert {r["variant"] for r in rows} == {"timm-sdpa", "timm-math", "elsa", "elsa-qkv"}
     assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"}
+    assert {r["chain"] for r in rows} == {str(chain)}
     assert all(r["ms"] and not r["error"] for r in rows), [r for r in rows if r["error"]]
+
+
+def test_windows_benchmark_chain_must_be_positive():
+    """--chain 0 is refused with the option's message."""
+    from benchmarks import windows
+    with pytest.raises(SystemExit):
+        windows.main(["--smoke", "--chain", "0"])
 
 
 def test_windows_benchmark_blocks_smoke(tmp_path):
