@@ -932,9 +932,11 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
             go.dbias(q, k, v, bt, mt, do, stats, delta, dparts)
     dbias = None
     if bias_grad:
-        # fixed-order reduction of the per-run partial sums: deterministic
-        red = dparts[0] if dparts.shape[0] == 1 else dparts.sum(0)
-        dbias = red[:, :N, :N].to(bias.dtype)
+        # fixed-order reduction of the per-run partial sums: deterministic. The [H, N, N] corner is
+        # taken before the sum, so that the sum writes it row-major: in a compiled graph one kernel,
+        # where a sum of the padded tables then a row-major copy of its corner took two launches
+        red = dparts[0, :, :N, :N] if dparts.shape[0] == 1 else dparts[:, :, :N, :N].sum(0)
+        dbias = red.to(bias.dtype)
     return dq, dk, dv, dbias
 
 
