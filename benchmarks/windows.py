@@ -35,10 +35,13 @@ partition copies around it) and elsa-block (``patch()``: one shifted_window_atte
 feature map, no copies).
 
 --chain K: each timed call runs the op on K independent inputs (K blocks of a stage, each with its own
-qkv and bias table; one mask), and ms is the call's median over K: the time per op. Compiled, the K
-ops are one graph, so the compiled function's per-call host path (dynamo's guards, the autograd
-runtime around the graph, the backward's launch) is paid once per K ops, as in a compiled model;
-with K = 1 (the default) a call of a few kernels measures mostly that path on either side.
+qkv and bias table; one mask), and ms is the call's median time divided by K: the time per op (so
+are the profile rows' host_ms, cuda_ms and calls; peak_mib stays the call's, K ops' worth).
+Compiled, the K ops are one graph, so the compiled function's per-call host path (dynamo's guards,
+the autograd runtime around the graph, the backward's launch) is paid once per K ops, as in a
+compiled model; with K = 1 (the default) a call of a few kernels measures mostly that path on either
+side. Unlike a model's blocks the K ops do not depend on each other, so inductor may share or fuse
+work across them (timm's paths expand the shared mask once per call).
 
 Columns: ms (median), peak_mib (allocated above the inputs during one call), speedup =
 min(timm-sdpa, timm-math) ms / variant ms (> 1: faster than timm's better path), mem_ratio = variant peak /
@@ -261,6 +264,10 @@ def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None, comp
                 host.append((time.perf_counter() - t) * 1e3)
             sync()
             _, kernels = cuda_breakdown(f, top=8, device=DEVICE)  # on CPU (--smoke): operator self time
+            # per op, as ms and host_ms (a kernel whose work the K ops share, such as timm's
+            # expanded mask, counts a fraction of a launch)
+            kernels = [{**k, "cuda_ms": k["cuda_ms"] / chain, "calls": k["calls"] / chain} if chain > 1 else k
+                       for k in kernels]
             head = {"shape": name, "dtype": dtype_name, "mode": "fwd+bwd" if bwd else "fwd", "variant": n,
                     "chain": chain, "ms": res[n].ms, "host_ms": sorted(host)[2] / chain}
             profile += [{**head, **k} for k in kernels] or [head]

@@ -932,9 +932,10 @@ def backward(do, q, k, v, bias, mask, out, stats, scale: float, precision: str, 
             go.dbias(q, k, v, bt, mt, do, stats, delta, dparts)
     dbias = None
     if bias_grad:
-        # fixed-order reduction of the per-run partial sums: deterministic. The [H, N, N] corner is
-        # taken before the sum, so that the sum writes it row-major: in a compiled graph one kernel,
-        # where a sum of the padded tables then a row-major copy of its corner took two launches
+        # fixed-order reduction of the per-run partial sums (torch's sum, no atomics): deterministic.
+        # The [H, N, N] corner is taken before the sum, so that the sum writes it row-major: in a
+        # compiled graph one kernel, where a sum of the padded tables then a row-major copy of its
+        # corner took two launches
         red = dparts[0, :, :N, :N] if dparts.shape[0] == 1 else dparts[:, :, :N, :N].sum(0)
         dbias = red.to(bias.dtype)
     return dq, dk, dv, dbias
@@ -1023,8 +1024,9 @@ def _op_grads(do, q, k, v, bias, mask, out, stats, scale: float, precision: str,
     dq, dk, dv, dbias = backward(do, q, k, v, bias, mask, out, stats, scale, precision, block, bias_grad,
                                  windows_per_program if windows_per_program > 0 else None,
                                  _op_tables(q, bias, mask, geo), dqkv, geo)
-    # dbias is the [H, N, N] corner of the padded [H, NR, NR] sum: a compiled graph expects the
-    # fake's strides (inductor asserts them), so the op returns it row-major
+    # dbias is the [H, N, N] corner of the padded tables: row-major where the partials were summed,
+    # a view of the one run's partial otherwise; a compiled graph expects the fake's strides
+    # (inductor asserts them), so the op returns it row-major
     return [dq, dk, dv, dbias.contiguous() if dbias is not None else q.new_empty(0)]
 
 

@@ -179,11 +179,26 @@ def test_windows_benchmark_compile_smoke(tmp_path, chain):
     assert all(r["ms"] and not r["error"] for r in rows), [r for r in rows if r["error"]]
 
 
-def test_windows_benchmark_chain_must_be_positive():
-    """--chain 0 is refused with the option's message."""
+@pytest.mark.parametrize("args, message", [(["--chain", "0"], "--chain must be at least 1"),
+                                           (["--chain", "2", "--blocks"], "not with --blocks or --tune")])
+def test_windows_benchmark_chain_refusals(args, message, capsys):
+    """--chain below 1, or with --blocks / --tune, is refused with the option's message."""
     from benchmarks import windows
     with pytest.raises(SystemExit):
-        windows.main(["--smoke", "--chain", "0"])
+        windows.main(["--smoke", *args])
+    assert message in capsys.readouterr().err
+
+
+def test_windows_chain_times_per_op():
+    """A call of K ops is reported as one op's time: ms divided by K, None (a failed variant) kept,
+    peak memory and errors the call's."""
+    from benchmarks import windows
+    from benchmarks.harness import Result
+    r = Result("elsa", 6.0, 1024, "")
+    assert windows._per_op(r, 1) is r
+    assert windows._per_op(r, 2) == Result("elsa", 3.0, 1024, "")
+    failed = Result("elsa", None, None, "OOM")
+    assert windows._per_op(failed, 6) is failed
 
 
 def test_windows_benchmark_blocks_smoke(tmp_path):
