@@ -160,11 +160,16 @@ class KernelOp:
                 outputs = op.forward(*inputs)
                 op._setup(ctx, inputs, outputs)
                 ctx.mark_non_differentiable(outputs[1])
+                # (autograd would otherwise fill a zero tensor the statistics' size for their
+                # gradient at every backward: an allocation and a launch, where nothing reads it)
+                ctx.set_materialize_grads(False)
                 return outputs[0], outputs[1]
 
             @staticmethod
             def backward(ctx, dout, _dstats):
                 check_first_order(op.what)
+                if dout is None:  # (no gradient reached the output: none for the inputs)
+                    return (None,) * ctx.n_inputs
                 return op._backward(op.backward, ctx, dout)
 
         Function.__name__ = Function.__qualname__ = f"{op.what}_function"

@@ -167,11 +167,14 @@ def test_fp16x3_backward_split_pass(magnitude):
         assert p.dtype == torch.float16 and p.shape == (B, H, 2 * n, D)
         hi = (x * cx).half()
         assert torch.equal(p[:, :, :n], hi) and torch.equal(p[:, :, n:], (x * cx - hi.float()).half())
-    r = 1.0 / s_sum
+    planes = rows.view(5, B, H, nqp)
+    # r = 1/S as the kernel formed it: exactly PyTorch's under the interpreter, within 2 ulp on a GPU
+    # (Triton's float32 division there is div.full.f32); the units below are checked bitwise from it
+    r, exact = planes[2, :, :, :Nq], 1.0 / s_sum
+    assert torch.equal(r, exact) if DEVICE == "cpu" else ((r - exact).abs() <= 2 ** -22 * exact).all()
     t = torch.exp2(torch.clamp(-torch.floor(torch.log2(r)), max=10))  # (dk_units' t_i ≈ S_i)
     w = (1.0 / t).half()[..., None]
     assert torch.equal(q2p[:, :, :Nq], qp[:, :, :Nq] * w) and torch.equal(q2p[:, :, Nq:], qp[:, :, Nq:] * w)
-    planes = rows.view(5, B, H, nqp)
     units = c[:, :, 3, 0] * c[:, :, 2, 0]
     delta = (out.double() * do.double()).sum(-1) * units  # (float32 sums: to D·2⁻²⁴ of Σ|o·dO|)
     bound = D * 2 ** -24 * (out.double() * do.double()).abs().sum(-1) * units
@@ -391,6 +394,43 @@ def test_bias_without_grad_gets_none():
     bias = rand(2, 8, 8)
     elsa_vision.attention(q, k, v, bias=bias, backend="triton").sum().backward()
     assert bias.grad is None and q.grad is not None
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_eager_backward_fills_no_statistics_gradient(packed):
+    """The eager autograd Function's second output (the row statistics [B, H, 2, N], float32) takes
+    no gradient: its backward gets none, rather than a zero tensor autograd would allocate and fill
+    at every backward; the gradients are those of the custom ops' path, bitwise."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from elsa_vision.kernels import attention as K
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default,
+                        torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    B, H, N, D = 2, 3, 40, 16
+    x = rand(B, N, 3, H, D).requires_grad_() if packed else None
+    q, k, v = (x.permute(2, 0, 3, 1, 4).unbind(0) if packed else
+               (t.requires_grad_() for t in qkv(B, H, N, N, D, seed=4)))
+    leaves = [x] if packed else [q, k, v]
+    op, inputs = (K.PACKED, (x,)) if packed else (K.OP, (q, k, v))
+    out, stats = op.function.apply(*inputs, None, D ** -0.5, False, "ieee", 0)
+    assert not stats.requires_grad
+    do = rand(*out.shape, seed=7)
+    with Made() as made:
+        grads = torch.autograd.grad(out, leaves, do)
+    assert (B, H, 2, N) not in made.shapes
+    out2, _ = op.fwd(*inputs, None, D ** -0.5, False, "ieee", 0)
+    assert torch.equal(out, out2)
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(out2, leaves, do)))
 
 
 # ------------------------------------------------------------------ layouts, autocast, compile
