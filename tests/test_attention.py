@@ -433,6 +433,27 @@ def test_eager_backward_fills_no_statistics_gradient(packed):
     assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(out2, leaves, do)))
 
 
+def test_eager_backward_without_an_output_gradient():
+    """A graph through the output that brings it no gradient (None: a later Function's backward
+    returned none) gives the inputs none through attention, where a zero gradient used to be filled
+    and run through the kernels."""
+    from elsa_vision.kernels import attention as K
+
+    class Drop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return None
+
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 8, 8, 16, seed=2))
+    out, _ = K.OP.function.apply(q, k, v, None, 0.25, False, "ieee", 0)
+    dq, dk = torch.autograd.grad((Drop.apply(out) + q.sum()).sum(), (q, k), allow_unused=True)
+    assert torch.equal(dq, torch.full_like(q, out.numel())) and dk is None  # (q.sum() broadcast over out)
+
+
 # ------------------------------------------------------------------ layouts, autocast, compile
 
 def test_non_contiguous_inputs():
