@@ -7,6 +7,8 @@
                                                 # --dtype fp32: fp16x3 vs mem-efficient → attention_hopper_fp32)
     python benchmarks/attention.py --decode     # few queries against long keys (KV-cache shapes)
                                                 # → attention_decode.{csv,png}
+    python benchmarks/attention.py --host-phases  # where an eager call's host time goes (ViT / VGGT
+                                                # short rows, bf16, packed qkv vs SDPA) → host_phases.{csv,png}
     python benchmarks/attention.py --tune fwd   # tile-shape sweep for the kernel config tables
                                                 # (bwd: the dQ tile; bwdkv: the dK/dV kernel's own;
                                                 # fewq: split-forward tiles and partitions for Nq ≤ 64)
@@ -19,9 +21,12 @@ allocated above the inputs during one call. Ratio: ELSA time / baseline time (< 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -515,6 +520,122 @@ def plot_hopper(rows, path):
     fig.savefig(path, dpi=110)
 
 
+# (B, H, N, d) of --host-phases: ViT-B/16 at 224 px with 4 and 64 images, VGGT's 1041-token frames
+HOST_SHAPES = [(4, 12, 197, 64), (64, 12, 197, 64), (48, 16, 1041, 64)]
+PHASES = ("entry", "forward_body", "return", "to_backward", "backward_body", "backward_return")
+
+
+def phases(t0, f0, f1, t1, b0, b1, t2) -> dict:
+    """One eager call's host time in µs by phase, from perf_counter stamps: the call's start (t0),
+    the autograd Function's forward body entered and left (f0, f1), the call returned (t1), then
+    ``autograd.grad`` called (t1), the backward body entered and left (b0, b1), and grad returned
+    (t2)."""
+    stamps = (t0, f0, f1, t1, b0, b1, t2)
+    if any(b < a for a, b in zip(stamps, stamps[1:])):
+        raise ValueError(f"stamps out of order: {stamps}")
+    return {name: (b - a) * 1e6 for name, a, b in zip(PHASES, stamps, stamps[1:])}
+
+
+@contextlib.contextmanager
+def timed_bodies(function: type, stamps: dict):
+    """The autograd Function ``function``'s forward and backward, each stamping ``stamps`` (f0, f1,
+    b0, b1: perf_counter) as it enters and leaves its body; restored on exit."""
+    forward, backward = function.forward, function.backward
+
+    def timed(body, enter, leave):
+        def run(ctx, *args):
+            stamps[enter] = time.perf_counter()
+            out = body(ctx, *args)
+            stamps[leave] = time.perf_counter()
+            return out
+        return staticmethod(run)
+
+    function.forward, function.backward = timed(forward, "f0", "f1"), timed(backward, "b0", "b1")
+    try:
+        yield stamps
+    finally:
+        function.forward, function.backward = staticmethod(forward), staticmethod(backward)
+
+
+def host_phases(shapes=HOST_SHAPES, iterations: int = 500) -> list[dict]:
+    """Eager forward + ``autograd.grad`` of ELSA's packed call (qkv [B, N, 3, H, D], bf16) against
+    SDPA's (default backend choice) on the same projection's views: each call's host time by phase
+    (:func:`phases`, ELSA; SDPA's forward and grad as two spans), medians over ``iterations`` calls
+    timed back to back (the GPU synchronised every 50), and the same call's GPU time replayed from a
+    CUDA graph. The eager calls are paced by the host where the host time exceeds the GPU time."""
+    fn = K.PACKED.function
+    rows = []
+    for B, H, n, d in shapes:
+        qkv = torch.randn(B, n, 3, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        do = torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16)
+
+        def elsa():
+            return torch.autograd.grad(elsa_vision.attention_packed(qkv), qkv, do)
+
+        def sdpa():
+            return torch.autograd.grad(F.scaled_dot_product_attention(*qkv.permute(2, 0, 3, 1, 4).unbind(0)), qkv, do)
+
+        gpu = measure_graphed({"elsa": elsa, "sdpa": sdpa}, rounds=10)
+        samples = {"elsa": [], "sdpa": []}
+        with timed_bodies(fn, {}) as st:
+            for i in range(iterations + 50):
+                t0 = time.perf_counter()
+                out = elsa_vision.attention_packed(qkv)
+                t1 = time.perf_counter()
+                torch.autograd.grad(out, qkv, do)
+                t2 = time.perf_counter()
+                if i >= 50:
+                    samples["elsa"].append(phases(t0, st["f0"], st["f1"], t1, st["b0"], st["b1"], t2))
+                if i % 50 == 0:
+                    torch.cuda.synchronize()
+        for i in range(iterations + 50):
+            t0 = time.perf_counter()
+            out = F.scaled_dot_product_attention(*qkv.permute(2, 0, 3, 1, 4).unbind(0))
+            t1 = time.perf_counter()
+            torch.autograd.grad(out, qkv, do)
+            t2 = time.perf_counter()
+            if i >= 50:
+                samples["sdpa"].append({"forward": (t1 - t0) * 1e6, "grad": (t2 - t1) * 1e6})
+            if i % 50 == 0:
+                torch.cuda.synchronize()
+        for variant, got in samples.items():
+            med = {f"{k}_us": statistics.median(s[k] for s in got) for k in got[0]}
+            rows.append({"case": "host-phases", "dtype": "bf16", "B": B, "H": H, "Nq": n, "Nk": n, "d": d,
+                         "variant": variant, **med,
+                         "host_us": statistics.median(sum(s.values()) for s in got),
+                         "gpu_us": gpu[variant].ms * 1e3 if gpu[variant].ms else None, "iterations": iterations})
+        print(fmt_table(rows[-2:], ["B", "H", "Nq", "variant", "host_us", "gpu_us"]), flush=True)
+        del qkv, do
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot_host_phases(rows, path):
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.7 * len(rows)))
+    labels = []
+    for i, r in enumerate(rows):
+        spans = [(p, r.get(f"{p}_us")) for p in (PHASES if r["variant"] == "elsa" else ("forward", "grad"))]
+        left = 0.0
+        for j, (p, w) in enumerate(spans):
+            ax.barh(i, w, left=left, color=f"C{j}" if r["variant"] == "elsa" else ("0.45", "0.7")[j],
+                    label=f"ELSA: {p}" if r["variant"] == "elsa" and i == 0 else (
+                        f"SDPA: {p}" if r["variant"] == "sdpa" and i == 1 else None))
+            left += w
+        if r["gpu_us"]:
+            ax.plot([r["gpu_us"]] * 2, [i - 0.4, i + 0.4], color="k", lw=2,
+                    label="its GPU time (CUDA-graph replay)" if i == 0 else None)
+        labels.append(f"{r['variant']} {r['B']}×{r['H']}×{r['Nq']}")
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.set_xlabel("µs per eager forward + autograd.grad (median)")
+    m = metadata()
+    ax.set_title(f"Where an eager call's host time goes (bf16, packed qkv)\n{m['device']}, torch {m['torch']}, "
+                 f"triton {m['triton']}, {m['date']}", fontsize=8)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -533,6 +654,8 @@ def main(argv=None):
     ap.add_argument("--train", action="store_true",
                     help="half-precision forward + backward at ViT, VGGT and long-row shapes (TRAIN_SHAPES)")
     ap.add_argument("--nq", help="with --decode: query counts (comma-separated; default 16,1041,4164)")
+    ap.add_argument("--host-phases", action="store_true",
+                    help="an eager call's host time by phase against its GPU time and SDPA's (HOST_SHAPES)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
@@ -545,6 +668,9 @@ def main(argv=None):
              "attention_hopper" + ("_fp32" if a.dtype == "fp32" else "")
              + ("" if passes == ("fwd", "fwd+bwd") else "_" + "_".join(p.replace("+", "") for p in passes)),
              plot_hopper)
+        return
+    if a.host_phases:
+        save(host_phases(), outdir, "host_phases", plot_host_phases)
         return
     if a.train:
         dts = (a.only,) if a.only else ("bf16", "fp16")

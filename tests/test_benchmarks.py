@@ -4,6 +4,7 @@ rehearsal on the VGGT stand-in."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -227,6 +228,46 @@ def test_training_plot_reads_the_sweep_rows(tmp_path):
     assert {(r["B"], r["H"], r["Nq"], r["d"], r["causal"]) for r in rows} == set(AB.TRAIN_SHAPES)
     AB.plot_training(rows, tmp_path / "train.png")
     assert (tmp_path / "train.png").stat().st_size > 0
+
+
+def test_host_phases_arithmetic_and_plot(tmp_path):
+    """--host-phases: stamps → µs per phase (the spans between consecutive stamps, summing to the
+    call), stamps out of order refused; the plot of an ELSA and an SDPA row."""
+    from benchmarks import attention as AB
+    got = AB.phases(0.0, 1e-6, 4e-6, 5e-6, 7e-6, 1.1e-5, 1.2e-5)
+    assert list(got) == list(AB.PHASES)
+    assert [round(v, 6) for v in got.values()] == [1.0, 3.0, 1.0, 2.0, 4.0, 1.0]
+    with pytest.raises(ValueError, match="out of order"):
+        AB.phases(0.0, 2e-6, 1e-6, 3e-6, 4e-6, 5e-6, 6e-6)
+    rows = [{"variant": "elsa", "B": 4, "H": 12, "Nq": 197, **{f"{p}_us": v for p, v in got.items()}, "gpu_us": 9.0},
+            {"variant": "sdpa", "B": 4, "H": 12, "Nq": 197, "forward_us": 3.0, "grad_us": 5.0, "gpu_us": None}]
+    AB.plot_host_phases(rows, tmp_path / "phases.png")
+    assert (tmp_path / "phases.png").stat().st_size > 0
+
+
+def test_host_phases_hooks_stamp_the_bodies_and_restore_them():
+    """timed_bodies: an eager packed call's forward and backward bodies stamped in order, the
+    gradient unchanged, and the Function's own methods back afterwards (also after an error)."""
+    from benchmarks import attention as AB
+    from elsa_vision.kernels import attention as K
+    fn = K.PACKED.function
+    forward, backward = fn.forward, fn.backward
+    qkv = torch.randn(2, 21, 3, 2, 16).requires_grad_()
+    do = torch.randn(2, 2, 21, 16)
+    (plain,) = torch.autograd.grad(elsa_vision.attention_packed(qkv), qkv, do)
+    with AB.timed_bodies(fn, {}) as st:
+        t0 = time.perf_counter()
+        out = elsa_vision.attention_packed(qkv)
+        t1 = time.perf_counter()
+        (timed,) = torch.autograd.grad(out, qkv, do)
+        t2 = time.perf_counter()
+    assert sum(AB.phases(t0, st["f0"], st["f1"], t1, st["b0"], st["b1"], t2).values()) > 0
+    assert torch.equal(plain, timed)
+    assert fn.forward is forward and fn.backward is backward
+    with pytest.raises(RuntimeError, match="inside"):
+        with AB.timed_bodies(fn, {}):
+            raise RuntimeError("inside")
+    assert fn.forward is forward and fn.backward is backward
 
 
 # --------------------------------------------------------------------------------------------
