@@ -557,47 +557,43 @@ def timed_bodies(function: type, stamps: dict):
         function.forward, function.backward = staticmethod(forward), staticmethod(backward)
 
 
+def _back_to_back(forward, qkv, do, iterations: int, record, warmup: int = 50) -> None:
+    """``forward()`` then ``autograd.grad`` of its output, ``warmup`` + ``iterations`` times back to
+    back (the GPU synchronised every 50 calls, so that the launch queue never fills and blocks the
+    host); ``record(t0, t1, t2)`` gets each timed call's perf_counter stamps: start, forward
+    returned, grad returned."""
+    for i in range(warmup + iterations):
+        t0 = time.perf_counter()
+        out = forward()
+        t1 = time.perf_counter()
+        torch.autograd.grad(out, qkv, do)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            record(t0, t1, t2)
+        if i % 50 == 0:
+            torch.cuda.synchronize()
+
+
 def host_phases(shapes=HOST_SHAPES, iterations: int = 500) -> list[dict]:
     """Eager forward + ``autograd.grad`` of ELSA's packed call (qkv [B, N, 3, H, D], bf16) against
     SDPA's (default backend choice) on the same projection's views: each call's host time by phase
     (:func:`phases`, ELSA; SDPA's forward and grad as two spans), medians over ``iterations`` calls
-    timed back to back (the GPU synchronised every 50), and the same call's GPU time replayed from a
-    CUDA graph. The eager calls are paced by the host where the host time exceeds the GPU time."""
-    fn = K.PACKED.function
+    timed back to back (:func:`_back_to_back`), and the same call's GPU time replayed from a CUDA
+    graph. The eager calls are paced by the host where the host time exceeds the GPU time."""
     rows = []
     for B, H, n, d in shapes:
         qkv = torch.randn(B, n, 3, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         do = torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16)
-
-        def elsa():
-            return torch.autograd.grad(elsa_vision.attention_packed(qkv), qkv, do)
-
-        def sdpa():
-            return torch.autograd.grad(F.scaled_dot_product_attention(*qkv.permute(2, 0, 3, 1, 4).unbind(0)), qkv, do)
-
-        gpu = measure_graphed({"elsa": elsa, "sdpa": sdpa}, rounds=10)
+        forwards = {"elsa": lambda: elsa_vision.attention_packed(qkv),
+                    "sdpa": lambda: F.scaled_dot_product_attention(*qkv.permute(2, 0, 3, 1, 4).unbind(0))}
+        gpu = measure_graphed({name: (lambda f=f: torch.autograd.grad(f(), qkv, do)) for name, f in forwards.items()},
+                              rounds=10)
         samples = {"elsa": [], "sdpa": []}
-        with timed_bodies(fn, {}) as st:
-            for i in range(iterations + 50):
-                t0 = time.perf_counter()
-                out = elsa_vision.attention_packed(qkv)
-                t1 = time.perf_counter()
-                torch.autograd.grad(out, qkv, do)
-                t2 = time.perf_counter()
-                if i >= 50:
-                    samples["elsa"].append(phases(t0, st["f0"], st["f1"], t1, st["b0"], st["b1"], t2))
-                if i % 50 == 0:
-                    torch.cuda.synchronize()
-        for i in range(iterations + 50):
-            t0 = time.perf_counter()
-            out = F.scaled_dot_product_attention(*qkv.permute(2, 0, 3, 1, 4).unbind(0))
-            t1 = time.perf_counter()
-            torch.autograd.grad(out, qkv, do)
-            t2 = time.perf_counter()
-            if i >= 50:
-                samples["sdpa"].append({"forward": (t1 - t0) * 1e6, "grad": (t2 - t1) * 1e6})
-            if i % 50 == 0:
-                torch.cuda.synchronize()
+        with timed_bodies(K.PACKED.function, {}) as st:
+            _back_to_back(forwards["elsa"], qkv, do, iterations, lambda t0, t1, t2: samples["elsa"].append(
+                phases(t0, st["f0"], st["f1"], t1, st["b0"], st["b1"], t2)))
+        _back_to_back(forwards["sdpa"], qkv, do, iterations, lambda t0, t1, t2: samples["sdpa"].append(
+            {"forward": (t1 - t0) * 1e6, "grad": (t2 - t1) * 1e6}))
         for variant, got in samples.items():
             med = {f"{k}_us": statistics.median(s[k] for s in got) for k in got[0]}
             rows.append({"case": "host-phases", "dtype": "bf16", "B": B, "H": H, "Nq": n, "Nk": n, "d": d,
@@ -605,7 +601,7 @@ def host_phases(shapes=HOST_SHAPES, iterations: int = 500) -> list[dict]:
                          "host_us": statistics.median(sum(s.values()) for s in got),
                          "gpu_us": gpu[variant].ms * 1e3 if gpu[variant].ms else None, "iterations": iterations})
         print(fmt_table(rows[-2:], ["B", "H", "Nq", "variant", "host_us", "gpu_us"]), flush=True)
-        del qkv, do
+        del qkv, do, forwards
         torch.cuda.empty_cache()
     return rows
 

@@ -4,7 +4,6 @@ rehearsal on the VGGT stand-in."""
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -245,23 +244,25 @@ def test_host_phases_arithmetic_and_plot(tmp_path):
     assert (tmp_path / "phases.png").stat().st_size > 0
 
 
-def test_host_phases_hooks_stamp_the_bodies_and_restore_them():
-    """timed_bodies: an eager packed call's forward and backward bodies stamped in order, the
-    gradient unchanged, and the Function's own methods back afterwards (also after an error)."""
+def test_host_phases_hooks_stamp_the_bodies_and_restore_them(monkeypatch):
+    """timed_bodies over the benchmark's loop (_back_to_back): an eager packed call's forward and
+    backward bodies stamped in order on every timed call, the gradient unchanged, and the
+    Function's own methods back afterwards (also after an error)."""
     from benchmarks import attention as AB
     from elsa_vision.kernels import attention as K
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # (CPU tensors: nothing to wait for)
     fn = K.PACKED.function
     forward, backward = fn.forward, fn.backward
     qkv = torch.randn(2, 21, 3, 2, 16).requires_grad_()
     do = torch.randn(2, 2, 21, 16)
     (plain,) = torch.autograd.grad(elsa_vision.attention_packed(qkv), qkv, do)
+    samples, outs = [], []
     with AB.timed_bodies(fn, {}) as st:
-        t0 = time.perf_counter()
-        out = elsa_vision.attention_packed(qkv)
-        t1 = time.perf_counter()
-        (timed,) = torch.autograd.grad(out, qkv, do)
-        t2 = time.perf_counter()
-    assert sum(AB.phases(t0, st["f0"], st["f1"], t1, st["b0"], st["b1"], t2).values()) > 0
+        AB._back_to_back(lambda: outs.append(elsa_vision.attention_packed(qkv)) or outs[-1], qkv, do, 2,
+                         lambda t0, t1, t2: samples.append(AB.phases(t0, st["f0"], st["f1"], t1, st["b0"], st["b1"],
+                                                                     t2)), warmup=1)
+        (timed,) = torch.autograd.grad(elsa_vision.attention_packed(qkv), qkv, do)
+    assert len(samples) == 2 and all(sum(p.values()) > 0 for p in samples) and len(outs) == 3
     assert torch.equal(plain, timed)
     assert fn.forward is forward and fn.backward is backward
     with pytest.raises(RuntimeError, match="inside"):
