@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3, TF32X3, cast, dk_units, dot, dot3,
-                     dot_nt, ds_k, ds_units, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
+                     dot_nt, ds_k, ds_units, fma, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
 from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared, sm_count, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
 from .reference import qkv_views
@@ -76,11 +76,12 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
             PREC: tl.constexpr):
     """Scores [BM, BN] of a query tile against the key tile at offs_n, −inf where invisible.
 
-    With a bias they are the logits q·k·scale + bias in natural units (one rounding, as in plain
-    PyTorch), and the caller forms s − m before multiplying by log2 e; without one they are the raw
-    q·k, and the caller applies scale·log2 e inside the exponent's FMA. Either way the large terms
-    cancel before anything is rounded at their magnitude: with logits of ±100 (Swin v2 at its
-    clamp) a rounded log2-domain logit would carry twice PyTorch's error."""
+    With a bias they are the logits q·k·scale + bias in natural units, one FMA (common.fma: the
+    backward's _probs rounds them alike), and the caller forms s − m before multiplying by log2 e;
+    without one they are the raw q·k, and the caller applies scale·log2 e inside the exponent's
+    FMA. Either way the large terms cancel before anything is rounded at their magnitude: with
+    logits of ±100 (Swin v2 at its clamp) a rounded log2-domain logit would carry twice PyTorch's
+    error."""
     if MASK:
         k = tl.load(k_ptrs + offs_n[None, :] * sk_n,
                     mask=(offs_n[None, :] < k_end) & (offs_d[:, None] < D), other=0.0)
@@ -96,7 +97,7 @@ def _scores(q, q_lo, k_ptrs, bias_ptrs, offs_m, offs_n, offs_d, Nq, Nk, k_end, s
         s = dot(q, k, PREC)
     if HAS_BIAS:
         bmask = (offs_m[:, None] < Nq) & (offs_n[None, :] < k_end)
-        s = s * scale + tl.load(bias_ptrs + offs_n[None, :] * sb_n, mask=bmask, other=0.0).to(tl.float32)
+        s = fma(s, scale, tl.load(bias_ptrs + offs_n[None, :] * sb_n, mask=bmask, other=0.0).to(tl.float32))
     if MASK:
         visible = offs_n[None, :] < k_end
         if CAUSAL:
@@ -463,7 +464,7 @@ def _probs(qk, bias, scale, qk_scale2, m, r, HAS_BIAS: tl.constexpr, EXACT: tl.c
     for a [queries, keys] tile, m[None, :] for a transposed one), with the same rounding structure
     as the forward (see _scores)."""
     if HAS_BIAS:  # natural units on this path: s − m is formed before the log2 e factor
-        p = tl.math.exp2(((qk * scale + bias) - m) * C_LOG2E)
+        p = tl.math.exp2((fma(qk, scale, bias) - m) * C_LOG2E)
     else:
         p = tl.math.exp2(qk * qk_scale2 - m)
     if EXACT:

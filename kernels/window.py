@@ -83,7 +83,7 @@ import triton.language as tl
 
 from . import tiles
 from .common import (C_LOG2E, FP16X3, PRECISION_CODES, cast, dk_units, dot, dot3, dot_nt, ds_k, ds_units, exp_of,
-                     load_stats, pow2_of, pv, row_mean, split_f16, store_stats)
+                     fma, load_stats, pow2_of, pv, row_mean, split_f16, store_stats)
 from .launch import Launch, cdiv, clear_caches, pow2, prepared
 from .ops import AUTOGRAD, COMPILED, KernelOp, check_first_order, route
 from .reference import Geometry, qkv_views
@@ -201,16 +201,22 @@ def _logits(q, q_lo, k, k_lo, bias2, bias_base, mask_base, offs_m, offs_n, N, NR
     arguments are unused). With BIAS_REGS the bias tile is ``bias2`` (held in registers by the
     caller), else it is read from ``bias_base`` (an L1 hit after the first window)."""
     if PREC == FP16X3:
-        s = dot3(q, q_lo, tl.trans(k), tl.trans(k_lo)) * scale
+        s = dot3(q, q_lo, tl.trans(k), tl.trans(k_lo))
     else:
-        s = dot(q, tl.trans(k), PREC) * scale
+        s = dot(q, tl.trans(k), PREC)
+    # the first term after the scaling goes in by an explicit FMA (see common.fma): every kernel of
+    # the family then rounds the logits alike, whether its bias tile is held or loaded
     if HAS_BIAS:
         if BIAS_REGS:
-            s += bias2
+            s = fma(s, scale, bias2)
         else:
-            s += _load_table(bias_base, offs_m, offs_n, NR)
-    if HAS_MASK:
-        s += _load_table(mask_base, offs_m, offs_n, NR)
+            s = fma(s, scale, _load_table(bias_base, offs_m, offs_n, NR))
+        if HAS_MASK:
+            s += _load_table(mask_base, offs_m, offs_n, NR)
+    elif HAS_MASK:
+        s = fma(s, scale, _load_table(mask_base, offs_m, offs_n, NR))
+    else:
+        s = s * scale
     return tl.where(offs_n[None, :] < N, s, float("-inf"))
 
 

@@ -201,12 +201,66 @@ def test_peak_memory_linear():
     assert extra < 8 * io, f"extra {extra / 2**20:.0f} MiB vs one input {io / 2**20:.0f} MiB"
 
 
+@pytest.mark.parametrize("bias_seed", range(4))
 @pytest.mark.parametrize("n", [49, 64, 144])
-def test_large_logits_cosine_attention_gpu(n):
-    """Swin v2 at its clamp: unit q/k times τ = 100 plus a bias, logits of ±100."""
+def test_large_logits_cosine_attention_gpu(n, bias_seed):
+    """Swin v2 at its clamp: unit q/k times τ = 100 plus a bias, logits of ±100. (Before the
+    logits were formed by an explicit FMA, one bias draw in ten failed the rule in strict float32:
+    see test_backward_probabilities_are_the_forwards.)"""
     q, k, v = qkv(8, 4, n, n, 32, torch.float32, seed=n)
     q = torch.nn.functional.normalize(q, dim=-1)
     k = torch.nn.functional.normalize(k, dim=-1)
-    bias = 16 * torch.sigmoid(torch.randn(4, n, n, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(bias_seed)
+    bias = 16 * torch.sigmoid(torch.randn(4, n, n, device="cuda", generator=g))
     check_case(q, k, v, bias=bias, scale=100.0, backend="triton", precision="ieee")
     check_case(q, k, v, bias=bias, scale=100.0, backend="triton", precision="tf32x3")
+
+
+def _identity_read_back(call, q, k, n):
+    """(P as the forward gives it, P as the backward recomputes it) of ``call(q, k, v)`` with n = d
+    keys: the output for the identity as values, and the transposed dV for the identity as output
+    gradient (the backward's dV = Pᵀ·dO)."""
+    eye = torch.eye(n, device="cuda").expand(*q.shape[:2], n, n)
+    forward = call(q, k, eye)
+    v = torch.randn(*q.shape[:2], n, n, device="cuda", requires_grad=True)
+    (dv,) = torch.autograd.grad(call(q, k, v), v, eye)
+    return forward, dv.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("n", [32, 64], ids=["partial-tile", "full-tile"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_backward_probabilities_are_the_forwards(with_bias, n):
+    """The backward recomputes the forward's P bitwise (strict float32, logits of ±100, the keys
+    in one tile): with a bias, q·k·scale + b written as a product and a sum was contracted into one
+    FMA in one kernel and not in another, P differed by an ulp of the logit, and dV's error reached
+    4.6× PyTorch's (kernels/common.py, fma). (Under the interpreter the forward's division by S
+    rounds apart from the backward's product with 1/S: a GPU test.) n = d keys: one forward key
+    tile, masked or full (the contraction differed in the full one)."""
+    q, k, _ = qkv(2, 4, n, n, n, torch.float32, seed=5)
+    q = torch.nn.functional.normalize(q, dim=-1)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    bias = 16 * torch.sigmoid(torch.randn(4, n, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6))) \
+        if with_bias else None
+    forward, backward = _identity_read_back(
+        lambda q, k, v: elsa_vision.attention(q, k, v, bias=bias, scale=100.0, backend="triton", precision="ieee"),
+        q, k, n)
+    assert torch.equal(forward, backward)
+
+
+@pytest.mark.parametrize("n", [32, 64])
+def test_window_backward_probabilities_are_the_forwards(n):
+    """As test_backward_probabilities_are_the_forwards for the window kernels (strict float32,
+    bias and shift mask, windows of n = d tokens): every kernel of the family forms the logits
+    with one FMA, whether it holds the bias tile or loads it."""
+    nW = 2
+    q, k, _ = qkv(2 * nW, 3, n, n, n, torch.float32, seed=7)
+    q = torch.nn.functional.normalize(q, dim=-1)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    bias = 16 * torch.sigmoid(torch.randn(3, n, n, device="cuda", generator=g))
+    mask = torch.zeros(nW, n, n, device="cuda").masked_fill_(torch.rand(nW, n, n, device="cuda", generator=g) < 0.3,
+                                                          -100.0)
+    forward, backward = _identity_read_back(
+        lambda q, k, v: elsa_vision.window_attention(q, k, v, bias=bias, mask=mask, scale=100.0, precision="ieee"),
+        q, k, n)
+    assert torch.equal(forward, backward)
