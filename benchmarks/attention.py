@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import (fmt_table, measure, measure_graphed, metadata, results_dir, save, style_axes,  # noqa: E402
-                                write_csv)
+from benchmarks.harness import (fmt_table, measure, measure_graphed, metadata, native_ready,  # noqa: E402
+                                results_dir, save, style_axes, write_csv)
 
 import elsa_vision  # noqa: E402
 from elsa_vision import verify  # noqa: E402
@@ -576,10 +576,13 @@ def _back_to_back(forward, qkv, do, iterations: int, record, warmup: int = 50) -
 
 def host_phases(shapes=HOST_SHAPES, iterations: int = 500) -> list[dict]:
     """Eager forward + ``autograd.grad`` of ELSA's packed call (qkv [B, N, 3, H, D], bf16) against
-    SDPA's (default backend choice) on the same projection's views: each call's host time by phase
-    (:func:`phases`, ELSA; SDPA's forward and grad as two spans), medians over ``iterations`` calls
-    timed back to back (:func:`_back_to_back`), and the same call's GPU time replayed from a CUDA
-    graph. The eager calls are paced by the host where the host time exceeds the GPU time."""
+    SDPA's (default backend choice) on the same projection's views: each call's host time, medians
+    over ``iterations`` calls timed back to back (:func:`_back_to_back`), and the same call's GPU
+    time replayed from a CUDA graph. ELSA twice: as users call it (``elsa``: replayed from C++ where
+    kernels/native.py is ready) and on the Python host path (``elsa-python``, by phase: :func:`phases`);
+    ``elsa`` and SDPA as two spans (forward, grad). The eager calls are paced by the host where the
+    host time exceeds the GPU time."""
+    from elsa_vision.kernels import native
     rows = []
     for B, H, n, d in shapes:
         qkv = torch.randn(B, n, 3, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -588,19 +591,22 @@ def host_phases(shapes=HOST_SHAPES, iterations: int = 500) -> list[dict]:
                     "sdpa": lambda: F.scaled_dot_product_attention(*qkv.permute(2, 0, 3, 1, 4).unbind(0))}
         gpu = measure_graphed({name: (lambda f=f: torch.autograd.grad(f(), qkv, do)) for name, f in forwards.items()},
                               rounds=10)
-        samples = {"elsa": [], "sdpa": []}
-        with timed_bodies(K.PACKED.function, {}) as st:
-            _back_to_back(forwards["elsa"], qkv, do, iterations, lambda t0, t1, t2: samples["elsa"].append(
+        gpu["elsa-python"] = gpu["elsa"]  # (the same kernels)
+        samples = {"elsa": [], "elsa-python": [], "sdpa": []}
+        two_spans = lambda name: lambda t0, t1, t2: samples[name].append(  # noqa: E731
+            {"forward": (t1 - t0) * 1e6, "grad": (t2 - t1) * 1e6})
+        _back_to_back(forwards["elsa"], qkv, do, iterations, two_spans("elsa"))
+        with native.python_path(), timed_bodies(K.PACKED.function, {}) as st:
+            _back_to_back(forwards["elsa"], qkv, do, iterations, lambda t0, t1, t2: samples["elsa-python"].append(
                 phases(t0, st["f0"], st["f1"], t1, st["b0"], st["b1"], t2)))
-        _back_to_back(forwards["sdpa"], qkv, do, iterations, lambda t0, t1, t2: samples["sdpa"].append(
-            {"forward": (t1 - t0) * 1e6, "grad": (t2 - t1) * 1e6}))
+        _back_to_back(forwards["sdpa"], qkv, do, iterations, two_spans("sdpa"))
         for variant, got in samples.items():
             med = {f"{k}_us": statistics.median(s[k] for s in got) for k in got[0]}
             rows.append({"case": "host-phases", "dtype": "bf16", "B": B, "H": H, "Nq": n, "Nk": n, "d": d,
                          "variant": variant, **med,
                          "host_us": statistics.median(sum(s.values()) for s in got),
                          "gpu_us": gpu[variant].ms * 1e3 if gpu[variant].ms else None, "iterations": iterations})
-        print(fmt_table(rows[-2:], ["B", "H", "Nq", "variant", "host_us", "gpu_us"]), flush=True)
+        print(fmt_table(rows[-3:], ["B", "H", "Nq", "variant", "host_us", "gpu_us"]), flush=True)
         del qkv, do, forwards
         torch.cuda.empty_cache()
     return rows
@@ -611,12 +617,14 @@ def plot_host_phases(rows, path):
     fig, ax = plt.subplots(figsize=(10, 0.9 + 0.7 * len(rows)))
     labels = []
     for i, r in enumerate(rows):
-        spans = [(p, r.get(f"{p}_us")) for p in (PHASES if r["variant"] == "elsa" else ("forward", "grad"))]
+        by_phase = r["variant"] == "elsa-python"
+        spans = [(p, r.get(f"{p}_us")) for p in (PHASES if by_phase else ("forward", "grad"))]
+        first = next(j for j, x in enumerate(rows) if x["variant"] == r["variant"]) == i
+        name = {"elsa": "ELSA (native)", "elsa-python": "ELSA, Python path", "sdpa": "SDPA"}[r["variant"]]
         left = 0.0
         for j, (p, w) in enumerate(spans):
-            ax.barh(i, w, left=left, color=f"C{j}" if r["variant"] == "elsa" else ("0.45", "0.7")[j],
-                    label=f"ELSA: {p}" if r["variant"] == "elsa" and i == 0 else (
-                        f"SDPA: {p}" if r["variant"] == "sdpa" and i == 1 else None))
+            color = f"C{j}" if by_phase else (("0.45", "0.7") if r["variant"] == "sdpa" else ("C8", "C9"))[j]
+            ax.barh(i, w, left=left, color=color, label=f"{name}: {p}" if first else None)
             left += w
         if r["gpu_us"]:
             ax.plot([r["gpu_us"]] * 2, [i - 0.4, i + 0.4], color="k", lw=2,
@@ -666,6 +674,7 @@ def main(argv=None):
              plot_hopper)
         return
     if a.host_phases:
+        native_ready()
         save(host_phases(), outdir, "host_phases", plot_host_phases)
         return
     if a.train:

@@ -24,11 +24,27 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def metadata() -> dict:
-    """Device, versions and date: stamped on every row."""
+    """Device, versions and date: stamped on every row; with the state of the native replay of eager
+    calls (kernels/native.py: ready, off, failed; idle where no kernel was loaded)."""
+    import sys
     import triton
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    native = sys.modules.get("elsa_vision.kernels.native")
     return {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
-            "date": _dt.date.today().isoformat()}
+            "date": _dt.date.today().isoformat(), "native": native.status()[0] if native else "idle"}
+
+
+def native_ready() -> str:
+    """Build or load the native replay of eager calls before timing (kernels/native.py: eager calls
+    would otherwise take the Python path until its background build ends, part-way through a run);
+    its state."""
+    if not torch.cuda.is_available():
+        return "off"
+    from elsa_vision.kernels import native
+    native.load()
+    state, why = native.status()
+    print(f"native replay of eager calls: {state}{' (' + why.splitlines()[0][:200] + ')' if why else ''}", flush=True)
+    return state
 
 
 def device_slug(name: Optional[str] = None) -> str:

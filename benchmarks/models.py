@@ -26,7 +26,10 @@ With ``--compile default --static-launch``, also ``elsa_static``: the patched mo
 inductor's static launcher for user-defined Triton kernels (ELSA's) as well as its own
 (:data:`STATIC_LAUNCH_OPTIONS`), against ``elsa`` (Triton's launcher for them, inductor's default):
 ``static_speedup_vs_elsa``, and ``user_kernel_launchers`` (which launcher each user-defined kernel
-inductor loaded got).
+inductor loaded got). With ``--python-host``, also ``elsa_python``: the same patched model with its
+eager attention calls on the Python host path rather than replayed from C++ (kernels/native.py),
+and ``native_speedup_vs_python``. On a GPU the native replay is built or loaded before the first
+case (the CSV's ``native`` column says whether it was ready).
 
 A training step is forward + backward + SGD step. fp32 runs with ``torch.set_float32_matmul_precision
 ("highest")`` (native attention is true fp32; ELSA's "auto" runs its float32-accurate fp16x3 mode);
@@ -63,8 +66,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import (fmt_table, host_time, measure, measure_graphed, profile_rows, results_dir,  # noqa: E402
-                                write_csv)
+from benchmarks.harness import (fmt_table, host_time, measure, measure_graphed, native_ready,  # noqa: E402
+                                profile_rows, results_dir, write_csv)
 
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters.blocks import PreNormBlock  # noqa: E402
@@ -215,9 +218,20 @@ def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None
     return step
 
 
+def _on_python_path(fn):
+    """``fn`` with its eager calls on the Python host path (kernels/native.py's python_path)."""
+    from elsa_vision.kernels import native
+
+    def call():
+        with native.python_path():
+            return fn()
+    return call
+
+
 def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0,
              profile: Optional[list] = None, graphs: bool = False, compile_mode: Optional[str] = None,
-             nofuse: Optional[Sequence[str]] = None, host: bool = False, static_launch: bool = False) -> dict:
+             nofuse: Optional[Sequence[str]] = None, host: bool = False, static_launch: bool = False,
+             python_host: bool = False) -> dict:
     """Time one case (ELSA vs timm's paths, interleaved); with ``profile`` (a list), also append one
     profiled call per variant: CUDA time per kernel category and the top kernels; with ``graphs``,
     also time each variant replayed from a CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<b>``);
@@ -225,7 +239,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     two copies), compiled during the warm-up calls; with ``host``, also each variant's host time
     (``<variant>_host_ms``, :func:`harness.host_time`) and its share of the wall time
     (``<variant>_host_share``: near 1, the host paces that variant); with ``static_launch`` (default
-    compile mode), also ``elsa_static`` (:data:`STATIC_LAUNCH_OPTIONS`)."""
+    compile mode), also ``elsa_static`` (:data:`STATIC_LAUNCH_OPTIONS`); with ``python_host``, also
+    ``elsa_python``: the patched model's eager calls on the Python host path instead of their native
+    replay (kernels/native.py)."""
     row = {"model": case.model, "size": case.size, "batch": case.batch, "mode": case.mode, "dtype": case.dtype}
     if compile_mode is not None:
         row["compile"] = compile_mode
@@ -253,6 +269,8 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     if static_launch:
         variants["elsa_static"] = make_fn(elsa_st, x, case, compile_mode=compile_mode,
                                           compile_options=STATIC_LAUNCH_OPTIONS)
+    if python_host:
+        variants["elsa_python"] = _on_python_path(variants["elsa"])
     if has_fused:
         fused_model = copy.deepcopy(native) if compile_mode is not None else native
         variants["fused"] = make_fn(fused_model, x, case, fused=True, compile_mode=compile_mode)
@@ -287,6 +305,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     st = res.get("elsa_static")
     if st is not None and st.ms and e.ms:
         row["static_speedup_vs_elsa"] = e.ms / st.ms
+    py = res.get("elsa_python")
+    if py is not None and py.ms and e.ms:
+        row["native_speedup_vs_python"] = py.ms / e.ms
     for b in BASELINES:
         r = res.get(b)
         if r is not None and r.ms and e.ms:
@@ -412,6 +433,9 @@ def main(argv=None) -> int:
     ap.add_argument("--static-launch", action="store_true",
                     help="with --compile default: also ELSA compiled with inductor's static launcher for its "
                          "kernels (variant elsa_static; static_speedup_vs_elsa, user_kernel_launchers)")
+    ap.add_argument("--python-host", action="store_true",
+                    help="also the patched model with its eager calls on the Python host path instead of their "
+                         "native replay (variant elsa_python; native_speedup_vs_python)")
     a = ap.parse_args(argv)
     if a.static_launch and a.compile != "default":
         ap.error("--static-launch compares launchers of compiled steps: pass --compile default")
@@ -422,6 +446,8 @@ def main(argv=None) -> int:
         print("note: no GPU; this runs on the CPU (reference backend unless TRITON_INTERPRET=1) — "
               "use small --sizes/--batches", file=sys.stderr)
     torch.set_float32_matmul_precision(a.matmul)
+    if a.device == "cuda":
+        native_ready()
     if a.quick:
         cases = [c for c in quick_cases() if (not a.sizes or c.size in a.sizes) and (not a.batches or c.batch in a.batches)]
     else:
@@ -443,7 +469,7 @@ def main(argv=None) -> int:
         print(f"[{i + 1}/{len(cases)}] {c.label}", flush=True)
         rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision, 1e3 * a.budget_s,
                              prof_rows if a.profile else None, a.graphs, a.compile, a.nofuse, a.host,
-                             a.static_launch))
+                             a.static_launch, a.python_host))
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
             "speedup_vs_unfused", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
@@ -457,6 +483,8 @@ def main(argv=None) -> int:
         cols += ["graphs_compiled", "graph_breaks", "steady"]
     if a.static_launch:
         cols += ["elsa_static_ms", "static_speedup_vs_elsa"]
+    if a.python_host:
+        cols += ["elsa_python_ms", "native_speedup_vs_python"]
     if a.host:
         cols += [f"{v}_host_share" for v in ("elsa", *BASELINES)]
     print(fmt_table(rows, cols))

@@ -1218,5 +1218,5 @@ def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partiti
         fwd = op.host_fwd if _hopper_in_graph(q, k, v, bias, precision, causal) else op.fwd
         return fwd(*inputs, bias, scale, causal, precision, partitions or 0)
     if how is AUTOGRAD:
-        return op.function.apply(*inputs, bias, scale, causal, precision, partitions or 0)
-    return forward(q, k, v, bias, scale, causal, precision, partitions or None)
+        return op.apply(*inputs, bias, scale, causal, precision, partitions or 0)
+    return op.run(*inputs, bias, scale, causal, precision, partitions or 0)

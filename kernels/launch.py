@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -153,6 +154,29 @@ def tracing() -> bool:
     return _MODE is not None
 
 
+# A recording of the launches one host body makes on one thread (kernels/native.py), or None:
+# (thread id, list of ("plain", grid, compiled kernel, arguments after the tensors, tensors) or
+# ("tma", grid, its _TmaCall, tensors) — or None for a launch a recipe cannot replay: Triton's own
+# path, an unplanned launch).
+_RECORD: "tuple[int, list] | None" = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Inside, the planned launches this thread makes are listed (the list is yielded) as well as made."""
+    global _RECORD
+    before, _RECORD = _RECORD, (threading.get_ident(), [])
+    try:
+        yield _RECORD[1]
+    finally:
+        _RECORD = before
+
+
+def _recorded(entry) -> None:
+    if _RECORD is not None and _RECORD[0] == threading.get_ident():
+        _RECORD[1].append(entry)
+
+
 def _other_launch(fn, grid: tuple, args: tuple, meta: dict):
     """A launch while :data:`_MODE` is set: traced, or skipped."""
     if _MODE == "traced":
@@ -209,6 +233,8 @@ def launch(fn, grid: tuple, *args, **meta):
     where :func:`tritons_own_path` holds."""
     if _MODE is not None:
         return _other_launch(fn, grid, args, meta)
+    if _RECORD is not None:
+        _recorded(None)
     if len(grid) > 1 and not INTERPRET:
         check_grid(fn, grid)
     if tritons_own_path():
@@ -280,6 +306,8 @@ class Launch:
             _other_launch(self.fn, self.grid, self._args(tensors), self.meta)
             return
         if tritons_own_path():
+            if _RECORD is not None:
+                _recorded(None)
             self.fn[self.grid](*self._args(tensors), **self.meta)
             return
         ptrs = [t.data_ptr() for t in tensors]
@@ -299,7 +327,11 @@ class Launch:
                 hit = _TmaCall.plan(kernel, self.leading, args, tail)
             self._bound[key] = hit
             if found is None:
+                if _RECORD is not None:
+                    self._record(hit, tensors)
                 return  # (_first_launch launched it)
+        if _RECORD is not None:
+            self._record(hit, tensors)
         stream = _driver.active.get_current_stream(dev)
         if self.leading is None:
             kernel, rest = hit
@@ -308,6 +340,13 @@ class Launch:
             self.fn[self.grid](*self._args(tensors), **self.meta)
         else:
             hit(self.grid, stream, ptrs)
+
+    def _record(self, hit, tensors: tuple) -> None:
+        """This launch into the recording (see :func:`recording`)."""
+        if self.leading is None:
+            _recorded(("plain", self.grid, *hit, tensors))
+        else:
+            _recorded(None if hit is _TRITONS_OWN else ("tma", self.grid, hit, tensors))
 
 
 _TRITONS_OWN = object()
@@ -325,13 +364,14 @@ class _TmaCall:
     each descriptor's maps are kept per address (the shape, strides, block and swizzle are the
     plan's: a map is a function of the address alone)."""
 
-    __slots__ = ("launcher", "head", "template", "pointers", "maps")
+    __slots__ = ("launcher", "head", "template", "pointers", "maps", "kernel")
 
     # tensor maps kept per descriptor (a model's buffers take a few addresses; more are re-encoded)
     MAPS = 64
 
-    def __init__(self, launcher, head: tuple, template: list, pointers: list, maps: list):
+    def __init__(self, launcher, head: tuple, template: list, pointers: list, maps: list, kernel=None):
         self.launcher, self.head, self.template, self.pointers, self.maps = launcher, head, template, pointers, maps
+        self.kernel = kernel  # (the compiled kernel: its signature, for kernels/native.py's recipes)
 
     @classmethod
     def plan(cls, kernel, leading: tuple, args: tuple, tail: tuple):
@@ -370,7 +410,7 @@ class _TmaCall:
                 template.append(a)
         head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
                 None, None, None)
-        return cls(cells["launcher"], head, template, pointers, maps)
+        return cls(cells["launcher"], head, template, pointers, maps, kernel)
 
     def __call__(self, grid: tuple, stream: int, ptrs: list) -> None:
         args = self.template.copy()

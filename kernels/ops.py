@@ -47,6 +47,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from . import native
 from .launch import INTERPRET, allocations_only, traceable
 
 COMPILED, INFERENCE, AUTOGRAD = "compiled", "inference", "autograd"
@@ -130,34 +131,50 @@ class KernelOp:
         ctx.n_inputs = len(inputs)
 
     def _backward(self, backward: Callable, ctx, dout) -> tuple:
-        """The gradients of the forward's inputs by ``backward`` (the backward op, or the host
-        function on the eager path) from what ``_setup`` stored."""
+        """The gradients of the forward's inputs by ``backward(ctx, dout, saved, bias_grad)`` (the
+        backward op, or the host function on the eager path) from what ``_setup`` stored."""
         saved = ctx.saved_tensors
         bias_grad = self._bias_grad(ctx, saved)
-        *grads, dbias = backward(dout, *saved, *ctx.args, bias_grad, *ctx.tail)
+        *grads, dbias = backward(ctx, dout, saved, bias_grad)
         return (*grads, dbias if bias_grad else None) + (None,) * (ctx.n_inputs - self.bias_input - 1)
 
     def _bias_grad(self, ctx, saved) -> bool:
         return bool(saved[self.bias_input] is not None and ctx.needs_input_grad[self.bias_input])
 
+    @staticmethod
+    def _through(op: Callable) -> Callable:
+        return lambda ctx, dout, saved, bias_grad: op(dout, *saved, *ctx.args, bias_grad, *ctx.tail)
+
     def _op_backward(self, ctx, dout, *_none):  # (the statistics and kept tensors take no gradient)
-        return self._backward(self.bwd, ctx, dout)
+        return self._backward(self._through(self.bwd), ctx, dout)
 
     def _host_op_backward(self, ctx, dout, *_none):
-        return self._backward(self.host_bwd, ctx, dout)
+        return self._backward(self._through(self.host_bwd), ctx, dout)
 
     def _op_double_backward(self, ctx, *grads):
         raise double_backward_error(self.what)
 
     # -- the eager path
 
+    def apply(self, *args):
+        """The eager call with autograd: (out, stats) by :attr:`function`, or replayed from C++ where
+        this call signature has a recorded plan (kernels/native.py)."""
+        return native.eager(self, args, autograd=True)
+
+    def run(self, *args):
+        """The eager call without autograd: (out, stats) by ``forward``, or replayed (as ``apply``)."""
+        return native.eager(self, args, autograd=False)
+
     def _eager_function(self) -> type:
         op = self
+
+        def host_backward(ctx, dout, saved, bias_grad):
+            return native.backward_body(op, ctx, dout, saved, bias_grad)
 
         class Function(torch.autograd.Function):
             @staticmethod
             def forward(ctx, *inputs):
-                outputs = op.forward(*inputs)
+                outputs = native.forward_body(op, ctx, inputs)
                 op._setup(ctx, inputs, outputs)
                 ctx.mark_non_differentiable(outputs[1])
                 # (autograd would otherwise fill a zero tensor the statistics' size for their
@@ -170,7 +187,7 @@ class KernelOp:
                 check_first_order(op.what)
                 if dout is None:  # (no gradient reached the output: none for the inputs)
                     return (None,) * ctx.n_inputs
-                return op._backward(op.backward, ctx, dout)
+                return op._backward(host_backward, ctx, dout)
 
         Function.__name__ = Function.__qualname__ = f"{op.what}_function"
         return Function

@@ -42,3 +42,13 @@ def fused_blocks(monkeypatch):
     from elsa_vision.adapters import blocks
     monkeypatch.setattr(blocks, "MIN_ELEMENTS", 0)
     monkeypatch.setattr(blocks, "MIN_TRAINING_ELEMENTS", 0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_replay():
+    """On a GPU, repeated eager calls are replayed from C++ (kernels/native.py), whose extension
+    otherwise builds in the background while the first tests run: built (or loaded) up front, so that
+    every GPU test's repeated calls take that path from the start."""
+    if torch.cuda.is_available():
+        from elsa_vision.kernels import native
+        native.load()

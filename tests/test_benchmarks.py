@@ -231,14 +231,17 @@ def test_training_plot_reads_the_sweep_rows(tmp_path):
 
 def test_host_phases_arithmetic_and_plot(tmp_path):
     """--host-phases: stamps → µs per phase (the spans between consecutive stamps, summing to the
-    call), stamps out of order refused; the plot of an ELSA and an SDPA row."""
+    call), stamps out of order refused; the plot of ELSA's two rows (replayed, Python path by phase)
+    and an SDPA row."""
     from benchmarks import attention as AB
     got = AB.phases(0.0, 1e-6, 4e-6, 5e-6, 7e-6, 1.1e-5, 1.2e-5)
     assert list(got) == list(AB.PHASES)
     assert [round(v, 6) for v in got.values()] == [1.0, 3.0, 1.0, 2.0, 4.0, 1.0]
     with pytest.raises(ValueError, match="out of order"):
         AB.phases(0.0, 2e-6, 1e-6, 3e-6, 4e-6, 5e-6, 6e-6)
-    rows = [{"variant": "elsa", "B": 4, "H": 12, "Nq": 197, **{f"{p}_us": v for p, v in got.items()}, "gpu_us": 9.0},
+    rows = [{"variant": "elsa", "B": 4, "H": 12, "Nq": 197, "forward_us": 2.0, "grad_us": 4.0, "gpu_us": 9.0},
+            {"variant": "elsa-python", "B": 4, "H": 12, "Nq": 197, **{f"{p}_us": v for p, v in got.items()},
+             "gpu_us": 9.0},
             {"variant": "sdpa", "B": 4, "H": 12, "Nq": 197, "forward_us": 3.0, "grad_us": 5.0, "gpu_us": None}]
     AB.plot_host_phases(rows, tmp_path / "phases.png")
     assert (tmp_path / "phases.png").stat().st_size > 0

@@ -1,0 +1,226 @@
+"""The native replay's C++ side (kernels/native.cpp) on the CPU: plans whose recipes launch nothing,
+so that the autograd function, the buffers and views, the saved tensors, the bias-gradient rule,
+the Python call-back for a missing backward recipe and the double-backward error are exercised
+without a GPU. The recording and the launches are tested on the GPU (test_attention_gpu.py)."""
+import pytest
+import torch
+
+native = pytest.importorskip("elsa_vision.kernels.native")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if not native.requested():
+        pytest.skip("ELSA_NATIVE=0")
+    try:
+        from torch.utils.cpp_extension import load
+        return load(name="elsa_vision_native", sources=[str(native._SOURCE)], extra_cflags=["-O2"], verbose=False)
+    except Exception as e:  # (no C++ compiler or ninja here)
+        pytest.skip(f"the extension does not build here: {e}")
+
+
+F32 = 6  # c10::ScalarType::Float
+_out_view = (2, [2, 3, 4], [12, 1, 3], 0)  # slot 2 (the first buffer): [2, 4, 3] storage viewed as [2, 3, 4]
+
+
+def _plan(ext, calls: list, what: str = "probe"):
+    """A plan on (x [2, 3, 4], bias [3, 4] or None): out a transposed view of a new buffer, stats a
+    second buffer; saved (x, bias, out); the backward's recipe recorded by ``record``."""
+    def record(plan, dout, saved, bias_grad):
+        calls.append((plan, dout.shape, [None if t is None else t.shape for t in saved], bias_grad))
+        x, bias, out = saved
+        return [dout * 2, (dout.sum(0) if bias_grad else torch.empty(0))]
+
+    return ext.new_plan(what, 2, [(24, F32), (6, F32)], [], [_out_view, (3, [6], [1], 0)], [0, 1, 2], 1, 1, record)
+
+
+def test_forward_allocates_the_recipes_views(ext):
+    calls = []
+    plan = _plan(ext, calls)
+    x = torch.randn(2, 3, 4)
+    out, stats = ext.call_forward(plan, 0, x, None)
+    assert out.shape == (2, 3, 4) and out.stride() == (12, 1, 3) and out.dtype == torch.float32
+    assert stats.shape == (6,) and not out.requires_grad
+    out2, _ = ext.call_forward(plan, 0, x)
+    assert out2.data_ptr() != out.data_ptr()  # (a new buffer per call)
+
+
+def test_backward_calls_back_then_replays(ext):
+    calls = []
+    plan = _plan(ext, calls)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    out, stats = ext.call(plan, 0, x, None)
+    assert out.requires_grad and not stats.requires_grad and out.grad_fn is not None
+    g = torch.randn(2, 3, 4)
+    (dx,) = torch.autograd.grad(out, x, g)
+    assert len(calls) == 1 and calls[0][2] == [(2, 3, 4), None, (2, 3, 4)] and calls[0][3] is False
+    torch.testing.assert_close(dx, 2 * g, rtol=0, atol=0)
+    # a recipe for this layout: the next backward replays it (its buffer: uninitialised, its shape as recorded)
+    ext.add_backward(plan, False, g, 4, [(24, F32)], [], [(4, [2, 3, 4], [12, 4, 1], 0), (-1, [], [], 0)])
+    out, _ = ext.call(plan, 0, x, None)
+    (dx,) = torch.autograd.grad(out, x, g)
+    assert len(calls) == 1 and dx.shape == (2, 3, 4) and dx.stride() == (12, 4, 1)
+    # another output-gradient layout has no recipe: called back again
+    out, _ = ext.call(plan, 0, x, None)
+    (dx,) = torch.autograd.grad(out, x, g.transpose(1, 2).contiguous().transpose(1, 2))
+    assert len(calls) == 2
+
+
+def test_bias_gradient_only_where_the_bias_requires_one(ext):
+    calls = []
+    plan = _plan(ext, calls)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    bias = torch.randn(3, 4)
+    out, _ = ext.call(plan, 0, x, bias)
+    out.backward(torch.ones(2, 3, 4))
+    assert calls[-1][3] is False and bias.grad is None
+    bias.requires_grad_(True)
+    out, _ = ext.call(plan, 0, x, bias)
+    out.backward(torch.ones(2, 3, 4))
+    assert calls[-1][3] is True
+    torch.testing.assert_close(bias.grad, torch.full((3, 4), 2.0), rtol=0, atol=0)
+
+
+def test_no_output_gradient_gives_no_input_gradient(ext):
+    """A later node that returns no gradient for the output: the plan's backward is not called back
+    and gives x none through it (as the Python Function does)."""
+    class Drop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return None
+
+    calls = []
+    plan = _plan(ext, calls)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    out, _ = ext.call(plan, 0, x, None)
+    (dx,) = torch.autograd.grad((Drop.apply(out) + x.sum()).sum(), (x,))
+    assert calls == [] and torch.equal(dx, torch.full_like(x, out.numel()))
+
+
+def test_double_backward_is_refused(ext):
+    calls = []
+    plan = _plan(ext, calls, what="attention")
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    out, _ = ext.call(plan, 0, x, None)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def test_malformed_plans_raise(ext):
+    with pytest.raises(RuntimeError, match="an output must be a view of a buffer"):
+        ext.new_plan("probe", 2, [(24, F32)], [], [(0, [2], [1], 0), (2, [2], [1], 0)], [0], 1, 1, None)
+    with pytest.raises(RuntimeError, match="returns \\(out, statistics\\)"):
+        ext.new_plan("probe", 2, [(24, F32)], [], [(2, [2], [1], 0)], [0], 1, 1, None)
+    with pytest.raises(RuntimeError, match="unknown plan"):
+        ext.call_forward(1 << 40, 0, torch.randn(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: recorded recipes replayed, bitwise the Python path's results
+
+
+def _ready():
+    if not native.load():
+        pytest.skip(f"native path not available: {native.status()}")
+
+
+CASES = {  # (B, H, N, D, dtype, precision, causal, bias: None | "fixed" | "grad")
+    "vit-bf16": (4, 12, 197, 64, torch.bfloat16, "native", False, None),
+    "vit-fp16": (4, 12, 197, 64, torch.float16, "native", False, None),
+    "frames-bf16-causal": (2, 4, 1041, 64, torch.bfloat16, "native", True, None),
+    "d128-bias": (2, 4, 300, 128, torch.bfloat16, "native", False, "fixed"),
+    "fp32-ieee": (2, 4, 197, 64, torch.float32, "ieee", False, None),
+    "fp32-tf32x3-bias": (2, 4, 197, 32, torch.float32, "tf32x3", False, "fixed"),
+    "bias-gradient": (2, 4, 197, 64, torch.bfloat16, "native", False, "grad"),
+    "fp16x3": (2, 4, 197, 64, torch.float32, "fp16x3", False, None),
+}
+
+
+def _inputs(case, packed, seed=0):
+    B, H, N, D, dtype, precision, causal, bias = CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(B, N, 3, H, D, device="cuda", generator=g).to(dtype).requires_grad_()
+    b = None if bias is None else torch.randn(H, N, N, device="cuda", generator=g).expand(B, H, N, N)
+    if bias == "grad":
+        b = b.detach().clone().requires_grad_()
+    return qkv, b, D ** -0.5, causal, precision
+
+
+def _call(packed, qkv, bias, scale, causal, precision, autograd=True):
+    from elsa_vision.kernels import attention as K
+    from elsa_vision.kernels.reference import qkv_views
+    op, tensors = (K.PACKED, (qkv,)) if packed else (K.OP, qkv_views(qkv))
+    args = (*tensors, bias, scale, causal, precision, 0)
+    return op, args, (op.apply(*args) if autograd else op.run(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["views", "packed"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_replay_is_bitwise_the_python_path(case, packed):
+    """Calls of one signature: the first recorded (Python path), the next replayed from C++ (forward
+    and backward; portable kernels, and Gluon ones with their tensor maps encoded by the replay);
+    outputs, statistics and gradients bitwise the Python path's, with autograd and without. Bodies
+    a recipe cannot replay (fp16x3's scales pass; the bias gradient's reduction) keep the Python
+    path for that part, with the same results."""
+    _ready()
+    qkv, bias, scale, causal, precision = _inputs(case, packed)
+    go = torch.randn(qkv.shape[0], qkv.shape[3], qkv.shape[1], qkv.shape[4], device="cuda").to(qkv.dtype)
+    leaves = [qkv] + ([bias] if bias is not None and bias.requires_grad else [])
+
+    def step(autograd=True):
+        op, args, (out, stats) = _call(packed, qkv, bias, scale, causal, precision, autograd)
+        grads = torch.autograd.grad(out, leaves, go) if autograd else ()
+        return op, args, [out, stats, *grads]
+
+    with native.python_path():
+        _, _, want = step()
+        _, _, want_inf = step(autograd=False)
+    native.clear_plans()
+    runs = [step() for _ in range(3)]
+    op, args, _ = runs[0]
+    plan = native._PLANS.get(native._key(op, args))
+    served = precision != "fp16x3"  # (its scales pass is an unplanned launch: the Python path)
+    assert (type(plan) is int) == served, (plan, native.status())
+    if served and (bias is None or not bias.requires_grad):  # (a bias gradient: its backward is Python's)
+        assert native._ext.backward_recipes(plan) == 1
+    for _, _, got in runs:
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    for _ in range(2):
+        _, _, got = step(autograd=False)
+        for a, b in zip(got, want_inf):
+            assert a.stride() == b.stride() and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_replayed_vit_training_steps_match_the_python_path():
+    """A patched timm ViT's bf16 training steps: the replayed steps' loss and every parameter
+    gradient bitwise the Python path's."""
+    timm = pytest.importorskip("timm")
+    _ready()
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch16_224", num_classes=10, img_size=96).cuda()
+    import elsa_vision
+    elsa_vision.patch(model)
+    x = torch.randn(8, 3, 96, 96, device="cuda")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    with native.python_path():
+        want = step()
+    native.clear_plans()
+    for _ in range(3):
+        got = step()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    plans = [p for p in native._PLANS.values() if type(p) is int]
+    assert plans and all(native._ext.backward_recipes(p) >= 1 for p in plans)
