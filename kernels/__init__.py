@@ -8,6 +8,7 @@ Shared machinery (Triton):
   common.py     @triton.jit building blocks and precision codes
   tiles.py      tile / launch-shape tables of every family
   ops.py        the op-registration path: custom ops + fakes + autograd, eager Function, chooser
+  native.py     eager calls replayed from C++ (native.cpp, a PyTorch extension built on first use)
 Kernel families (Triton), one file each:
   attention.py  ELSA attention (forward scan, backward)
   window.py     windowed attention for Swin (plain and shifted windows)

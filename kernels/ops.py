@@ -38,7 +38,9 @@ earlier version calls the op without it, and must still bind). From these, :clas
   to matter; the family decides which op a traced call takes.
 
 :func:`route` is the chooser every family's entry point uses: the custom op while torch.compile
-traces, the bare kernels when no gradient is wanted, the autograd Function otherwise.
+traces, the bare kernels when no gradient is wanted (:meth:`KernelOp.run`), the autograd Function
+otherwise (:meth:`KernelOp.apply`). Those two eager calls go through kernels/native.py, which
+replays a call signature's recorded host work from C++ after its first call.
 """
 from __future__ import annotations
 
