@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E, dk_units, ds_units, split_f16
-from .launch import CHECKED, Launch, cdiv, hopper_requested, launch, prepared, sm_count
+from .launch import CHECKED, Launch, cdiv, hopper_requested, launch, prepared, register_switches, sm_count
 from .limits import HOPPER_HEAD_DIMS, HOPPER_SPLIT_HEAD_DIMS
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -1094,6 +1094,11 @@ def fills(q: torch.Tensor) -> bool:
 # one batch·head's where that is more (its keys' parts are needed whole: 0.8 GB at VGGT's 1000
 # frames, 1.04M tokens), so that a long call's extra memory stays bounded
 SPLIT_CHUNK_BYTES = 1 << 28
+
+
+# (the switches this module's host code reads per call: kernels/native.py keys its recorded calls on them,
+# so that a switch flipped between two calls changes what the second runs, as on the Python path)
+register_switches(lambda: (ENABLED, EVERYWHERE, BACKWARD, TMA_OUT, SPLIT_CHUNK_BYTES))
 
 
 def _chunks(B: int, H: int, per: int):

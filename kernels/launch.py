@@ -154,27 +154,51 @@ def tracing() -> bool:
     return _MODE is not None
 
 
-# A recording of the launches one host body makes on one thread (kernels/native.py), or None:
-# (thread id, list of ("plain", grid, compiled kernel, arguments after the tensors, tensors) or
-# ("tma", grid, its _TmaCall, tensors) — or None for a launch a recipe cannot replay: Triton's own
-# path, an unplanned launch).
-_RECORD: "tuple[int, list] | None" = None
+# Recordings of the launches host bodies make (kernels/native.py): per thread, the list being filled
+# — entries ("plain", grid, compiled kernel, arguments after the tensors, tensors) or ("tma", grid,
+# its _TmaCall, tensors), or None for a launch a recipe cannot replay (Triton's own path, an
+# unplanned launch) —; _RECORD counts the threads recording (the launch paths' cheap test).
+_RECORD = 0
+_RECORDS = threading.local()
+_RECORD_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def recording():
-    """Inside, the planned launches this thread makes are listed (the list is yielded) as well as made."""
+    """Inside, the launches this thread makes are listed (the list is yielded) as well as made."""
     global _RECORD
-    before, _RECORD = _RECORD, (threading.get_ident(), [])
+    before, _RECORDS.list = getattr(_RECORDS, "list", None), []
+    with _RECORD_LOCK:
+        _RECORD += 1
     try:
-        yield _RECORD[1]
+        yield _RECORDS.list
     finally:
-        _RECORD = before
+        _RECORDS.list = before
+        with _RECORD_LOCK:
+            _RECORD -= 1
 
 
 def _recorded(entry) -> None:
-    if _RECORD is not None and _RECORD[0] == threading.get_ident():
-        _RECORD[1].append(entry)
+    """``entry`` into this thread's recording, if it is recording."""
+    listed = getattr(_RECORDS, "list", None)
+    if listed is not None:
+        listed.append(entry)
+
+
+# Functions returning the module-level switches that change what a host body does for a call
+# signature (hopper.py's), read into kernels/native.py's call signatures.
+_SWITCHES: list = []
+
+
+def register_switches(read: Callable[[], tuple]) -> Callable[[], tuple]:
+    """Add a reader of switches a family's host code consults per call (usable as a decorator)."""
+    _SWITCHES.append(read)
+    return read
+
+
+def switches() -> tuple:
+    """The registered switches' current values."""
+    return tuple(read() for read in _SWITCHES)
 
 
 def _other_launch(fn, grid: tuple, args: tuple, meta: dict):
@@ -233,7 +257,7 @@ def launch(fn, grid: tuple, *args, **meta):
     where :func:`tritons_own_path` holds."""
     if _MODE is not None:
         return _other_launch(fn, grid, args, meta)
-    if _RECORD is not None:
+    if _RECORD:
         _recorded(None)
     if len(grid) > 1 and not INTERPRET:
         check_grid(fn, grid)
@@ -306,7 +330,7 @@ class Launch:
             _other_launch(self.fn, self.grid, self._args(tensors), self.meta)
             return
         if tritons_own_path():
-            if _RECORD is not None:
+            if _RECORD:
                 _recorded(None)
             self.fn[self.grid](*self._args(tensors), **self.meta)
             return
@@ -327,10 +351,10 @@ class Launch:
                 hit = _TmaCall.plan(kernel, self.leading, args, tail)
             self._bound[key] = hit
             if found is None:
-                if _RECORD is not None:
+                if _RECORD:
                     self._record(hit, tensors)
                 return  # (_first_launch launched it)
-        if _RECORD is not None:
+        if _RECORD:
             self._record(hit, tensors)
         stream = _driver.active.get_current_stream(dev)
         if self.leading is None:

@@ -35,7 +35,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using Opt = std::optional<at::Tensor>;
 
-constexpr int kSlots = 6;  // tensor inputs of an op at most (q, k, v, bias, mask, one spare)
+constexpr int kSlots = 6;  // tensor inputs of an op at most (attention's q, k, v, bias, and room)
 
 // --- the CUDA driver, opened as Triton's launcher opens it (no link-time dependency)
 
@@ -44,6 +44,9 @@ using LaunchFn = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigned, uns
                               void**, void**);
 using ErrorStringFn = CUresult (*)(CUresult, const char**);
 using CtxGetCurrentFn = CUresult (*)(void**);
+using CtxSetCurrentFn = CUresult (*)(void*);
+using DeviceGetFn = CUresult (*)(int*, int);
+using PrimaryCtxRetainFn = CUresult (*)(void**, int);
 // cuTensorMapEncodeTiled (its enums are ints)
 using EncodeFn = CUresult (*)(void*, int, unsigned, void*, const uint64_t*, const uint64_t*, const uint32_t*,
                               const uint32_t*, int, int, int, int);
@@ -52,6 +55,9 @@ struct Driver {
   LaunchFn launch = nullptr;
   ErrorStringFn error_string = nullptr;
   CtxGetCurrentFn ctx_get_current = nullptr;
+  CtxSetCurrentFn ctx_set_current = nullptr;
+  DeviceGetFn device_get = nullptr;
+  PrimaryCtxRetainFn primary_ctx_retain = nullptr;
   EncodeFn encode = nullptr;
 };
 
@@ -64,9 +70,15 @@ const Driver& driver() {
     out.launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
     out.error_string = reinterpret_cast<ErrorStringFn>(dlsym(lib, "cuGetErrorString"));
     out.ctx_get_current = reinterpret_cast<CtxGetCurrentFn>(dlsym(lib, "cuCtxGetCurrent"));
+    out.ctx_set_current = reinterpret_cast<CtxSetCurrentFn>(dlsym(lib, "cuCtxSetCurrent"));
+    out.device_get = reinterpret_cast<DeviceGetFn>(dlsym(lib, "cuDeviceGet"));
+    out.primary_ctx_retain = reinterpret_cast<PrimaryCtxRetainFn>(dlsym(lib, "cuDevicePrimaryCtxRetain_v2"));
+    if (out.primary_ctx_retain == nullptr)
+      out.primary_ctx_retain = reinterpret_cast<PrimaryCtxRetainFn>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
     out.encode = reinterpret_cast<EncodeFn>(dlsym(lib, "cuTensorMapEncodeTiled"));
-    TORCH_CHECK(out.launch && out.error_string && out.ctx_get_current,
-                "elsa_vision native launches: libcuda.so.1 lacks cuLaunchKernel");
+    TORCH_CHECK(out.launch && out.error_string && out.ctx_get_current && out.ctx_set_current && out.device_get &&
+                    out.primary_ctx_retain,
+                "elsa_vision native launches: libcuda.so.1 lacks cuLaunchKernel or the context calls");
     return out;
   }();
   return d;
@@ -101,8 +113,8 @@ struct Launch {
   std::vector<Tma> tma;
 };
 
-struct Buffer {
-  int64_t numel;
+struct Buffer {  // allocated as the host body allocated it: sizes, strides, dtype
+  std::vector<int64_t> sizes, strides;
   at::ScalarType dtype;
 };
 
@@ -129,14 +141,19 @@ std::vector<at::Tensor> run(const Recipe& r, const std::vector<at::Tensor>& inpu
   for (size_t i = 0; i < inputs.size(); ++i)
     if (inputs[i].defined()) base[i] = reinterpret_cast<uint64_t>(inputs[i].data_ptr());
   for (const Buffer& b : r.buffers) {
-    slots.push_back(at::empty({b.numel}, device.dtype(b.dtype)));
+    slots.push_back(at::empty_strided(b.sizes, b.strides, device.dtype(b.dtype)));
     base[slots.size() - 1] = reinterpret_cast<uint64_t>(slots.back().data_ptr());
   }
   if (!r.launches.empty()) {
     const Driver& d = driver();
     void* ctx = nullptr;
     d.ctx_get_current(&ctx);
-    TORCH_CHECK(ctx != nullptr, "elsa_vision native replay: no current CUDA context on this thread");
+    if (ctx == nullptr) {  // (a thread that made no CUDA call yet: the device's primary context, as Triton does)
+      int dev = 0;
+      TORCH_CHECK(device.device().is_cuda() && d.device_get(&dev, device.device().index()) == 0 &&
+                      d.primary_ctx_retain(&ctx, dev) == 0 && d.ctx_set_current(ctx) == 0,
+                  "elsa_vision native replay: no CUDA context for device ", device.device());
+    }
     std::vector<uint64_t> values;
     std::vector<void*> params;
     std::vector<TensorMap> maps;
@@ -174,35 +191,49 @@ std::vector<at::Tensor> run(const Recipe& r, const std::vector<at::Tensor>& inpu
   }
   std::vector<at::Tensor> out;
   out.reserve(r.outputs.size());
-  for (const Output& o : r.outputs)
-    out.push_back(o.slot < 0 ? at::Tensor() : slots[o.slot].as_strided(o.sizes, o.strides, o.offset));
+  for (const Output& o : r.outputs) {
+    if (o.slot < 0) {
+      out.emplace_back();
+      continue;
+    }
+    const at::Tensor& b = slots[o.slot];
+    // (an output that is its buffer as allocated is returned as that tensor, as the host body returns it)
+    bool whole = o.offset == b.storage_offset() && b.sizes().equals(o.sizes) && b.strides().equals(o.strides);
+    out.push_back(whole ? b : b.as_strided(o.sizes, o.strides, o.offset));
+  }
   return out;
 }
 
 // --- plans
 
-struct Plan {
+// (plan, dout, saved tensors, bias_grad) → the gradients: kernels/native.py's _record_backward, which
+// runs the Python backward and records its recipe. Set once and never released: Python objects are
+// not touched where a plan dies, which may be on an autograd thread without the GIL.
+py::object* recorder = nullptr;
+
+struct Plan : torch::CustomClassHolder {
+  int64_t id = -1;
   Recipe forward;
   // backward recipes by (bias gradient wanted, the output gradient's dtype, alignment, strides)
   std::map<std::vector<int64_t>, std::shared_ptr<Recipe>> backward;
   std::vector<int> saved;   // the backward's tensors: indices into (inputs..., outputs...), −1 for None
   int differentiable = 0;   // inputs whose gradients the backward returns first, in order
   int bias = -1;            // the input whose gradient is computed only when it requires one (−1: none)
-  int bias_saved = -1;      // its index among the saved tensors (the same: see new_plan)
   std::string what;         // the public function, for errors
-  py::object record;        // (plan, dout, saved, bias_grad) → the gradients, recording the recipe
   std::mutex lock;
 };
 
-std::vector<Plan*>& plans() {
-  // never freed: a graph built by an earlier call may reach its plan from a later backward
-  static std::vector<Plan*> all;
-  return all;
-}
+// Plans by id. A forward's autograd node holds its plan too (a capsule in its saved data), so a plan
+// released here (release(): Python forgot the signature) lives on until the graphs built from it die.
+std::mutex plans_lock;
+std::map<int64_t, c10::intrusive_ptr<Plan>> plans;
+int64_t next_id = 0;
 
-Plan& plan(int64_t id) {
-  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(plans().size()), "elsa_vision native: unknown plan ", id);
-  return *plans()[id];
+c10::intrusive_ptr<Plan> plan(int64_t id) {
+  std::lock_guard<std::mutex> guard(plans_lock);
+  auto hit = plans.find(id);
+  TORCH_CHECK(hit != plans.end(), "elsa_vision native: unknown plan ", id);
+  return hit->second;
 }
 
 std::vector<int64_t> backward_key(bool bias_grad, const at::Tensor& dout) {
@@ -219,10 +250,11 @@ std::vector<at::Tensor> inputs_of(const std::array<Opt, kSlots>& given, int n) {
   return in;
 }
 
-struct Function : public torch::autograd::Function<Function> {
+struct Replay : public torch::autograd::Function<Replay> {
   static variable_list forward(AutogradContext* ctx, Opt t0, Opt t1, Opt t2, Opt t3, Opt t4, Opt t5, int64_t id,
                                int64_t stream) {
-    Plan& p = plan(id);
+    c10::intrusive_ptr<Plan> held = plan(id);
+    Plan& p = *held;
     std::vector<at::Tensor> in = inputs_of({t0, t1, t2, t3, t4, t5}, p.forward.inputs);
     at::TensorOptions device = in[0].options();
     std::vector<at::Tensor> out = run(p.forward, in, stream, device);
@@ -233,7 +265,8 @@ struct Function : public torch::autograd::Function<Function> {
       saved.push_back(i < 0 ? at::Tensor() : i < n ? in[i] : out[i - n]);
     }
     ctx->save_for_backward(saved);
-    ctx->saved_data["plan"] = id;
+    ctx->saved_data["plan"] = c10::IValue::make_capsule(held);
+    // (autograd runs a node's backward on its forward's stream)
     ctx->saved_data["stream"] = stream;
     ctx->mark_non_differentiable({out[1]});
     // (autograd would otherwise fill a zero tensor the statistics' size at every backward)
@@ -242,7 +275,8 @@ struct Function : public torch::autograd::Function<Function> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    Plan& p = plan(ctx->saved_data["plan"].toInt());
+    auto held = c10::static_intrusive_pointer_cast<Plan>(ctx->saved_data["plan"].toCapsule());
+    Plan& p = *held;
     TORCH_CHECK(!at::GradMode::is_enabled(), "elsa_vision.", p.what,
                 " does not support double backward (gradients of gradients). Use backend='reference' for "
                 "higher-order derivatives.");
@@ -250,7 +284,9 @@ struct Function : public torch::autograd::Function<Function> {
     const at::Tensor& dout = grads[0];
     if (!dout.defined()) return none;  // (no gradient reached the output: none for the inputs)
     variable_list saved = ctx->get_saved_variables();
-    bool bias_grad = p.bias >= 0 && saved[p.bias_saved].defined() && ctx->needs_input_grad(p.bias);
+    // (the inputs before the bias are tensors, so its index among the forward's arguments is p.bias; the
+    // saved tensors begin with those inputs, so it is the bias's index there too)
+    bool bias_grad = p.bias >= 0 && saved[p.bias].defined() && ctx->needs_input_grad(p.bias);
     std::shared_ptr<Recipe> recipe;
     std::vector<int64_t> key = backward_key(bias_grad, dout);
     {
@@ -267,7 +303,8 @@ struct Function : public torch::autograd::Function<Function> {
       py::gil_scoped_acquire gil;
       py::list kept;
       for (const at::Tensor& t : saved) kept.append(t.defined() ? py::cast(t) : py::none());
-      py::object out = p.record(ctx->saved_data["plan"].toInt(), dout, kept, bias_grad);
+      TORCH_CHECK(recorder != nullptr, "elsa_vision native replay: no recorder set");
+      py::object out = (*recorder)(p.id, dout, kept, bias_grad);
       for (py::handle g : out) result.push_back(g.is_none() ? at::Tensor() : g.cast<at::Tensor>());
     }
     TORCH_CHECK(static_cast<int>(result.size()) == p.differentiable + 1, "elsa_vision native replay: the backward "
@@ -282,7 +319,7 @@ struct Function : public torch::autograd::Function<Function> {
 
 using LaunchSpec = std::tuple<uint64_t, std::vector<int64_t>, std::vector<int64_t>, std::vector<std::vector<int64_t>>>;
 using OutputSpec = std::tuple<int, std::vector<int64_t>, std::vector<int64_t>, int64_t>;
-using BufferSpec = std::tuple<int64_t, int64_t>;
+using BufferSpec = std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t>;
 
 Recipe recipe_from(int inputs, const std::vector<BufferSpec>& buffers, const std::vector<LaunchSpec>& launches,
                    const std::vector<OutputSpec>& outputs) {
@@ -290,7 +327,10 @@ Recipe recipe_from(int inputs, const std::vector<BufferSpec>& buffers, const std
   //            [[type, rank, swizzle, fill, dims × 5, strides × 5, box × 5], ...])
   Recipe r;
   r.inputs = inputs;
-  for (const auto& [numel, dtype] : buffers) r.buffers.push_back({numel, static_cast<at::ScalarType>(dtype)});
+  for (const auto& [sizes, strides, dtype] : buffers) {
+    TORCH_CHECK(sizes.size() == strides.size(), "elsa_vision native: malformed buffer");
+    r.buffers.push_back({sizes, strides, static_cast<at::ScalarType>(dtype)});
+  }
   int slots = inputs + static_cast<int>(r.buffers.size());
   for (const auto& [function, shape, args, tma] : launches) {
     TORCH_CHECK(shape.size() == 5 && args.size() % 3 == 0, "elsa_vision native: malformed launch");
@@ -313,7 +353,8 @@ Recipe recipe_from(int inputs, const std::vector<BufferSpec>& buffers, const std
                   "elsa_vision native: a tensor-map argument without its map or address");
       l.args.push_back({static_cast<int>(args[i]), args[i + 1], static_cast<int>(args[i + 2])});
     }
-    r.launches.push_back(std::move(l));
+    if (l.grid[0] && l.grid[1] && l.grid[2])  // (an empty grid launches nothing, as in Triton's launcher)
+      r.launches.push_back(std::move(l));
   }
   for (const auto& [slot, sizes, strides, offset] : outputs) {
     TORCH_CHECK(slot < slots && (slot < 0 || slot >= inputs), "elsa_vision native: an output must be a view of a "
@@ -325,48 +366,62 @@ Recipe recipe_from(int inputs, const std::vector<BufferSpec>& buffers, const std
 
 int64_t new_plan(const std::string& what, int inputs, const std::vector<BufferSpec>& buffers,
                  const std::vector<LaunchSpec>& launches, const std::vector<OutputSpec>& outputs,
-                 const std::vector<int>& saved, int differentiable, int bias, py::object record) {
+                 const std::vector<int>& saved, int differentiable, int bias) {
   TORCH_CHECK(inputs >= 1 && inputs <= kSlots, "elsa_vision native: ", inputs, " inputs, at most ", kSlots);
   TORCH_CHECK(outputs.size() == 2, "elsa_vision native: a forward returns (out, statistics)");
-  auto* p = new Plan();
+  TORCH_CHECK(bias < static_cast<int>(saved.size()) && (bias < 0 || saved[bias] == bias || saved[bias] == -1),
+              "elsa_vision native: the saved tensors must begin with the inputs up to the bias");
+  auto p = c10::make_intrusive<Plan>();
   p->what = what;
   p->forward = recipe_from(inputs, buffers, launches, outputs);
   p->saved = saved;
   p->differentiable = differentiable;
   p->bias = bias;
-  // (the saved tensors begin with the inputs up to the bias, as kernels/ops.py's save() returns them)
-  p->bias_saved = bias;
-  TORCH_CHECK(bias < static_cast<int>(saved.size()) && (bias < 0 || saved[bias] == bias || saved[bias] == -1),
-              "elsa_vision native: the saved tensors must begin with the inputs up to the bias");
-  p->record = std::move(record);
-  plans().push_back(p);
-  return static_cast<int64_t>(plans().size()) - 1;
+  std::lock_guard<std::mutex> guard(plans_lock);
+  p->id = next_id++;
+  plans[p->id] = p;
+  return p->id;
+}
+
+void release(int64_t id) {
+  std::lock_guard<std::mutex> guard(plans_lock);
+  plans.erase(id);
+}
+
+int64_t live_plans() {
+  std::lock_guard<std::mutex> guard(plans_lock);
+  return static_cast<int64_t>(plans.size());
+}
+
+void set_recorder(py::object fn) {
+  if (recorder == nullptr) recorder = new py::object();
+  *recorder = std::move(fn);
 }
 
 void add_backward(int64_t id, bool bias_grad, const at::Tensor& dout, int inputs,
                   const std::vector<BufferSpec>& buffers, const std::vector<LaunchSpec>& launches,
                   const std::vector<OutputSpec>& outputs) {
-  Plan& p = plan(id);
+  c10::intrusive_ptr<Plan> p = plan(id);
   auto r = std::make_shared<Recipe>(recipe_from(inputs, buffers, launches, outputs));
-  std::lock_guard<std::mutex> guard(p.lock);
-  p.backward[backward_key(bias_grad, dout)] = std::move(r);
+  std::lock_guard<std::mutex> guard(p->lock);
+  p->backward[backward_key(bias_grad, dout)] = std::move(r);
 }
 
 int64_t backward_recipes(int64_t id) {
-  Plan& p = plan(id);
-  std::lock_guard<std::mutex> guard(p.lock);
-  return static_cast<int64_t>(p.backward.size());
+  c10::intrusive_ptr<Plan> p = plan(id);
+  std::lock_guard<std::mutex> guard(p->lock);
+  return static_cast<int64_t>(p->backward.size());
 }
 
 py::tuple call(int64_t id, int64_t stream, Opt t0, Opt t1, Opt t2, Opt t3, Opt t4, Opt t5) {
-  variable_list out = Function::apply(t0, t1, t2, t3, t4, t5, id, stream);
+  variable_list out = Replay::apply(t0, t1, t2, t3, t4, t5, id, stream);
   return py::make_tuple(out[0], out[1]);
 }
 
 py::tuple call_forward(int64_t id, int64_t stream, Opt t0, Opt t1, Opt t2, Opt t3, Opt t4, Opt t5) {
-  Plan& p = plan(id);
-  std::vector<at::Tensor> in = inputs_of({t0, t1, t2, t3, t4, t5}, p.forward.inputs);
-  std::vector<at::Tensor> out = run(p.forward, in, stream, in[0].options());
+  c10::intrusive_ptr<Plan> p = plan(id);
+  std::vector<at::Tensor> in = inputs_of({t0, t1, t2, t3, t4, t5}, p->forward.inputs);
+  std::vector<at::Tensor> out = run(p->forward, in, stream, in[0].options());
   return py::make_tuple(out[0], out[1]);
 }
 
@@ -376,6 +431,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "elsa_vision: eager calls replayed from recorded recipes (see kernels/native.py)";
   m.def("new_plan", &new_plan);
   m.def("add_backward", &add_backward);
+  m.def("release", &release);
+  m.def("live_plans", &live_plans);
+  m.def("set_recorder", &set_recorder);
   m.def("backward_recipes", &backward_recipes);  // (how many a plan holds: tests)
   // call(plan, stream, t0, t1=None, ...): the forward with autograd; call_forward: without
   m.def("call", &call, py::arg("plan"), py::arg("stream"), py::arg("t0"), py::arg("t1") = py::none(),

@@ -42,10 +42,11 @@ import struct
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from triton import knobs as _knobs
 
 from . import launch as _launch
 
@@ -102,7 +103,9 @@ def load() -> bool:
             _state, _why = "off", _launch.FAST_LAUNCH_OFF or "the Triton interpreter"
             return False
         try:
-            _ext, _state = _build(), "ready"
+            _ext = _build()
+            _ext.set_recorder(_record_backward)
+            _state = "ready"
         except Exception as e:  # (no compiler, no ninja, headers missing: the Python path stays)
             _state, _why = "failed", f"{type(e).__name__}: {e}".strip()
             warnings.warn(f"elsa_vision: the native replay of eager calls could not be built "
@@ -115,25 +118,38 @@ def load() -> bool:
 
 _PLANS: dict = {}
 _PLANS_MAX = 1024
-_INFO: dict = {}  # plan id → (op, the backward's non-tensor arguments, its tail arguments)
+# plan id → (op, the backward's non-tensor arguments, its tail arguments): kept after the plan is
+# released, for the backwards of graphs built from it
+_INFO: dict = {}
 
 
 @_launch.register_cache
 def clear_plans() -> None:
-    """Forget the plans (calls record afresh; plans a live autograd graph holds stay valid)."""
+    """Forget the plans (calls record afresh; a released plan lives on in the autograd graphs built
+    from it until they are freed)."""
+    if _ext is not None:
+        for plan in _PLANS.values():
+            if plan is not False:
+                _ext.release(plan)
     _PLANS.clear()
     _PYTHON_BACKWARDS.clear()
 
 
-
 def _key(op, args: tuple) -> "tuple | None":
-    """The call signature of ``op``'s forward on ``args`` (None: not served)."""
-    key = [op, torch.cuda.current_device()]
+    """The call signature of ``op``'s forward on ``args`` (None: not served): each tensor's shape,
+    strides, dtype, device, address alignment and which earlier argument it is the same address as
+    (a recipe maps a pointer to the first input at its address), the other arguments; the current
+    device, Triton's debug switch (other compiled kernels) and the families' per-call switches."""
+    key = [op, torch.cuda.current_device(), _knobs.runtime.debug, _launch.switches()]
+    addresses: list = []
     for a in args:
-        if type(a) is torch.Tensor or isinstance(a, torch.Tensor):
+        if isinstance(a, torch.Tensor):
             if a.device.type != "cuda":
                 return None
-            key.append((a.shape, a.stride(), a.dtype, a.device.index, a.data_ptr() & 15))
+            p = a.data_ptr()
+            key.append((a.shape, a.stride(), a.dtype, a.device.index, p & 15,
+                        addresses.index(p) if p in addresses else -1))
+            addresses.append(p)
         else:
             key.append((type(a), a))
     return tuple(key)
@@ -143,12 +159,12 @@ def eager(op, args: tuple, autograd: bool):
     """``op``'s eager call on ``args`` (the forward op's arguments): (out, statistics), through its
     autograd Function when ``autograd`` — replayed by the extension where this signature has a plan,
     recorded into one where it has none yet."""
-    if (_state != "ready" and (_state != "idle" or not load())) or _python_only:
-        return _python(op, args, autograd)
-    if _launch.tritons_own_path():
+    if _state in ("off", "failed") or _python_only or _launch.tracing() or _launch.tritons_own_path():
         return _python(op, args, autograd)
     key = _key(op, args)
-    plan = _PLANS.get(key) if key is not None else False
+    if key is None or (_state == "idle" and not load()):
+        return _python(op, args, autograd)
+    plan = _PLANS.get(key)
     if plan is None:
         return _record_call(op, key, args, autograd)
     if plan is False:
@@ -162,6 +178,7 @@ _WARNED: set = set()
 
 
 def _warn_once(what: str) -> None:
+    """A RuntimeWarning about a call signature the replay leaves to Python, once per message."""
     if what not in _WARNED:
         _WARNED.add(what)
         warnings.warn(f"elsa_vision native replay: {what}; this call signature keeps the Python host path",
@@ -169,6 +186,7 @@ def _warn_once(what: str) -> None:
 
 
 def _python(op, args: tuple, autograd: bool):
+    """The Python host path: ``op``'s autograd Function, or its forward alone; → (out, statistics)."""
     if autograd:
         return op.function.apply(*args)
     return tuple(op.forward(*args)[:2])
@@ -207,17 +225,20 @@ class _Refused(Exception):
     """A body a recipe cannot replay (the message says why)."""
 
 
-def _recorded_body(body, inputs: list):
+def _recorded_body(body, inputs: list, what: str):
     """``body()`` run with its launches and allocations recorded → (its result, the recipe's pieces
-    or the reason it has none)."""
+    or the reason it has none). The body's own errors propagate; an error in making the recipe is a
+    reason (with a warning: a defect of the recording, not of the call)."""
     mode = _Allocations()
     with _launch.recording() as launches, mode:
         result = body()
     try:
-        outputs = list(result)
-        return result, _recipe(inputs, outputs, launches, mode)
+        return result, _recipe(inputs, list(result), launches, mode)
     except _Refused as why:
         return result, str(why)
+    except Exception as e:
+        _warn_once(f"recording {what} failed ({type(e).__name__}: {e})")
+        return result, f"{type(e).__name__}: {e}"
 
 
 def _recipe(inputs: list, outputs: list, launches: list, mode: _Allocations) -> tuple:
@@ -229,11 +250,13 @@ def _recipe(inputs: list, outputs: list, launches: list, mode: _Allocations) -> 
     slots = len(inputs)
     buffers: list = []
     by_address: dict = {}
-    for t in mode.allocated:
+    for t in mode.allocated:  # (each as allocated: its storage whole, at offset 0)
         st = t.untyped_storage()
         if st.nbytes() and st.data_ptr() not in by_address:
+            if t.storage_offset() or t.data_ptr() != st.data_ptr():
+                raise _Refused("an allocation that is not its storage's start")
             by_address[st.data_ptr()] = (slots + len(buffers), t.dtype)
-            buffers.append((st.nbytes() // t.element_size(), t.dtype))
+            buffers.append((list(t.shape), list(t.stride()), t.dtype))
 
     def locate(t: torch.Tensor) -> tuple[int, int]:
         """(slot, byte offset) of a pointer argument."""
@@ -288,6 +311,7 @@ def _recipe(inputs: list, outputs: list, launches: list, mode: _Allocations) -> 
         args += (-1, 0, -1, -1, 0, -1)  # (the global and profile scratch pointers: none)
         num_warps, _, shared = kernel.packed_metadata
         planned.append((kernel.function, [*grid, 32 * num_warps, shared], args, tma))
+        _KERNELS[kernel.function] = kernel  # (a recipe holds its function handle: the kernel stays alive)
 
     views = []
     for o in outputs:
@@ -301,11 +325,11 @@ def _recipe(inputs: list, outputs: list, launches: list, mode: _Allocations) -> 
             if o.numel() or o.untyped_storage().nbytes():
                 raise _Refused("an output that is not a view of a buffer the body allocated")
             hit = (slots + len(buffers), o.dtype)  # (an empty output: its own empty buffer)
-            buffers.append((0, o.dtype))
+            buffers.append((list(o.shape), list(o.stride()), o.dtype))
         if hit[1] != o.dtype:
             raise _Refused("an output viewed in another dtype than its buffer's")
         views.append((hit[0], list(o.shape), list(o.stride()), o.storage_offset()))
-    return [(n, _SCALAR_TYPES[d]) for n, d in buffers], planned, views
+    return [(sizes, strides, _SCALAR_TYPES[d]) for sizes, strides, d in buffers], planned, views
 
 
 def _types(kernel, expand: bool) -> list:
@@ -360,6 +384,9 @@ def _bits(ty: str, value) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+# the compiled kernels recipes launch, by function handle (kept for the process's life, as Triton keeps them)
+_KERNELS: dict = {}
+
 _INT_BITS = {"i1": 8, "i8": 8, "i16": 16, "i32": 32, "i64": 64, "u1": 8, "u8": 8, "u16": 16, "u32": 32, "u64": 64}
 _SCALAR_TYPES = {d: i for i, d in enumerate(
     (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64))}
@@ -384,79 +411,68 @@ def _saved_indices(op, args: tuple, outputs: tuple) -> "tuple[list[int], tuple, 
 
 
 def _record_call(op, key, args: tuple, autograd: bool):
-    """The Python path of a call whose signature has no plan yet, recording its forward into one."""
+    """The Python path of a call whose signature has no plan yet, recording its forward into one.
+    The call's own errors propagate (and its signature stays unplanned)."""
     n = op.bias_input + 1
     if len(args) < n or any(isinstance(a, torch.Tensor) for a in args[n:]):  # (tensors past the bias: not served)
         _PLANS[key] = False
         return _python(op, args, autograd)
-    inputs = list(args[:n])
-    state = {}
-
-    def body():
-        outputs = op.forward(*args)
-        state["outputs"] = outputs
-        return outputs
-
+    state: dict = {}
     if autograd:
         with _Recording(op, state):
             result = op.function.apply(*args)
+        outputs, recipe = state.pop("outputs", None), state.pop("recipe", "the forward body was not recorded")
     else:
-        result = None
-    try:
-        if not autograd:
-            outputs, recipe = _recorded_body(body, inputs)
-            result = tuple(outputs[:2])
-        else:
-            outputs, recipe = state["outputs"], state["recipe"]
-        if isinstance(recipe, str):
-            raise _Refused(recipe)
-        if len(outputs) != 2:
-            raise _Refused("a forward with kept tensors beside (out, statistics)")
-        saved, bargs, tail = _saved_indices(op, tuple(args), tuple(outputs))
-        buffers, launches, views = recipe
-        plan = _ext.new_plan(op.what, n, buffers, launches, views, saved, op.bias_input, op.bias_input,
-                             _record_backward)
-        _INFO[plan] = (op, bargs, tail)
-        if autograd:
-            state["plan"] = plan
-    except _Refused:
-        plan = False
-    except Exception as e:  # (a defect of the recording: the call's result stands, the signature stays on Python)
-        plan = False
-        _warn_once(f"recording {op.what}'s call failed ({type(e).__name__}: {e})")
+        outputs, recipe = _recorded_body(lambda: op.forward(*args), list(args[:n]), op.what)
+        result = tuple(outputs[:2])
+    plan = False
+    if not isinstance(recipe, str) and len(outputs) == 2:
+        try:
+            saved, bargs, tail = _saved_indices(op, tuple(args), tuple(outputs))
+            plan = _ext.new_plan(op.what, n, *recipe, saved, op.bias_input, op.bias_input)
+            _INFO[plan] = (op, bargs, tail)
+        except _Refused:
+            plan = False
+        except Exception as e:  # (a defect of the recording: the call's result stands, its signature on Python)
+            _warn_once(f"recording {op.what}'s call failed ({type(e).__name__}: {e})")
+            plan = False
+    if autograd and plan is not False:
+        state["plan"] = plan  # (the backward of this call records its recipe for the plan)
     if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()
+        clear_plans()
     _PLANS[key] = plan
     return result
 
 
 class _Recording:
-    """While set, ``op``'s eager Function records its forward body into ``state`` (its outputs and
-    recipe), and the backward of that call records its recipe for the plan made from it."""
+    """While set (on this thread), ``op``'s eager Function records its forward body into ``state``
+    (its outputs and recipe), and the backward of that call records its recipe for the plan made
+    from it."""
 
-    current: "tuple | None" = None
+    local = threading.local()
 
     def __init__(self, op, state: dict):
         self.op, self.state = op, state
 
     def __enter__(self):
-        self.before, _Recording.current = _Recording.current, (self.op, self.state)
+        self.before = getattr(self.local, "current", None)
+        self.local.current = (self.op, self.state)
 
     def __exit__(self, *exc):
-        _Recording.current = self.before
+        self.local.current = self.before
 
 
 def forward_body(op, ctx, inputs: tuple):
     """The eager Function's forward body: ``op.forward``, recorded when this call is being recorded
     (the Function then keeps, on ``ctx``, where its backward is to record)."""
-    rec = _Recording.current
+    rec = getattr(_Recording.local, "current", None)
     if rec is None or rec[0] is not op:
         ctx.native = None
         return op.forward(*inputs)
-    _Recording.current = None  # (once: only the call being recorded)
+    _Recording.local.current = None  # (once: only the call being recorded)
     state = rec[1]
-    outputs, recipe = _recorded_body(lambda: op.forward(*inputs), list(inputs[:op.bias_input + 1]))
-    state["outputs"], state["recipe"] = outputs, recipe
+    outputs, recipe = _recorded_body(lambda: op.forward(*inputs), list(inputs[:op.bias_input + 1]), op.what)
+    state["outputs"], state["recipe"] = outputs, recipe  # (taken out again by _record_call)
     ctx.native = state
     return outputs
 
@@ -476,10 +492,15 @@ def _record_backward(plan: int, dout: torch.Tensor, saved: list, bias_grad: bool
     layout (kept by the plan where the body is replayable); → its gradients."""
     op, args, tail = _INFO[plan]
     layout = (plan, bias_grad, dout.dtype, dout.stride(), dout.data_ptr() & 15)
-    if layout in _PYTHON_BACKWARDS:  # (refused before: not recorded again)
+    # (a dout sharing memory with a saved tensor would map its pointers to that tensor's slot, which
+    # the layout's key does not see: not recorded from such a call, nor refused)
+    shared = any(t is not None and t.untyped_storage().data_ptr() == dout.untyped_storage().data_ptr()
+                 for t in saved)
+    if layout in _PYTHON_BACKWARDS or shared:
         return list(op.backward(dout, *saved, *args, bias_grad, *tail))
     inputs = [dout, *saved]
-    grads, recipe = _recorded_body(lambda: op.backward(dout, *saved, *args, bias_grad, *tail), inputs)
+    grads, recipe = _recorded_body(lambda: op.backward(dout, *saved, *args, bias_grad, *tail), inputs,
+                                   f"{op.what}'s backward")
     if isinstance(recipe, str):
         _PYTHON_BACKWARDS.add(layout)
     else:
