@@ -14,16 +14,18 @@ backward replay the recipes (cuLaunchKernel on the call's stream) — no Python 
 point and the launches, and no Python autograd round trip. A backward whose output-gradient layout
 has no recipe yet runs the Python body once (called back from C++) and records it.
 
-What a recipe may hold is checked when it is recorded, and a signature whose body does anything
-else is left to the Python path for good (kept as refused): any aten operator other than an
-allocation or a view (a fill, a reduction, a copy), an unplanned launch (the Gluon kernels' TMA
-launches are planned: their tensor maps are encoded by the replay at each call's addresses), a
-kernel that needs scratch memory, a cluster or a cooperative launch, a pointer argument that is not a fixed offset from one input or buffer, an output that is
-not a view of a buffer in its dtype, a saved tensor that is neither an input nor an output. The
-signature (``_key``) holds everything the host body decides from: every tensor's shape, strides,
-dtype, device and address alignment (Triton specialises pointers on it), the non-tensor arguments,
-the current device. Replays are the recorded launches with the same compiled kernels, so their
-results are bitwise the Python path's.
+What a recipe may hold is checked when it is recorded, and a signature whose body does anything else
+is left to the Python path for good (kept as refused): any aten operator other than an allocation or
+a view (a fill, a reduction, a copy), an unplanned launch (the Gluon kernels' TMA launches are
+planned: their tensor maps are encoded by the replay at each call's addresses), a kernel that needs
+scratch memory, a cluster or a cooperative launch, a pointer argument that is not a fixed offset
+from one input or buffer, an output that is not a view of a buffer in its dtype, a saved tensor that
+is neither an input nor an output. The signature (``_key``) holds everything the host body decides
+from: every tensor's shape, strides, dtype, device and address alignment (Triton specialises
+pointers on it), which inputs share an address, the non-tensor arguments, the current device and
+the per-call switches (see ``_key``). Replays are the recorded launches with the same compiled
+kernels, so their results are bitwise the Python path's. Calls made while launches are traced or
+skipped (``launch.tracing()``: torch.compile, the memory rehearsal) take the Python path.
 
 Served: :class:`kernels.ops.KernelOp` families whose forward returns (out, statistics) (attention,
 packed or not), on CUDA, where launch.FAST_LAUNCH holds (a checked Triton version) and no

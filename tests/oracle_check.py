@@ -89,6 +89,19 @@ def check_case(q, k, v, *, bias=None, causal=False, precision="auto", backend="a
     return out
 
 
+class DropGradient(torch.autograd.Function):
+    """The identity (a copy) whose backward returns no gradient: a graph through it brings the
+    tensor before it none (None, not zeros)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
 def assert_graph_replay_matches_eager(step, refill):
     """Capture ``step`` (no arguments; returns a tuple of tensors) once in a CUDA graph, call ``refill``
     to write new values into its input buffers, replay, and check the captured outputs are bitwise

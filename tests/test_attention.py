@@ -5,7 +5,7 @@ import torch
 
 import elsa_vision
 from elsa_vision import BackendFallbackWarning, NotSupportedError, verify
-from oracle_check import assert_close_to_oracle, assert_fake_matches_real, check_case, torch_same_dtype
+from oracle_check import DropGradient, assert_close_to_oracle, assert_fake_matches_real, check_case, torch_same_dtype
 
 from conftest import DEVICE
 
@@ -439,18 +439,9 @@ def test_eager_backward_without_an_output_gradient():
     and run through the kernels."""
     from elsa_vision.kernels import attention as K
 
-    class Drop(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            return None
-
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 8, 8, 16, seed=2))
     out, _ = K.OP.function.apply(q, k, v, None, 0.25, False, "ieee", 0)
-    dq, dk = torch.autograd.grad((Drop.apply(out) + q.sum()).sum(), (q, k), allow_unused=True)
+    dq, dk = torch.autograd.grad((DropGradient.apply(out) + q.sum()).sum(), (q, k), allow_unused=True)
     assert torch.equal(dq, torch.full_like(q, out.numel())) and dk is None  # (q.sum() broadcast over out)
 
 

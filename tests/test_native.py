@@ -1,9 +1,11 @@
-"""The native replay's C++ side (kernels/native.cpp) on the CPU: plans whose recipes launch nothing,
-so that the autograd function, the buffers and views, the saved tensors, the bias-gradient rule,
-the Python call-back for a missing backward recipe and the double-backward error are exercised
-without a GPU. The recording and the launches are tested on the GPU (test_attention_gpu.py)."""
+"""The eager replay (kernels/native.py, native.cpp). On the CPU: plans whose recipes launch nothing,
+so that the C++ autograd function, the buffers and views, the saved tensors, the bias-gradient
+rule, the Python call-back for a missing backward recipe, released plans and the double-backward
+error are exercised without a GPU. On a GPU (``-m gpu``): recorded calls replayed, bitwise the
+Python path's."""
 import pytest
 import torch
+from oracle_check import DropGradient
 
 native = pytest.importorskip("elsa_vision.kernels.native")
 
@@ -95,20 +97,11 @@ def test_bias_gradient_only_where_the_bias_requires_one(ext):
 def test_no_output_gradient_gives_no_input_gradient(ext):
     """A later node that returns no gradient for the output: the plan's backward is not called back
     and gives x none through it (as the Python Function does)."""
-    class Drop(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            return None
-
     calls = []
     plan = _plan(ext, calls)
     x = torch.randn(2, 3, 4, requires_grad=True)
     out, _ = ext.call(plan, 0, x, None)
-    (dx,) = torch.autograd.grad((Drop.apply(out) + x.sum()).sum(), (x,))
+    (dx,) = torch.autograd.grad((DropGradient.apply(out) + x.sum()).sum(), (x,))
     assert calls == [] and torch.equal(dx, torch.full_like(x, out.numel()))
 
 
