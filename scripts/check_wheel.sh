@@ -21,8 +21,10 @@ import torch
 import elsa_vision
 assert "site-packages" in elsa_vision.__file__, elsa_vision.__file__
 for mod in ("kernels.attention", "kernels.window", "kernels.rope", "kernels.nearest", "kernels.position_bias",
-            "adapters.timm", "adapters.vggt", "adapters.vggt.lean"):
+            "kernels.native", "adapters.timm", "adapters.vggt", "adapters.vggt.lean"):
     importlib.import_module(f"elsa_vision.{mod}")
+from elsa_vision.kernels import native
+assert native._SOURCE.is_file(), native._SOURCE  # (the eager replay's C++ source ships, built on first use)
 q = torch.randn(1, 2, 9, 16)
 out = elsa_vision.attention(q, q, q)
 assert torch.allclose(out, elsa_vision.attention(q, q, q, backend="reference"))
