@@ -6,10 +6,11 @@
 // offset into it), and the outputs it returned as views of its buffers. Replaying one allocates
 // the buffers through the caching allocator, binds the addresses and calls cuLaunchKernel: no
 // Python between the call and the launches. A plan holds the forward recipe of a signature, the
-// backward recipes recorded so far (one per output-gradient layout and bias-gradient flag), which
-// tensors the backward keeps, and a Python callable that records a missing backward recipe.
-// Autograd runs through a C++ autograd function, whose round trip costs a fraction of a Python
-// autograd.Function's.
+// backward recipes recorded so far (one per output-gradient layout and bias-gradient flag) and
+// which tensors the backward keeps; a missing backward recipe is recorded by one Python callable
+// (the recorder, set once). Autograd runs through a C++ autograd function, whose round trip costs
+// a fraction of a Python autograd.Function's. Plans are reference counted: the table of live
+// plans and each forward's autograd node hold one.
 //
 // Invariants the Python side guarantees when it builds a recipe: every pointer argument lies in
 // one slot's allocation; every output is a view of a buffer in the buffer's dtype; kernels need no
