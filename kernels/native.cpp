@@ -23,7 +23,6 @@
 #include <dlfcn.h>
 
 #include <array>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
