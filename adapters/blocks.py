@@ -12,9 +12,9 @@ autocast casts anyway, is written in the autocast dtype directly.
 Under autograd (training) the passes with a norm record one backward pass each (kernels/residual.py:
 the LayerNorm's input gradient plus the residual stream's, and the branch's gradient through
 ``ls(y)``, in one pass); the last residual is PyTorch's add. It serves a call only where nothing can
-tell the difference and the residual stream has at least :data:`MIN_ELEMENTS` elements
-(:data:`MIN_TRAINING_ELEMENTS` under autograd; smaller calls are paced by the host, where the block's
-own ops cost less), and delegates to the block's own forward otherwise (counted in
+tell the difference and the block's work is large enough: the residual stream's elements times its
+width at least :data:`MIN_WORK` (under autograd, its elements at least :data:`MIN_TRAINING_ELEMENTS`;
+smaller calls are paced by the host, where the block's own ops cost less), and delegates to the block's own forward otherwise (counted in
 ``module._elsa.delegated``): a small call, a module in training mode
 with an active drop-path, hooks on the norms, the LayerScales or the drop-paths (which this forward does
 not call), tensors on a device without the kernels, dtypes or widths the kernel does not take, a
@@ -34,11 +34,15 @@ from ..dispatch import autocast_dtype, triton_serves
 from ..kernels.limits import RESIDUAL_DTYPES, RESIDUAL_MAX_WIDTH
 from .registry import Adapter, PatchState, check_flag, hooked, is_patched
 
-# Below this many residual-stream elements a block call is paced by the host, not the GPU: the three
-# fused launches then cost more host time than the block's own ops (a few tens of microseconds a
-# block), and the GPU time they save is smaller (ViT-B at batch 1–8). Above it (ViT-B from batch 32,
-# VGGT from four frames) the passes they replace take longer on the GPU than that host time.
-MIN_ELEMENTS = 1 << 22
+# Below this much work (residual-stream elements × width) a block call is paced by the host, not the
+# GPU: the three fused launches then cost more host time than the block's own ops (a few tens of
+# microseconds a block), and the GPU time they save is smaller. The host time is the same at every
+# size, while the block's GPU time is mostly its linear layers', which grow as tokens × width²: so the
+# measure is elements × width, not elements. ViT-S at 224 px, batch 64 (4.8M elements × 384) measured
+# 0.89× timm's SDPA path through the passes and 1.02× without them, ViT-B at batch 64 (9.7M × 768)
+# 1.16× with them and 1.07× without (H200, vit_fwd_replay_nofuse.csv); VGGT from four frames
+# (4.3M × 1024) is above it.
+MIN_WORK = 1 << 31
 # The same under autograd: each pass with a norm is then an autograd Function whose Python forward and
 # backward cost far more host time than PyTorch's own LayerNorm and add ops. ViT-S and ViT-B at 224 px,
 # batch 64 (9.7M elements for ViT-B) measured slower through them on an H100 host whose training step
@@ -155,7 +159,7 @@ class PreNormBlock(Adapter):
             return f"tensors on {x.device.type} without the Triton kernels there"
         if x.device.type != "cuda" and autocast_dtype(x.device.type) is not None:
             return "CPU autocast"
-        if x.numel() < MIN_ELEMENTS:
+        if x.numel() * x.shape[-1] < MIN_WORK:
             return "a small residual stream (host time paces the call: the block's own ops cost less of it)"
         if x.numel() < MIN_TRAINING_ELEMENTS and torch.is_grad_enabled() and (
                 x.requires_grad or any(p.requires_grad for p in block.parameters())):
