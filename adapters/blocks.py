@@ -12,9 +12,9 @@ autocast casts anyway, is written in the autocast dtype directly.
 Under autograd (training) the passes with a norm record one backward pass each (kernels/residual.py:
 the LayerNorm's input gradient plus the residual stream's, and the branch's gradient through
 ``ls(y)``, in one pass); the last residual is PyTorch's add. It serves a call only where nothing can
-tell the difference and the block's work is large enough: the residual stream's elements times its
-width at least :data:`MIN_WORK` (under autograd, its elements at least :data:`MIN_TRAINING_ELEMENTS`;
-smaller calls are paced by the host, where the block's own ops cost less), and delegates to the block's own forward otherwise (counted in
+tell the difference and the residual stream has at least :data:`MIN_ELEMENTS` elements
+(:data:`MIN_TRAINING_ELEMENTS` under autograd; smaller calls are paced by the host, where the block's
+own ops cost less), and delegates to the block's own forward otherwise (counted in
 ``module._elsa.delegated``): a small call, a module in training mode
 with an active drop-path, hooks on the norms, the LayerScales or the drop-paths (which this forward does
 not call), tensors on a device without the kernels, dtypes or widths the kernel does not take, a
@@ -34,15 +34,14 @@ from ..dispatch import autocast_dtype, triton_serves
 from ..kernels.limits import RESIDUAL_DTYPES, RESIDUAL_MAX_WIDTH
 from .registry import Adapter, PatchState, check_flag, hooked, is_patched
 
-# Below this much work (residual-stream elements × width) a block call is paced by the host, not the
-# GPU: the three fused launches then cost more host time than the block's own ops (a few tens of
-# microseconds a block), and the GPU time they save is smaller. The host time is the same at every
-# size, while the block's GPU time is mostly its linear layers', which grow as tokens × width²: so the
-# measure is elements × width, not elements. ViT-S at 224 px, batch 64 (4.8M elements × 384) measured
-# 0.89× timm's SDPA path through the passes and 1.02× without them, ViT-B at batch 64 (9.7M × 768)
-# 1.16× with them and 1.07× without (H200, vit_fwd_replay_nofuse.csv); VGGT from four frames
-# (4.3M × 1024) is above it.
-MIN_WORK = 1 << 31
+# Below this many residual-stream elements a block call is paced by the host, not the GPU: the three
+# fused launches then cost more host time than the block's own ops (a few tens of microseconds a
+# block), and the GPU time they save is smaller. Measured on an H200 with eager attention calls
+# replayed from C++ (bf16 inference at 224 px against timm's SDPA path, with the passes / without):
+# at 4.8M elements ViT-S batch 64 0.93× / 0.97× and ViT-B batch 32 0.80× / 0.97×; at 9.7M ViT-S
+# batch 128 1.13× / 1.07× and ViT-B batch 64 1.25× / 1.07× (vit_s_fwd_min_work.csv,
+# vit_b_fwd_min_work.csv). VGGT is above it from eight frames.
+MIN_ELEMENTS = 1 << 23
 # The same under autograd: each pass with a norm is then an autograd Function whose Python forward and
 # backward cost far more host time than PyTorch's own LayerNorm and add ops. ViT-S and ViT-B at 224 px,
 # batch 64 (9.7M elements for ViT-B) measured slower through them on an H100 host whose training step
@@ -143,6 +142,12 @@ class PreNormBlock(Adapter):
             return "compiled (inductor fuses the residual passes itself)"
         if not isinstance(x, torch.Tensor):
             return f"input of type {type(x).__name__} (DINOv2's blocks take lists of tensors through xFormers)"
+        # (the size first: host-paced calls are the ones whose host time this check adds to)
+        if x.numel() < MIN_ELEMENTS:
+            return "a small residual stream (host time paces the call: the block's own ops cost less of it)"
+        if x.numel() < MIN_TRAINING_ELEMENTS and torch.is_grad_enabled() and (
+                x.requires_grad or any(p.requires_grad for p in block.parameters())):
+            return "a small residual stream under autograd (host time paces the step: the block's own ops cost less)"
         mods = block._modules
         n1, ls1, d1, n2, ls2, d2 = parts = (mods["norm1"], mods["ls1"], mods["drop_path1"], mods["norm2"],
                                             mods["ls2"], mods["drop_path2"])
@@ -159,11 +164,6 @@ class PreNormBlock(Adapter):
             return f"tensors on {x.device.type} without the Triton kernels there"
         if x.device.type != "cuda" and autocast_dtype(x.device.type) is not None:
             return "CPU autocast"
-        if x.numel() * x.shape[-1] < MIN_WORK:
-            return "a small residual stream (host time paces the call: the block's own ops cost less of it)"
-        if x.numel() < MIN_TRAINING_ELEMENTS and torch.is_grad_enabled() and (
-                x.requires_grad or any(p.requires_grad for p in block.parameters())):
-            return "a small residual stream under autograd (host time paces the step: the block's own ops cost less)"
         if x.dtype not in RESIDUAL_DTYPES or x.shape[-1] != n1.normalized_shape[0]:
             return f"input {x.dtype} [..., {x.shape[-1]}]"
         for p in (*n1._parameters.values(), *n2._parameters.values(), _scale(ls1), _scale(ls2)):

@@ -36,11 +36,11 @@ def device():
 @pytest.fixture
 def fused_blocks(monkeypatch):
     """The blocks' fused residual passes serve test-sized calls too, with autograd or without. Outside
-    tests a call under blocks.MIN_WORK (MIN_TRAINING_ELEMENTS under autograd) goes to the block's
+    tests a call under blocks.MIN_ELEMENTS (MIN_TRAINING_ELEMENTS under autograd) goes to the block's
     own ops (they cost less host time there); the test files that do not ask for this keep those
     thresholds, so their small models run the blocks' own ops."""
     from elsa_vision.adapters import blocks
-    monkeypatch.setattr(blocks, "MIN_WORK", 0)
+    monkeypatch.setattr(blocks, "MIN_ELEMENTS", 0)
     monkeypatch.setattr(blocks, "MIN_TRAINING_ELEMENTS", 0)
 
 

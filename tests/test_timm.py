@@ -750,17 +750,17 @@ def test_vit_blocks_delegate_what_the_fused_passes_cannot_show():
 
 
 def test_vit_blocks_leave_small_calls_to_their_own_ops(monkeypatch):
-    """Under blocks.MIN_WORK (residual-stream elements × width) a call is the block's own (host-paced calls)."""
+    """Under blocks.MIN_ELEMENTS residual-stream elements a call is the block's own (host-paced calls)."""
     from elsa_vision.adapters import blocks
     m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1).eval()
     elsa_vision.patch(m)
-    monkeypatch.setattr(blocks, "MIN_WORK", 5 * 192 * 2 * 192)  # 5 tokens × 192 features, × 192: two images
+    monkeypatch.setattr(blocks, "MIN_ELEMENTS", 5 * 192 * 2)  # 5 tokens × 192 features: two images
     with torch.no_grad():
         m(_img(1, 32)), m(_img(2, 32))
     state = m.blocks[0]._elsa
     assert state.calls == 2 and state.delegated == 1 and "small residual stream" in next(iter(state.delegate_reasons))
     # under autograd the threshold is MIN_TRAINING_ELEMENTS (the passes' autograd costs more host time)
-    monkeypatch.setattr(blocks, "MIN_WORK", 0)
+    monkeypatch.setattr(blocks, "MIN_ELEMENTS", 0)
     monkeypatch.setattr(blocks, "MIN_TRAINING_ELEMENTS", 5 * 192 * 2)
     m(_img(1, 32)).sum().backward()
     m(_img(2, 32)).sum().backward()
