@@ -38,9 +38,9 @@ from .registry import Adapter, PatchState, check_flag, hooked, is_patched
 # fused launches then cost more host time than the block's own ops (a few tens of microseconds a
 # block), and the GPU time they save is smaller. Measured on an H200 with eager attention calls
 # replayed from C++ (bf16 inference at 224 px against timm's SDPA path, with the passes / without):
-# at 4.8M elements ViT-S batch 64 0.93× / 0.97× and ViT-B batch 32 0.80× / 0.97×; at 9.7M ViT-S
-# batch 128 1.13× / 1.07× and ViT-B batch 64 1.25× / 1.07× (vit_s_fwd_min_work.csv,
-# vit_b_fwd_min_work.csv). VGGT is above it from eight frames.
+# at 4.8M elements ViT-S batch 64 0.89× / 1.02× and ViT-B batch 32 0.80× / 0.97×; at 9.7M ViT-S
+# batch 128 1.13× / 1.07× and ViT-B batch 64 1.25× / 1.07× (vit_fwd_replay_nofuse.csv,
+# vit_b_fwd_min_work.csv, vit_s_fwd_min_work.csv). VGGT is above it from eight frames.
 MIN_ELEMENTS = 1 << 23
 # The same under autograd: each pass with a norm is then an autograd Function whose Python forward and
 # backward cost far more host time than PyTorch's own LayerNorm and add ops. ViT-S and ViT-B at 224 px,
