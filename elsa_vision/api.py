@@ -119,9 +119,9 @@ def attention_packed(
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"{fn}: qkv must be a torch.Tensor, got {type(qkv).__name__}")
     key, kept = _kept_call(fn, (qkv, bias), (scale, causal, precision, backend, return_lse))
-    if kept is not None:
+    if kept is not None:  # (q, k, v None: each backend takes the views it needs)
         run, sc, prec = kept
-        return _with_lse(run(*qkv_views(qkv), bias, sc, causal, prec, None, return_lse, qkv=qkv), return_lse)
+        return _with_lse(run(None, None, None, bias, sc, causal, prec, None, return_lse, qkv=qkv), return_lse)
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"{fn}: qkv must be [B, N, 3, H, D], got shape {tuple(qkv.shape)}; "
                          "reshape the projection output with .reshape(B, N, 3, H, D)")
@@ -298,13 +298,15 @@ _PLAIN_ARGS = (float, int, str, bool, type(None))
 def _call_key(op, tensors, args):
     """The signature of a call (None: not kept — under torch.compile, or arguments other than plain
     numbers / strings, which take the checks every time). ``args`` go in with their types: 1, 1.0
-    and True hash alike, but the checks refuse a bool scale."""
+    and True hash alike, but the checks refuse a bool scale. (It runs on every call: loops, not
+    generators, and few nested tuples to build and hash.)"""
     if torch.compiler.is_compiling() or not isinstance(tensors[0], torch.Tensor):  # (the checks say what is wrong)
         return None
-    for a in args:  # (a loop: host time on every call)
-        if type(a) not in _PLAIN_ARGS:
+    types = tuple(map(type, args))
+    for ty in types:
+        if ty not in _PLAIN_ARGS:
             return None
-    key = [op, *args, *map(type, args), torch.is_grad_enabled(), _fp32_matmul_precision(), dispatch_token()]
+    key = [op, args, types, torch.is_grad_enabled(), _fp32_matmul_precision(), dispatch_token()]
     for t in tensors:
         if t is None:
             key.append(None)
@@ -312,8 +314,7 @@ def _call_key(op, tensors, args):
             return None
         else:
             key.append((t.shape, t.dtype, t.device, t.requires_grad))
-    dev = tensors[0].device.type
-    key.append(autocast_dtype(dev))
+    key.append(autocast_dtype(tensors[0].device.type))
     return tuple(key)
 
 

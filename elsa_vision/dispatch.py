@@ -131,10 +131,21 @@ def _triton_devices() -> tuple[str, ...]:
 # out [B,H,Nq,D]; lse [B,H,Nq] float32 natural-log log-sum-exp (+inf for rows that see no key), or
 # None unless the argument want_lse is true. qkv: the packed [B,N,3,H,D] tensor q, k, v are views
 # of (elsa_vision.attention_packed), or None; a backend whose gradients flow through the views by
-# autograd ignores it.
+# autograd takes the views. q, k, v may be None when qkv is given (a repeated packed call skips
+# making views that the Triton backend's eager path does not read).
+
+_K = None  # kernels/attention.py, imported at the first call (it imports Triton)
+
+
+def _attention_kernels():
+    global _K
+    from .kernels import attention
+    _K = attention
+    return _K
+
 
 def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
-    from .kernels import attention as K
+    K = _K or _attention_kernels()  # (an import statement per call costs host time)
     out, lse = K.attention(q, k, v, bias, scale, causal, precision, partitions, qkv)
     if not want_lse:
         return out, None
@@ -150,7 +161,7 @@ def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, w
 # lse [B,H,Nq] may span more keys (a key shard; elsa_vision.distributed's ring backward). No bias.
 
 def _run_triton_attention_backward(q, k, v, out, lse, do, scale, causal, precision):
-    from .kernels import attention as K
+    K = _K or _attention_kernels()
     dq, dk, dv, _ = K.backward(do, q, k, v, None, out, K.stats_from_lse(lse), scale, causal, precision, False)
     return dq, dk, dv
 
@@ -161,7 +172,9 @@ def _run_reference_attention_backward(q, k, v, out, lse, do, scale, causal, prec
 
 
 def _run_eca_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
-    from .kernels import eca
+    from .kernels import eca, reference
+    if q is None:
+        q, k, v = reference.qkv_views(qkv)
     out, lse = eca.attention(q, k, v, scale)
     return out, (lse if want_lse else None)
 
@@ -173,6 +186,8 @@ def _eca_auto(p: "Problem") -> bool:
 
 def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
     from .kernels import reference
+    if q is None:
+        q, k, v = reference.qkv_views(qkv)
     if not want_lse:
         return reference.attention(q, k, v, bias, scale, causal), None
     return reference.attention(q, k, v, bias, scale, causal, return_lse=True)

@@ -1211,10 +1211,12 @@ def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partiti
     """(out, stats) with autograd (see :func:`kernels.ops.route`). stats [B,H,2,Nq]: the row
     statistics (m, S) of ``forward`` (``natural_lse`` gives the lse). ``qkv``: the packed
     [B,N,3,H,D] tensor q, k, v are the ``qkv_views`` of, or None; with it, qkv's gradient is
-    written by the kernels in one piece."""
+    written by the kernels in one piece, and q, k, v may be None (eager calls read qkv alone)."""
     op, inputs = (OP, (q, k, v)) if qkv is None else (PACKED, (qkv,))
     how = route((*inputs, bias))
     if how is COMPILED:
+        if q is None:
+            q, k, v = qkv_views(qkv)
         fwd = op.host_fwd if _hopper_in_graph(q, k, v, bias, precision, causal) else op.fwd
         return fwd(*inputs, bias, scale, causal, precision, partitions or 0)
     if how is AUTOGRAD:

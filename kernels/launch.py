@@ -198,7 +198,7 @@ def register_switches(read: Callable[[], tuple]) -> Callable[[], tuple]:
 
 def switches() -> tuple:
     """The registered switches' current values."""
-    return tuple(read() for read in _SWITCHES)
+    return tuple([read() for read in _SWITCHES])  # (per eager call: a list, not a generator)
 
 
 def _other_launch(fn, grid: tuple, args: tuple, meta: dict):

@@ -142,18 +142,24 @@ def _key(op, args: tuple) -> "tuple | None":
     strides, dtype, device, address alignment and which earlier argument it is the same address as
     (a recipe maps a pointer to the first input at its address), the other arguments; the current
     device, Triton's debug switch (other compiled kernels) and the families' per-call switches."""
-    key = [op, torch.cuda.current_device(), _knobs.runtime.debug, _launch.switches()]
+    key = [op, None, _knobs.runtime.debug, _launch.switches()]
     addresses: list = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            if a.device.type != "cuda":
+            device = a.device
+            if device.type != "cuda":
                 return None
             p = a.data_ptr()
-            key.append((a.shape, a.stride(), a.dtype, a.device.index, p & 15,
+            key.append((a.shape, a.stride(), a.dtype, device.index, p & 15,
                         addresses.index(p) if p in addresses else -1))
             addresses.append(p)
         else:
             key.append((type(a), a))
+    if not addresses:
+        return None
+    # (CUDA is initialised: the call has CUDA tensors; torch.cuda.current_device() would check that
+    # again, a microsecond per call)
+    key[1] = torch._C._cuda_getDevice()
     return tuple(key)
 
 

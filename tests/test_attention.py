@@ -669,6 +669,22 @@ def test_packed_call_is_the_view_call(dtype, causal, with_bias):
     assert verify.max_err(grads[0], oracle_grad) <= 2 * tol * max(1.0, oracle_grad.abs().max().item())
 
 
+@pytest.mark.parametrize("backend", [*BACKENDS, "eca"])
+def test_repeated_packed_call_is_the_first(backend):
+    """A repeated packed call goes straight to the backend chosen for its signature, which then gets
+    qkv alone (no q, k, v views): the same output and gradient as the first call, on every backend."""
+    causal = backend == "eca"  # (ECA runs causal CPU calls only)
+    if backend == "eca" and DEVICE != "cpu":
+        pytest.skip("ECA is a CPU backend")
+    results = []
+    for _ in range(3):
+        packed = rand(2, 19, 3, 2, 16).requires_grad_()
+        out = elsa_vision.attention_packed(packed, causal=causal, backend=backend)
+        (grad,) = torch.autograd.grad(out, packed, rand(*out.shape, seed=4))
+        results.append((out.detach(), grad))
+    assert all(torch.equal(o, results[0][0]) and torch.equal(g, results[0][1]) for o, g in results[1:])
+
+
 def test_packed_custom_ops_fake_matches_real():
     """The packed ops' fakes: what compile plans is what they return (qkv's gradient in qkv's shape)."""
     from elsa_vision.kernels import attention as K

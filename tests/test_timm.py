@@ -502,6 +502,35 @@ def test_attention_dropout_in_training_delegates(cls):
     elsa_vision.unpatch(mod)
 
 
+def test_vit_identity_children_are_skipped_unless_hooked():
+    """The patched ViT attention does not call its Identity norm or a proj_drop that passes its input
+    through (they would return it), but does where a hook would see the call, and an active
+    proj_drop (training, p > 0) still drops, as timm's own forward does."""
+    mod = Attention(32, num_heads=2, proj_drop=0.5).eval()
+    x = _x(2, 9, 32)
+    with torch.no_grad():
+        ref = mod(x)
+    elsa_vision.patch(mod)
+    seen = []
+    hooks = [mod.norm.register_forward_hook(lambda m, i, o: seen.append("norm")),
+             mod.proj_drop.register_forward_pre_hook(lambda m, i: seen.append("proj_drop"))]
+    with torch.no_grad():
+        out = mod(x)
+    assert seen == ["norm", "proj_drop"] and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        assert torch.allclose(mod(x), ref, atol=1e-5, rtol=1e-5) and len(seen) == 2
+        mod.train()
+        torch.manual_seed(0)
+        dropped = mod(x)
+        assert mod._elsa.delegated == 0
+        elsa_vision.unpatch(mod)
+        torch.manual_seed(0)
+        assert torch.allclose(dropped, mod(x), atol=1e-5, rtol=1e-5)
+    assert (dropped == 0).float().mean() > 0.3 and not torch.allclose(dropped, ref)
+
+
 def test_mc_dropout_and_hooked_children_delegate():
     """attn_drop kept in train mode under an eval model (MC dropout) runs in timm's unfused path, and
     hooks on children ELSA never calls (softmax, attn_drop) must still fire: both delegate."""
