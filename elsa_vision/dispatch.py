@@ -6,6 +6,7 @@ no backend fitting, raises :class:`NotSupportedError` listing every backend's re
 """
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -134,18 +135,19 @@ def _triton_devices() -> tuple[str, ...]:
 # autograd takes the views. q, k, v may be None when qkv is given (a repeated packed call skips
 # making views that the Triton backend's eager path does not read).
 
-_K = None  # kernels/attention.py, imported at the first call (it imports Triton)
+_KERNELS: dict = {}  # the kernel modules, imported at their first call (they import Triton)
 
 
-def _attention_kernels():
-    global _K
-    from .kernels import attention
-    _K = attention
-    return _K
+def _kernels(name: str):
+    """elsa_vision.kernels.<name> (an import statement per call would cost host time)."""
+    mod = _KERNELS.get(name)
+    if mod is None:
+        mod = _KERNELS[name] = importlib.import_module(f"{__package__}.kernels.{name}")
+    return mod
 
 
 def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
-    K = _K or _attention_kernels()  # (an import statement per call costs host time)
+    K = _kernels("attention")
     out, lse = K.attention(q, k, v, bias, scale, causal, precision, partitions, qkv)
     if not want_lse:
         return out, None
@@ -161,7 +163,7 @@ def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, w
 # lse [B,H,Nq] may span more keys (a key shard; elsa_vision.distributed's ring backward). No bias.
 
 def _run_triton_attention_backward(q, k, v, out, lse, do, scale, causal, precision):
-    K = _K or _attention_kernels()
+    K = _kernels("attention")
     dq, dk, dv, _ = K.backward(do, q, k, v, None, out, K.stats_from_lse(lse), scale, causal, precision, False)
     return dq, dk, dv
 
@@ -200,8 +202,7 @@ def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions
 # [T,H,D] (qkv [T,3,H,D]) and so is the output.
 
 def _run_triton_window(q, k, v, bias, mask, scale, precision, block, qkv=None, geo=None):
-    from .kernels import window  # noqa: F401  (registers the custom ops)
-    return window.window_attention(q, k, v, bias, mask, scale, precision, block, qkv=qkv, geo=geo)
+    return _kernels("window").window_attention(q, k, v, bias, mask, scale, precision, block, qkv=qkv, geo=geo)
 
 
 def _run_reference_window(q, k, v, bias, mask, scale, precision, block, qkv=None, geo=None):
