@@ -146,6 +146,14 @@ def _kernels(name: str):
     return mod
 
 
+def _views(q, k, v, qkv, geo=None) -> tuple:
+    """(q, k, v) for a runner that reads the views: as given, or qkv's views where q is None."""
+    if q is not None:
+        return q, k, v
+    from .kernels import reference
+    return reference.qkv_views(qkv, geo)
+
+
 def _run_triton_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
     K = _kernels("attention")
     out, lse = K.attention(q, k, v, bias, scale, causal, precision, partitions, qkv)
@@ -174,10 +182,8 @@ def _run_reference_attention_backward(q, k, v, out, lse, do, scale, causal, prec
 
 
 def _run_eca_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
-    from .kernels import eca, reference
-    if q is None:
-        q, k, v = reference.qkv_views(qkv)
-    out, lse = eca.attention(q, k, v, scale)
+    from .kernels import eca
+    out, lse = eca.attention(*_views(q, k, v, qkv), scale)
     return out, (lse if want_lse else None)
 
 
@@ -188,8 +194,7 @@ def _eca_auto(p: "Problem") -> bool:
 
 def _run_reference_attention(q, k, v, bias, scale, causal, precision, partitions, want_lse=False, qkv=None):
     from .kernels import reference
-    if q is None:
-        q, k, v = reference.qkv_views(qkv)
+    q, k, v = _views(q, k, v, qkv)
     if not want_lse:
         return reference.attention(q, k, v, bias, scale, causal), None
     return reference.attention(q, k, v, bias, scale, causal, return_lse=True)
@@ -208,8 +213,7 @@ def _run_triton_window(q, k, v, bias, mask, scale, precision, block, qkv=None, g
 def _run_reference_window(q, k, v, bias, mask, scale, precision, block, qkv=None, geo=None):
     # autograd carries the gradients of the q, k, v views back to qkv
     from .kernels import reference
-    if q is None:
-        q, k, v = reference.qkv_views(qkv, geo)
+    q, k, v = _views(q, k, v, qkv, geo)
     if geo is None:
         return reference.window_attention(q, k, v, bias, mask, scale)
     q, k, v = (reference.to_windows(t, geo).transpose(1, 2) for t in (q, k, v))
