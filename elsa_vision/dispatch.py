@@ -6,7 +6,6 @@ no backend fitting, raises :class:`NotSupportedError` listing every backend's re
 """
 from __future__ import annotations
 
-import importlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -139,10 +138,23 @@ _KERNELS: dict = {}  # the kernel modules, imported at their first call (they im
 
 
 def _kernels(name: str):
-    """elsa_vision.kernels.<name> (an import statement per call would cost host time)."""
+    """elsa_vision.kernels.<name>, name "attention" or "window" (an import statement per eager call
+    would cost host time)."""
+    if torch.compiler.is_compiling():  # (the dict's contents would be guarded on: a recompile once filled)
+        return _import_kernels(name)
     mod = _KERNELS.get(name)
     if mod is None:
-        mod = _KERNELS[name] = importlib.import_module(f"{__package__}.kernels.{name}")
+        mod = _KERNELS[name] = _import_kernels(name)
+    return mod
+
+
+def _import_kernels(name: str):
+    # Import statements, not importlib.import_module: torch.compile traces the former and breaks the
+    # graph at the latter, where a compiled call is the process's first.
+    if name == "attention":
+        from .kernels import attention as mod
+    else:
+        from .kernels import window as mod  # (registers the window custom ops)
     return mod
 
 

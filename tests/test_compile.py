@@ -418,6 +418,35 @@ def test_inductor_training_step_of_patched_timm(name, kw, size):
     torch._dynamo.reset()
 
 
+_FIRST_CALL_SCRIPT = r"""
+import torch, timm, elsa_vision
+torch.manual_seed(0)
+vit = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=4)
+swin = timm.create_model("swin_tiny_patch4_window7_224", img_size=64, window_size=4, embed_dim=24,
+                         depths=(2, 2), num_heads=(2, 4), num_classes=4)
+for m in (vit, swin):
+    elsa_vision.patch(m)
+    x = torch.randn(2, 3, *m.patch_embed.img_size)
+    # fullgraph: a graph break raises; this is the process's first ELSA call of each family
+    torch.compile(m, fullgraph=True, backend="aot_eager")(x).square().mean().backward()
+print("OK")
+"""
+
+
+def test_fullgraph_when_the_first_call_is_compiled():
+    """A compiled call that is the process's first (nothing run eagerly before it: the kernel modules
+    not yet imported by the dispatch layer) is one graph for a patched ViT and Swin. In this test
+    session earlier tests have run eagerly, so this runs in a fresh interpreter."""
+    import os
+    import subprocess
+    pytest.importorskip("timm")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", _FIRST_CALL_SCRIPT], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
 _STATIC_SCRIPT = r"""
 import time, torch, timm, elsa_vision
 from torch._inductor.async_compile import AsyncCompile
