@@ -36,8 +36,9 @@ from .registry import Adapter, PatchState, check_flag, hooked, is_patched
 
 # Below this many residual-stream elements a block call is paced by the host, not the GPU: the fused
 # launches (two a block, three with a LayerScale after the MLP) then cost more host time than the
-# block's own ops (a few tens of microseconds a block), and the GPU time they save is smaller. Measured on an H200 with eager attention calls
-# replayed from C++ (bf16 inference at 224 px against timm's SDPA path, with the passes / without):
+# block's own ops (a few tens of microseconds a block), and the GPU time they save is smaller.
+# Measured on an H200 with eager attention calls replayed from C++ (bf16 inference at 224 px against
+# timm's SDPA path, with the passes / without; the MLP residual then a launch too):
 # at 4.8M elements ViT-S batch 64 0.89× / 1.02× and ViT-B batch 32 0.80× / 0.97×; at 9.7M ViT-S
 # batch 128 1.13× / 1.07× and ViT-B batch 64 1.25× / 1.07× (vit_fwd_replay_nofuse.csv,
 # vit_b_fwd_min_work.csv, vit_s_fwd_min_work.csv). VGGT is above it from eight frames.
