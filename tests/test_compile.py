@@ -418,6 +418,18 @@ def test_inductor_training_step_of_patched_timm(name, kw, size):
     torch._dynamo.reset()
 
 
+def _fresh_interpreter(script: str, **env):
+    """Run ``script`` in a new Python process at the repository root (``env``: variables to set, or
+    with None to remove)."""
+    import os
+    import subprocess
+    full = {**os.environ, **{k: v for k, v in env.items() if v is not None}}
+    for k in (k for k, v in env.items() if v is None):
+        full.pop(k, None)
+    return subprocess.run([sys.executable, "-c", script], env=full, cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=900)
+
+
 _FIRST_CALL_SCRIPT = r"""
 import torch, timm, elsa_vision
 torch.manual_seed(0)
@@ -437,13 +449,8 @@ def test_fullgraph_when_the_first_call_is_compiled():
     """A compiled call that is the process's first (nothing run eagerly before it: the kernel modules
     not yet imported by the dispatch layer) is one graph for a patched ViT and Swin. In this test
     session earlier tests have run eagerly, so this runs in a fresh interpreter."""
-    import os
-    import subprocess
     pytest.importorskip("timm")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", _FIRST_CALL_SCRIPT], env=env, cwd=root, capture_output=True,
-                       text=True, timeout=900)
+    r = _fresh_interpreter(_FIRST_CALL_SCRIPT)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
@@ -484,15 +491,10 @@ def test_static_launcher_switch_reaches_the_compile_workers():
     workers (default settings; the script waits until they are up, so that they, not the parent,
     compile the kernels) give every ELSA kernel of a Swin training step and an attention call its
     static launcher, and the gradients are the eager step's."""
-    import os
-    import subprocess
     pytest.importorskip("timm")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS": "1",
-           "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}  # (compiled here, not loaded from an earlier run)
-    env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
-    r = subprocess.run([sys.executable, "-c", _STATIC_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
-                       timeout=900)
+    r = _fresh_interpreter(_STATIC_SCRIPT, TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS="1",
+                           TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",  # (compiled here, not loaded from an earlier run)
+                           TORCHINDUCTOR_COMPILE_THREADS=None)
     assert r.returncode == 0, r.stderr[-3000:]
     listing = [line[len("LAUNCHERS="):] for line in r.stdout.splitlines() if line.startswith("LAUNCHERS=")]
     assert listing and listing[0], f"no user-defined kernel was loaded: {r.stdout[-2000:]}"
