@@ -3,13 +3,17 @@
 Every benchmark script builds a list of *cases*; each case has several *variants* (ELSA and the
 baselines) that compute the same thing. ``measure`` runs the variants of one case interleaved —
 warm-up, then rounds of one call of each variant in turn — so clock and thermal drift hit every
-variant alike, and reports the median time per variant.
+variant alike, and reports the median time per variant. ``paired_ratio`` turns two variants' rounds
+into a speedup with a confidence interval: where a step is paced by a host whose speed drifts,
+two runs of the same code can differ by more than a change does, and the interval says whether a
+ratio is distinguishable from parity in that run.
 """
 from __future__ import annotations
 
 import csv
 import datetime as _dt
 import gc
+import math
 import os
 import platform
 import random
@@ -115,6 +119,30 @@ class Result:
     ms: Optional[float]          # median; None if it failed (OOM, unsupported)
     peak_bytes: Optional[int]
     error: str = ""
+    samples: tuple = ()          # ms of each timed round, in round order (paired across the variants of a case)
+
+
+def paired_ratio(base: Result, new: Result, level: float = 0.95) -> Optional[tuple[float, float, float]]:
+    """(median, lo, hi) of the per-round speedups base_r / new_r of two variants measured in the same
+    rounds of :func:`measure` (paired: one round's calls ran back to back, so drift between rounds
+    cancels in each ratio). [lo, hi] is the distribution-free confidence interval of that median at
+    ``level`` — the order statistics of the sorted ratios that a Binomial(n, ½) count bounds (for
+    n = 15 rounds at 95%: the 4th and the 12th). None when either variant failed or they have fewer
+    than 6 rounds in common (no interval at 95% below that)."""
+    n = min(len(base.samples), len(new.samples))
+    if base.ms is None or new.ms is None or n < 6:
+        return None
+    ratios = sorted(b / e for b, e in zip(base.samples[:n], new.samples[:n]))
+    # the largest k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2: [ratios[k - 1], ratios[n - k]]
+    tail, cdf, k = (1.0 - level) / 2.0, 0.0, 0
+    while True:
+        nxt = cdf + math.comb(n, k) / 2.0 ** n
+        if nxt > tail:
+            break
+        cdf, k = nxt, k + 1
+    if k == 0:
+        return None
+    return statistics.median(ratios), ratios[k - 1], ratios[n - k]
 
 
 def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 10,
@@ -156,7 +184,7 @@ def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, round
         r += 1
         if r > 10 * max(rounds, 1):
             break
-    out = {n: Result(n, statistics.median(t), peaks.get(n)) for n, t in times.items()}
+    out = {n: Result(n, statistics.median(t), peaks.get(n), samples=tuple(t)) for n, t in times.items()}
     for n, e in errors.items():
         out[n] = Result(n, None, None, e)
     return out

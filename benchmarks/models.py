@@ -35,7 +35,10 @@ A training step is forward + backward + SGD step. fp32 runs with ``torch.set_flo
 ("highest")`` (native attention is true fp32; ELSA's "auto" runs its float32-accurate fp16x3 mode);
 pass ``--matmul high`` to let both use TF32 (ELSA's ``tf32`` mode). Columns: median latency (ms) and
 peak memory above the weights (MiB) per variant, ``speedup_vs_<baseline>`` = baseline ms / ELSA ms
-(> 1: ELSA faster), ``mem_vs_<baseline>`` = ELSA MiB / baseline MiB, and for forward cases
+(> 1: ELSA faster), with ``speedup_vs_<baseline>_lo`` / ``_hi`` the 95% confidence interval of the
+median of the per-round ratios (``round_speedup_vs_<baseline>``; rounds are interleaved, so each
+round's ratio is paired: ``harness.paired_ratio``) — an interval that holds 1 does not tell the
+two apart in that run, ``mem_vs_<baseline>`` = ELSA MiB / baseline MiB, and for forward cases
 ``max_diff`` = max |ELSA − fused (or unfused)| of the outputs. A variant that runs out of memory
 is recorded with its error and the others still run. ``--graphs`` adds each variant replayed from a
 CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<baseline>``): a training step of a small
@@ -66,7 +69,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import (fmt_table, host_time, measure, measure_graphed, native_ready,  # noqa: E402
+from benchmarks.harness import (fmt_table, host_time, measure, measure_graphed, native_ready, paired_ratio,  # noqa: E402
                                 profile_rows, results_dir, write_csv)
 
 import elsa_vision  # noqa: E402
@@ -312,6 +315,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         r = res.get(b)
         if r is not None and r.ms and e.ms:
             row[f"speedup_vs_{b}"] = r.ms / e.ms
+            ci = paired_ratio(r, e)
+            if ci is not None:  # (the per-round ratios' median and its 95% interval)
+                row[f"round_speedup_vs_{b}"], row[f"speedup_vs_{b}_lo"], row[f"speedup_vs_{b}_hi"] = ci
             if nofuse is not None and res["elsa_nofuse"].ms:
                 row[f"nofuse_speedup_vs_{b}"] = r.ms / res["elsa_nofuse"].ms
         if r is not None and r.peak_bytes and e.peak_bytes:
@@ -380,7 +386,10 @@ def plot(rows: list[dict], path: Path) -> None:
         xs = range(len(rs))
         for i, b in enumerate(BASELINES):
             ys = [r.get(f"speedup_vs_{b}") or 0.0 for r in rs]
-            ax.bar([x + (i - 0.5) * 0.4 for x in xs], ys, width=0.4, label=f"vs timm {b}")
+            # the per-round ratios' 95% interval as an error bar (no bar where there is none)
+            err = [[max(0.0, y - r[f"speedup_vs_{b}_lo"]) if f"speedup_vs_{b}_lo" in r else 0.0 for y, r in zip(ys, rs)],
+                   [max(0.0, r[f"speedup_vs_{b}_hi"] - y) if f"speedup_vs_{b}_hi" in r else 0.0 for y, r in zip(ys, rs)]]
+            ax.bar([x + (i - 0.5) * 0.4 for x in xs], ys, width=0.4, label=f"vs timm {b}", yerr=err, capsize=2)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"{r['model']} {r['size']} b{r['batch']}" for r in rs], rotation=60, ha="right", fontsize=7)
@@ -472,7 +481,8 @@ def main(argv=None) -> int:
                              a.static_launch, a.python_host))
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
-            "speedup_vs_unfused", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
+            "speedup_vs_fused_lo", "speedup_vs_fused_hi", "speedup_vs_unfused", "speedup_vs_unfused_lo",
+            "speedup_vs_unfused_hi", "elsa_mib", "fused_mib", "unfused_mib", "max_diff"]
     if a.nofuse is not None:
         cols += ["elsa_nofuse_ms", "nofuse_speedup_vs_fused", "nofuse_speedup_vs_unfused"]
     if a.graphs:

@@ -110,9 +110,39 @@ def test_host_time_counts_the_calls_own_time_not_the_rest():
     assert len(calls) == 5 and 4.5 <= ms < 50
 
 
+def test_paired_ratio_interval_is_the_binomial_order_statistics():
+    """The speedup's interval: the per-round ratios base_r / new_r, sorted, between the order
+    statistics a Binomial(n, ½) count bounds at 95% (n = 15: the 4th and 12th; n = 6: the extremes);
+    none under 6 rounds or for a failed variant. Rounds pair by index: a slow round on both sides
+    cancels in its ratio, where the ratio of the two medians would not see it."""
+    new = harness.Result("new", 1.0, None, samples=(1.0,) * 15)
+    base = harness.Result("base", 1.07, None, samples=tuple(1.0 + 0.01 * i for i in range(15)))
+    med, lo, hi = harness.paired_ratio(base, new)
+    assert (med, lo, hi) == pytest.approx((1.07, 1.03, 1.11))
+    six = harness.paired_ratio(harness.Result("b", 1.0, None, samples=(3, 1, 2, 6, 5, 4)),
+                               harness.Result("n", 1.0, None, samples=(1,) * 6))
+    assert six == pytest.approx((3.5, 1.0, 6.0))
+    assert harness.paired_ratio(harness.Result("b", 1.0, None, samples=(1.0,) * 5), new) is None
+    assert harness.paired_ratio(harness.Result("b", None, None, error="OOM"), new) is None
+    # drift: both sides twice as slow in half the rounds; each round's ratio is 1.25
+    drift = tuple(2.0 if i % 2 else 1.0 for i in range(8))
+    paired = harness.paired_ratio(harness.Result("b", 1.0, None, samples=tuple(1.25 * t for t in drift)),
+                                  harness.Result("n", 1.0, None, samples=drift))
+    assert paired == pytest.approx((1.25, 1.25, 1.25))
+
+
+def test_measure_keeps_each_rounds_time_in_round_order():
+    """Result.samples: one time per round for every variant (what paired_ratio pairs), their median the
+    reported time."""
+    import statistics
+    res = harness.measure({"a": lambda: None, "b": lambda: None}, warmup=1, rounds=7, memory=False)
+    for r in res.values():
+        assert len(r.samples) == 7 and r.ms == statistics.median(r.samples)
+
+
 def test_models_benchmark_host_columns(tmp_path, monkeypatch):
     """benchmarks/models.py --host: each variant's host time and its share of the wall time, on a
-    patched ViT-T small enough for the interpreter. (On the CPU every call is the host's and the
+    patched ViT-T small enough for the interpreter, and the speedups' per-round intervals. (On the CPU every call is the host's and the
     share is about one, but the two timings are separate calls on a shared machine: only their
     ratio's bookkeeping is checked.)"""
     pytest.importorskip("timm")
@@ -120,12 +150,17 @@ def test_models_benchmark_host_columns(tmp_path, monkeypatch):
     from benchmarks import models
     monkeypatch.setenv("ELSA_RESULTS_DIR", str(tmp_path))
     models.main(["--models", "ViT-T", "--sizes", "32", "--batches", "2", "--modes", "fwd", "--dtypes", "bf16",
-                 "--warmup", "1", "--rounds", "3", "--host", "--device", "cpu", "--name", "host"])
+                 "--warmup", "1", "--rounds", "6", "--budget-s", "0", "--host", "--device", "cpu",
+                 "--name", "host"])
     (row,) = list(csv.DictReader(open(tmp_path / "host.csv")))
     for v in ("elsa", "fused", "unfused"):
         host, wall = float(row[f"{v}_host_ms"]), float(row[f"{v}_ms"])
         assert host > 0 and wall > 0, row
         assert float(row[f"{v}_host_share"]) == pytest.approx(host / wall), row
+    # six rounds: the per-round ratios' interval (their extremes) around their median
+    for b in ("fused", "unfused"):
+        lo, mid, hi = (float(row[k]) for k in (f"speedup_vs_{b}_lo", f"round_speedup_vs_{b}", f"speedup_vs_{b}_hi"))
+        assert 0 < lo <= mid <= hi, row
 
 
 def test_models_benchmark_nofuse_options(tmp_path, monkeypatch):
