@@ -69,8 +69,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import (fmt_table, host_time, measure, measure_graphed, native_ready, paired_ratio,  # noqa: E402
-                                profile_rows, results_dir, write_csv)
+from benchmarks.harness import (fmt_table, host_time, measure, measure_graphed, native_ready,  # noqa: E402
+                                paired_ratio, profile_rows, results_dir, write_csv)
 
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters.blocks import PreNormBlock  # noqa: E402
@@ -386,9 +386,10 @@ def plot(rows: list[dict], path: Path) -> None:
         xs = range(len(rs))
         for i, b in enumerate(BASELINES):
             ys = [r.get(f"speedup_vs_{b}") or 0.0 for r in rs]
-            # the per-round ratios' 95% interval as an error bar (no bar where there is none)
-            err = [[max(0.0, y - r[f"speedup_vs_{b}_lo"]) if f"speedup_vs_{b}_lo" in r else 0.0 for y, r in zip(ys, rs)],
-                   [max(0.0, r[f"speedup_vs_{b}_hi"] - y) if f"speedup_vs_{b}_hi" in r else 0.0 for y, r in zip(ys, rs)]]
+            # the per-round ratios' 95% interval as an error bar (none where a row has no interval)
+            lo = [max(0.0, y - r.get(f"speedup_vs_{b}_lo", y)) for y, r in zip(ys, rs)]
+            hi = [max(0.0, r.get(f"speedup_vs_{b}_hi", y) - y) for y, r in zip(ys, rs)]
+            err = [lo, hi]
             ax.bar([x + (i - 0.5) * 0.4 for x in xs], ys, width=0.4, label=f"vs timm {b}", yerr=err, capsize=2)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(list(xs))

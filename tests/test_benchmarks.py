@@ -142,9 +142,9 @@ def test_measure_keeps_each_rounds_time_in_round_order():
 
 def test_models_benchmark_host_columns(tmp_path, monkeypatch):
     """benchmarks/models.py --host: each variant's host time and its share of the wall time, on a
-    patched ViT-T small enough for the interpreter, and the speedups' per-round intervals. (On the CPU every call is the host's and the
-    share is about one, but the two timings are separate calls on a shared machine: only their
-    ratio's bookkeeping is checked.)"""
+    patched ViT-T small enough for the interpreter, and the speedups' per-round intervals. (On the
+    CPU every call is the host's and the share is about one, but the two timings are separate calls
+    on a shared machine: only their ratio's bookkeeping is checked.)"""
     pytest.importorskip("timm")
     import csv
     from benchmarks import models
