@@ -32,7 +32,7 @@ from torch import nn
 
 from ..dispatch import autocast_dtype, triton_serves
 from ..kernels.limits import RESIDUAL_DTYPES, RESIDUAL_MAX_WIDTH
-from .registry import Adapter, PatchState, check_flag, hooked, is_patched
+from .registry import Adapter, PatchState, adapter_of, module_attr, replaced, state_of, check_flag, hooked, is_patched
 
 # Below this many residual-stream elements a block call is paced by the host, not the GPU: the fused
 # launches (two a block, three with a LayerScale after the MLP) then cost more host time than the
@@ -70,7 +70,7 @@ def _layer_scale(ls: nn.Module, width: int) -> bool:
         return True
     gamma = getattr(ls, "gamma", None)
     return (type(ls).__name__ == "LayerScale" and isinstance(gamma, torch.Tensor)
-            and tuple(gamma.shape) == (width,) and "forward" not in ls.__dict__)
+            and tuple(gamma.shape) == (width,) and not replaced(ls))
 
 
 def _layer_norm(norm: nn.Module) -> bool:
@@ -152,12 +152,12 @@ class PreNormBlock(Adapter):
         mods = block._modules
         n1, ls1, d1, n2, ls2, d2 = parts = (mods["norm1"], mods["ls1"], mods["drop_path1"], mods["norm2"],
                                             mods["ls2"], mods["drop_path2"])
-        if not (_inert(d1) and _inert(d2)) or (block.training and block.__dict__.get("sample_drop_ratio", 0.0) > 0):
+        if not (_inert(d1) and _inert(d2)) or (block.training and module_attr(block, "sample_drop_ratio", 0.0) > 0):
             return "drop-path in training"
-        if n1.__dict__.get("_fast_norm", False) or n2.__dict__.get("_fast_norm", False):
+        if module_attr(n1, "_fast_norm", False) or module_attr(n2, "_fast_norm", False):
             return "timm's fast norm"
         for m in parts:  # (backward hooks too: a call autograd records runs the fused passes' backward)
-            if hooked(m, global_hooks=False, backward=True) or "forward" in m.__dict__:
+            if hooked(m, global_hooks=False, backward=True) or replaced(m):
                 return "hooks or a replaced forward on a norm, LayerScale or drop-path"
         if hooked(None, backward=True):
             return "global module hooks (they would see the norms' calls)"
@@ -189,8 +189,7 @@ def serves(block: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``block`` is patched by a :class:`PreNormBlock` adapter that serves a call on ``x``
     (callers that run a block's parts themselves, VGGT's lean mode, then use the functions below,
     so that their values are the patched block's bitwise)."""
-    state = block.__dict__.get("_elsa")
-    return (is_patched(block) and isinstance(state.adapter, PreNormBlock)
+    return (is_patched(block) and isinstance(adapter_of(state_of(block)), PreNormBlock)
             and PreNormBlock.why_not(block, x) is None)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import importlib.util
+import types
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -82,28 +83,74 @@ class Adapter:
         raise NotImplementedError
 
 
-@dataclass
-class PatchState:
-    """Stored on a patched module as ``module._elsa``. The counters count eager calls: inside a
-    ``torch.compile``d graph a counter would be a guarded constant, and the graph would be
-    recompiled at every call (until dynamo's recompile limit sends the model back to eager)."""
-    adapter: Adapter
-    original: Callable                  # the module's bound forward before patching
-    options: dict
-    calls: int = 0
-    delegated: int = 0
-    delegate_reasons: dict = field(default_factory=dict)
-    memo: dict = field(default_factory=dict)  # what the adapter keeps between this module's calls
+# Every adapter a module was bound to, by the key its PatchState holds. A patched forward finds its
+# adapter here rather than through an attribute of the module's state: see PatchState.
+_BOUND: list[Adapter] = []
+
+
+def _key_of(adapter: Adapter) -> int:
+    for i, a in enumerate(_BOUND):
+        if a is adapter or (type(a) is type(adapter) and a.__dict__ == adapter.__dict__):
+            return i
+    _BOUND.append(adapter)
+    return len(_BOUND) - 1
+
+
+class PatchState(torch.nn.Module):
+    """Stored on a patched module as ``module._elsa`` (in its ``__dict__``, not as a submodule: it
+    holds no parameters, and ``modules()`` / ``state_dict()`` do not see it). The counters count
+    eager calls: inside a ``torch.compile``d graph a counter would be a guarded constant, and the
+    graph would be recompiled at every call (until dynamo's recompile limit sends the model back to
+    eager).
+
+    Why an ``nn.Module`` holding the adapter's key, not a plain object holding the adapter: a
+    compiled graph checks its guards before every call, and dynamo skips the guards of a whole
+    module subtree whose dicts are unchanged since the last call only where every object a trace
+    reads under it is a module, a dict, a function, a type or an immutable value. A plain object
+    on the module (the state, the adapter, the patched forward) made each patched block's guards
+    run in full at every call. So what a trace reads here is ``key`` (an int; :func:`adapter_of`
+    finds the adapter in a module-level table, whose guards run once a call, not once a block),
+    ``method``, ``options`` and ``memo`` (dicts of plain values)."""
+
+    def __init__(self, adapter: Adapter, module: torch.nn.Module, options: dict, memo: Optional[dict] = None):
+        super().__init__()
+        original = getattr(module, adapter.method)  # the module's bound forward before patching
+        bound = isinstance(original, types.MethodType) and original.__self__ is module
+        # (the instance dict directly: nn.Module.__setattr__ is Python on every write; the original as
+        # its function and the module, not as a bound method: a trace that reads a bound method reads
+        # its __self__, which no dict tag covers)
+        self.__dict__.update(adapter=adapter, key=_key_of(adapter), method=adapter.method,
+                             function=original.__func__ if bound else original, owner=module if bound else None,
+                             options=options, calls=0, delegated=0, delegate_reasons={},
+                             memo={} if memo is None else memo)  # what the adapter keeps between calls
+
+    @property
+    def original(self) -> Callable:
+        """The module's forward (or adapter ``method``) as it was before patching."""
+        return self.function if self.owner is None else types.MethodType(self.function, self.owner)
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy (copy.deepcopy, torch.load) holds a copy of the adapter: its key is the registered
+        # one it equals, if any (so that copies do not add entries), else a new one
+        super().__setstate__(state)
+        self.__dict__["key"] = _key_of(self.adapter)
 
     def count_call(self) -> None:
         if not torch.compiler.is_compiling():
-            self.calls += 1
+            self.__dict__["calls"] += 1
 
     def delegate(self, *args, reason: str = "unsupported input", **kwargs):
         if not torch.compiler.is_compiling():
-            self.delegated += 1
+            self.__dict__["delegated"] += 1
             self.delegate_reasons[reason] = self.delegate_reasons.get(reason, 0) + 1
-        return self.original(*args, **kwargs)
+        if self.owner is None:
+            return self.function(*args, **kwargs)
+        return self.function(self.owner, *args, **kwargs)
+
+
+def adapter_of(state: PatchState) -> Adapter:
+    """The adapter ``state``'s module was patched with (read through the key: see PatchState)."""
+    return _BOUND[state.key]
 
 
 @dataclass
@@ -323,6 +370,14 @@ def hooked(module: Optional[torch.nn.Module], *, global_hooks: bool = True, back
         backward and (glob._global_backward_hooks or glob._global_backward_pre_hooks)))
 
 
+@torch.compiler.assume_constant_result
+def _tag_guards() -> bool:
+    # (a constant of the trace, not a guard on dynamo's config: both branches that read it give the
+    # same values, only the guards they leave differ)
+    import torch._dynamo.config
+    return bool(getattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", False))
+
+
 def module_attr(module: torch.nn.Module, name: str, default=None):
     """``getattr(module, name, default)`` for a name a module may lack, depending on its version:
     looked up in the module's dicts (instance attributes, parameters, buffers, submodules), then on
@@ -330,9 +385,16 @@ def module_attr(module: torch.nn.Module, name: str, default=None):
     and a graph torch.compile traces guards on the miss by asking again before every call: an
     exception raised and caught in Python per name and module, more than all of timm's own guards
     together for a ViT (docs/RESULTS.md, "Guards of compiled patched models")."""
-    for found in (module.__dict__, module._parameters, module._buffers, module._modules):
+    if not _traced_with_tags():
+        if name in module.__dict__:
+            return module.__dict__[name]
+    for found in (module._parameters, module._buffers, module._modules):
         if name in found:
             return found[name]
+    if _traced_with_tags():
+        # (not from module.__dict__ by name: see state_of. A name the module lacks then leaves a
+        # guard that asks nn.Module.__getattr__ at every call)
+        return getattr(module, name, default)
     # (a class attribute or property: asked of the class, whose lookup of a missing name stays in C)
     return getattr(module, name) if hasattr(type(module), name) else default
 
@@ -346,36 +408,35 @@ def bypass_reason(module: torch.nn.Module, skipped: Sequence[str] = ("attn_drop"
     if drop is not None and getattr(drop, "p", 0.0) > 0 and (module.training or drop.training):
         return "attention dropout in training"
     for name in skipped:
-        child = module_attr(module, name)
-        if isinstance(child, torch.nn.Module) and hooked(child, global_hooks=False):
+        child = module._modules.get(name)  # (a child module, or none: hooks are a module's)
+        if child is not None and hooked(child, global_hooks=False):
             return f"hooks on {name}, which ELSA's forward does not call"
     return None
 
 
-class _PatchedForward:
+class _PatchedForward(torch.nn.Module):
     """The forward (or adapter ``method``) a patched module carries as an instance attribute. The state is looked up on the
     module at each call (not captured), and copying or pickling rebuilds it around the copied
     module (``__reduce__``): copy.deepcopy of a patched model (EMA copies, model soups) gives a copy
     whose forward, delegation target and counters are its own, and torch.save / torch.load of a
     patched model loads patched."""
 
-    __slots__ = ("module",)
-
     def __init__(self, module: torch.nn.Module):
-        self.module = module
+        super().__init__()
+        self.__dict__["module"] = module  # (not a submodule: the module holds this, not the reverse)
 
-    def __call__(self, *args, **kwargs):
-        state = self.module.__dict__["_elsa"]
+    def __call__(self, *args, **kwargs):  # (not nn.Module's __call__: no hooks of its own, no host time)
+        module = self.module
+        state = module._elsa
         state.count_call()
-        return state.adapter.forward(self.module, state, *args, **kwargs)
+        return _BOUND[state.key].forward(module, state, *args, **kwargs)
 
     def __reduce__(self):
         return (_PatchedForward, (self.module,))
 
 
 def _bind(mod: torch.nn.Module, adapter: Adapter, opts: dict) -> None:
-    state = PatchState(adapter=adapter, original=getattr(mod, adapter.method), options=dict(opts),
-                       memo=adapter.initial_memo(mod, opts))
+    state = PatchState(adapter, mod, options=dict(opts), memo=adapter.initial_memo(mod, opts))
     # object.__setattr__: nn.Module.__setattr__ would try to register these as submodules/params
     object.__setattr__(mod, "_elsa", state)
     object.__setattr__(mod, adapter.method, _PatchedForward(mod))
@@ -383,8 +444,39 @@ def _bind(mod: torch.nn.Module, adapter: Adapter, opts: dict) -> None:
 
 def is_patched(mod: torch.nn.Module) -> bool:
     """Whether ``mod`` is patched and its patched method is still the one ``patch`` bound."""
-    state = mod.__dict__.get("_elsa")
-    return isinstance(state, PatchState) and type(mod.__dict__.get(state.adapter.method)) is _PatchedForward
+    state = state_of(mod)
+    if state is None:
+        return False
+    if _traced_with_tags():  # (a _PatchedForward is only ever an instance's: see state_of)
+        return type(getattr(mod, state.method, None)) is _PatchedForward
+    return type(mod.__dict__.get(state.method)) is _PatchedForward
+
+
+def state_of(mod: torch.nn.Module) -> Optional[PatchState]:
+    """``mod``'s PatchState, None if it is not patched.
+
+    Inside a trace with dynamo's recursive dict tags on (``torch._dynamo.config.
+    use_recursive_dict_tags_for_guards``), read as an attribute, not from ``mod.__dict__`` by name:
+    a trace that reads a module's ``__dict__`` by name makes that module's guards run in full
+    before every call, where otherwise a module subtree whose dicts are unchanged is skipped (see
+    PatchState). (A module without the attribute then leaves a guard that asks
+    ``nn.Module.__getattr__`` before every call: the adapters ask this of modules they patched.)"""
+    state = getattr(mod, "_elsa", None) if _traced_with_tags() else mod.__dict__.get("_elsa")
+    return state if isinstance(state, PatchState) else None
+
+
+def replaced(module: torch.nn.Module, name: str = "forward") -> bool:
+    """Whether ``module`` carries its own ``name`` method on the instance (another library's
+    wrapper), not its class's. Traced with dict tags on: read as an attribute (see state_of)."""
+    if _traced_with_tags():
+        value = getattr(module, name, None)
+        return not (isinstance(value, types.MethodType) and value.__self__ is module
+                    and value.__func__ is getattr(type(module), name, None))
+    return name in module.__dict__
+
+
+def _traced_with_tags() -> bool:
+    return torch.compiler.is_compiling() and _tag_guards()
 
 
 def unpatch(model: torch.nn.Module) -> int:
@@ -401,7 +493,7 @@ def unpatch(model: torch.nn.Module) -> int:
                            "patch() (e.g. a hook library's wrapper); remove that wrapper first, then unpatch. "
                            "No module was restored.")
     for _, mod in found:
-        del mod.__dict__[mod.__dict__["_elsa"].adapter.method]  # (patch skips modules with one of their own)
+        del mod.__dict__[mod.__dict__["_elsa"].method]  # (patch skips modules with one of their own)
         del mod.__dict__["_elsa"]
     return len(found)
 

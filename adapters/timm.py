@@ -78,7 +78,7 @@ from ..api import attention, attention_packed, shifted_window_attention, window_
 from ..dispatch import named_backend_refusal, triton_serves
 from ..kernels.limits import HEAD_DIMS, POSITION_BIAS_DTYPES
 from .blocks import PreNormBlock
-from .registry import Adapter, PatchState, bypass_reason, check_flag, hooked, is_patched, module_attr, register
+from .registry import Adapter, PatchState, adapter_of, state_of, bypass_reason, check_flag, hooked, is_patched, module_attr, register
 
 MIN_TIMM = (1, 0, 20)
 
@@ -642,7 +642,7 @@ class SwinBlock(Adapter):
     def _why_not(block, x) -> Optional[str]:
         """Why this call must run timm's own _attn (None: the fused path serves it)."""
         attn = block.attn
-        if not is_patched(attn) or not isinstance(attn.__dict__["_elsa"].adapter, _SwinBase):
+        if not is_patched(attn) or not isinstance(adapter_of(state_of(attn)), _SwinBase):
             return "its attention module is not patched by ELSA"
         why = _bypass_reason(attn)
         if why:
@@ -660,7 +660,7 @@ class SwinBlock(Adapter):
         if why:
             return state.delegate(x, reason=why)
         attn = block.attn
-        astate = attn.__dict__["_elsa"]
+        astate = state_of(attn)
         B, H, W, _ = x.shape
         (wh, ww), N = block.window_size, block.window_size[0] * block.window_size[1]
         # a map the window does not tile is padded as timm pads it — at the bottom and right, with
@@ -674,7 +674,7 @@ class SwinBlock(Adapter):
         if mask is not None and tuple(mask.shape) != ((IH // wh) * (IW // ww), N, N):
             return state.delegate(x, reason="attn_mask is not [nW, N, N] for this feature map")
         astate.count_call()  # the attention module's call, served here
-        o = astate.adapter._attend_image(attn, astate, astate.adapter._qkv(attn, xp), block.window_size,
+        o = adapter_of(astate)._attend_image(attn, astate, adapter_of(astate)._qkv(attn, xp), block.window_size,
                                          block.shift_size, _float_mask(mask), (H, W) if ph or pw else None)
         o = o.reshape(B, IH, IW, -1)
         if ph or pw:
