@@ -32,7 +32,7 @@ from torch import nn
 
 from ..dispatch import autocast_dtype, triton_serves
 from ..kernels.limits import RESIDUAL_DTYPES, RESIDUAL_MAX_WIDTH
-from .registry import Adapter, PatchState, adapter_of, module_attr, replaced, state_of, check_flag, hooked, is_patched
+from .registry import Adapter, PatchState, adapter_of, check_flag, hooked, is_patched, module_attr, replaced, state_of
 
 # Below this many residual-stream elements a block call is paced by the host, not the GPU: the fused
 # launches (two a block, three with a LayerScale after the MLP) then cost more host time than the

@@ -78,7 +78,8 @@ from ..api import attention, attention_packed, shifted_window_attention, window_
 from ..dispatch import named_backend_refusal, triton_serves
 from ..kernels.limits import HEAD_DIMS, POSITION_BIAS_DTYPES
 from .blocks import PreNormBlock
-from .registry import Adapter, PatchState, adapter_of, state_of, bypass_reason, check_flag, hooked, is_patched, module_attr, register
+from .registry import (Adapter, PatchState, adapter_of, bypass_reason, check_flag, hooked, is_patched, module_attr,
+                       register, state_of)
 
 MIN_TIMM = (1, 0, 20)
 
