@@ -385,13 +385,13 @@ def module_attr(module: torch.nn.Module, name: str, default=None):
     and a graph torch.compile traces guards on the miss by asking again before every call: an
     exception raised and caught in Python per name and module, more than all of timm's own guards
     together for a ViT (docs/RESULTS.md, "Guards of compiled patched models")."""
-    if not _traced_with_tags():
-        if name in module.__dict__:
-            return module.__dict__[name]
+    traced = _traced_with_tags()
+    if not traced and name in module.__dict__:
+        return module.__dict__[name]
     for found in (module._parameters, module._buffers, module._modules):
         if name in found:
             return found[name]
-    if _traced_with_tags():
+    if traced:
         # (not from module.__dict__ by name: see state_of. A name the module lacks then leaves a
         # guard that asks nn.Module.__getattr__ at every call)
         return getattr(module, name, default)
@@ -444,12 +444,10 @@ def _bind(mod: torch.nn.Module, adapter: Adapter, opts: dict) -> None:
 
 def is_patched(mod: torch.nn.Module) -> bool:
     """Whether ``mod`` is patched and its patched method is still the one ``patch`` bound."""
-    state = state_of(mod)
-    if state is None:
-        return False
-    if _traced_with_tags():  # (a _PatchedForward is only ever an instance's: see state_of)
-        return type(getattr(mod, state.method, None)) is _PatchedForward
-    return type(mod.__dict__.get(state.method)) is _PatchedForward
+    traced = _traced_with_tags()
+    state = _instance_attr(mod, "_elsa", traced)
+    # (a _PatchedForward is only ever an instance's, so the attribute is the instance's own)
+    return isinstance(state, PatchState) and type(_instance_attr(mod, state.method, traced)) is _PatchedForward
 
 
 def state_of(mod: torch.nn.Module) -> Optional[PatchState]:
@@ -461,8 +459,13 @@ def state_of(mod: torch.nn.Module) -> Optional[PatchState]:
     before every call, where otherwise a module subtree whose dicts are unchanged is skipped (see
     PatchState). (A module without the attribute then leaves a guard that asks
     ``nn.Module.__getattr__`` before every call: the adapters ask this of modules they patched.)"""
-    state = getattr(mod, "_elsa", None) if _traced_with_tags() else mod.__dict__.get("_elsa")
+    state = _instance_attr(mod, "_elsa", _traced_with_tags())
     return state if isinstance(state, PatchState) else None
+
+
+def _instance_attr(mod: torch.nn.Module, name: str, traced: bool):
+    # an attribute only ever set on instances, by name (see state_of for why as an attribute when traced)
+    return getattr(mod, name, None) if traced else mod.__dict__.get(name)
 
 
 def replaced(module: torch.nn.Module, name: str = "forward") -> bool:

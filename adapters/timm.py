@@ -675,8 +675,9 @@ class SwinBlock(Adapter):
         if mask is not None and tuple(mask.shape) != ((IH // wh) * (IW // ww), N, N):
             return state.delegate(x, reason="attn_mask is not [nW, N, N] for this feature map")
         astate.count_call()  # the attention module's call, served here
-        o = adapter_of(astate)._attend_image(attn, astate, adapter_of(astate)._qkv(attn, xp), block.window_size,
-                                         block.shift_size, _float_mask(mask), (H, W) if ph or pw else None)
+        served = adapter_of(astate)
+        o = served._attend_image(attn, astate, served._qkv(attn, xp), block.window_size,
+                                 block.shift_size, _float_mask(mask), (H, W) if ph or pw else None)
         o = o.reshape(B, IH, IW, -1)
         if ph or pw:
             o = o[:, :H, :W]  # (timm crops the padding's outputs too)
