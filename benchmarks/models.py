@@ -26,7 +26,10 @@ With ``--compile default --static-launch``, also ``elsa_static``: the patched mo
 inductor's static launcher for user-defined Triton kernels (ELSA's) as well as its own
 (:data:`STATIC_LAUNCH_OPTIONS`), against ``elsa`` (Triton's launcher for them, inductor's default):
 ``static_speedup_vs_elsa``, and ``user_kernel_launchers`` (which launcher each user-defined kernel
-inductor loaded got). With ``--python-host``, also ``elsa_python``: the same patched model with its
+inductor loaded got). With ``--compile MODE --with-eager``, also ``elsa_eager``: the patched model (a
+copy) run eagerly in the same rounds, and ``compile_speedup_vs_eager`` (> 1: compiling the patched
+model gains). ``--no-unfused`` leaves out the ``unfused`` baseline where timm's SDPA path exists
+(one compile fewer: ``max-autotune`` compiles take minutes). With ``--python-host``, also ``elsa_python``: the same patched model with its
 eager attention calls on the Python host path rather than replayed from C++ (kernels/native.py),
 and ``native_speedup_vs_python``. On a GPU the native replay is built or loaded before the first
 case (the CSV's ``native`` column says whether it was ready).
@@ -234,7 +237,7 @@ def _on_python_path(fn):
 def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0,
              profile: Optional[list] = None, graphs: bool = False, compile_mode: Optional[str] = None,
              nofuse: Optional[Sequence[str]] = None, host: bool = False, static_launch: bool = False,
-             python_host: bool = False) -> dict:
+             python_host: bool = False, with_eager: bool = False, unfused: bool = True) -> dict:
     """Time one case (ELSA vs timm's paths, interleaved); with ``profile`` (a list), also append one
     profiled call per variant: CUDA time per kernel category and the top kernels; with ``graphs``,
     also time each variant replayed from a CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<b>``);
@@ -244,7 +247,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     (``<variant>_host_share``: near 1, the host paces that variant); with ``static_launch`` (default
     compile mode), also ``elsa_static`` (:data:`STATIC_LAUNCH_OPTIONS`); with ``python_host``, also
     ``elsa_python``: the patched model's eager calls on the Python host path instead of their native
-    replay (kernels/native.py)."""
+    replay (kernels/native.py); with ``with_eager`` (and ``compile_mode``), also ``elsa_eager``: a
+    copy of the patched model run eagerly; ``unfused=False``: no ``unfused`` variant where the
+    ``fused`` one exists."""
     row = {"model": case.model, "size": case.size, "batch": case.batch, "mode": case.mode, "dtype": case.dtype}
     if compile_mode is not None:
         row["compile"] = compile_mode
@@ -260,6 +265,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         if static_launch:
             elsa_st = copy.deepcopy(native)
             elsa_vision.patch(elsa_st, precision=precision)
+        # (a copy: eager calls count on the patched modules' states, which a compiled model's guards
+        # would then see changed)
+        elsa_eager = copy.deepcopy(elsa) if with_eager and compile_mode is not None else None
         x = torch.randn(case.batch, 3, case.size, case.size, device=device)
     except Exception as e:  # noqa: BLE001 - a case that cannot be built is a result
         row["error"] = f"build: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -274,10 +282,13 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
                                           compile_options=STATIC_LAUNCH_OPTIONS)
     if python_host:
         variants["elsa_python"] = _on_python_path(variants["elsa"])
+    if elsa_eager is not None:
+        variants["elsa_eager"] = make_fn(elsa_eager, x, case)
     if has_fused:
         fused_model = copy.deepcopy(native) if compile_mode is not None else native
         variants["fused"] = make_fn(fused_model, x, case, fused=True, compile_mode=compile_mode)
-    variants["unfused"] = make_fn(native, x, case, fused=False, compile_mode=compile_mode)
+    if unfused or not has_fused:
+        variants["unfused"] = make_fn(native, x, case, fused=False, compile_mode=compile_mode)
     # CUDA-graph modes allocate their memory pool while capturing in the warm-up, before the measured
     # call: its peak there says nothing, so no memory columns under them
     graphed_compile = compile_mode in ("reduce-overhead", "max-autotune")
@@ -311,6 +322,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     py = res.get("elsa_python")
     if py is not None and py.ms and e.ms:
         row["native_speedup_vs_python"] = py.ms / e.ms
+    ee = res.get("elsa_eager")
+    if ee is not None and ee.ms and e.ms:
+        row["compile_speedup_vs_eager"] = ee.ms / e.ms
     for b in BASELINES:
         r = res.get(b)
         if r is not None and r.ms and e.ms:
@@ -361,7 +375,7 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     delegated = sum(s.delegated for _, s in patched_modules(elsa) if not isinstance(s.adapter, PreNormBlock))
     if delegated:
         row["delegated_calls"] = delegated
-    del native, elsa, variants, x
+    del native, elsa, elsa_eager, variants, x
     if nofuse is not None:
         del elsa_nf
     if static_launch:
@@ -443,12 +457,20 @@ def main(argv=None) -> int:
     ap.add_argument("--static-launch", action="store_true",
                     help="with --compile default: also ELSA compiled with inductor's static launcher for its "
                          "kernels (variant elsa_static; static_speedup_vs_elsa, user_kernel_launchers)")
+    ap.add_argument("--with-eager", action="store_true",
+                    help="with --compile: also the patched model run eagerly in the same rounds (variant "
+                         "elsa_eager; compile_speedup_vs_eager > 1: compiling it gains)")
+    ap.add_argument("--no-unfused", action="store_true",
+                    help="leave out timm's explicit-softmax baseline where its SDPA path exists (one compile "
+                         "fewer under --compile)")
     ap.add_argument("--python-host", action="store_true",
                     help="also the patched model with its eager calls on the Python host path instead of their "
                          "native replay (variant elsa_python; native_speedup_vs_python)")
     a = ap.parse_args(argv)
     if a.static_launch and a.compile != "default":
         ap.error("--static-launch compares launchers of compiled steps: pass --compile default")
+    if a.with_eager and not a.compile:
+        ap.error("--with-eager compares a compiled patched model with its eager run: pass --compile MODE")
     if a.compile and a.graphs:
         ap.error("--compile and --graphs measure different things; pick one (reduce-overhead already replays "
                  "CUDA graphs)")
@@ -479,7 +501,7 @@ def main(argv=None) -> int:
         print(f"[{i + 1}/{len(cases)}] {c.label}", flush=True)
         rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision, 1e3 * a.budget_s,
                              prof_rows if a.profile else None, a.graphs, a.compile, a.nofuse, a.host,
-                             a.static_launch, a.python_host))
+                             a.static_launch, a.python_host, a.with_eager, not a.no_unfused))
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
             "speedup_vs_fused_lo", "speedup_vs_fused_hi", "speedup_vs_unfused", "speedup_vs_unfused_lo",
@@ -496,6 +518,8 @@ def main(argv=None) -> int:
         cols += ["elsa_static_ms", "static_speedup_vs_elsa"]
     if a.python_host:
         cols += ["elsa_python_ms", "native_speedup_vs_python"]
+    if a.with_eager:
+        cols += ["elsa_eager_ms", "compile_speedup_vs_eager"]
     if a.host:
         cols += [f"{v}_host_share" for v in ("elsa", *BASELINES)]
     print(fmt_table(rows, cols))
