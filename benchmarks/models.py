@@ -50,7 +50,9 @@ replayed, the GPU does (what a captured step or ``torch.compile(mode="reduce-ove
 ``--compile MODE`` runs every variant under ``torch.compile`` instead (``default``, ``reduce-overhead``
 or ``max-autotune``; compiled during the warm-up calls, the optimizer step eager), in a ``compile``
 column and a ``_compile_<mode>`` file name; no memory columns in the two modes that capture CUDA
-graphs (their pools are allocated while capturing, in the warm-up). ``--host`` adds each variant's
+graphs (their pools are allocated while capturing, in the warm-up), and in those two modes
+``<variant>_cudagraph_skips``: the variant's graphs inductor left out of CUDA graphs (0: every graph
+replayed from one). ``--host`` adds each variant's
 host time per call — started with the GPU idle, not waited for: its Python, dispatch and launches
 (``<variant>_host_ms``) — and that time's share of the wall time (``<variant>_host_share``): near 1,
 the host paces the variant and its ratio moves with the host's speed, not the GPU's.
@@ -224,6 +226,21 @@ def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None
     return step
 
 
+def _counting_skips(name: str, fn, skips: dict):
+    """``fn`` adding to ``skips[name]`` the graphs inductor compiled during its calls but left out of
+    CUDA graphs (dynamo's ``cudagraph_skips`` counter; the reason goes to the ``perf_hints`` log)."""
+    def skipped() -> int:  # (read afresh: whoever clears dynamo's counters drops the Counter)
+        return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+    def f():
+        before = skipped()
+        try:
+            return fn()
+        finally:
+            skips[name] = skips.get(name, 0) + skipped() - before
+    return f
+
+
 def _on_python_path(fn):
     """``fn`` with its eager calls on the Python host path (kernels/native.py's python_path)."""
     from elsa_vision.kernels import native
@@ -296,6 +313,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         torch._dynamo.reset()
         counters = torch._dynamo.utils.counters
         counters.clear()
+    skips: dict[str, int] = {}
+    if graphed_compile:  # (whether each variant's graphs were captured, or inductor ran them without)
+        variants = {n: _counting_skips(n, f, skips) for n, f in variants.items()}
     res = measure(variants, warmup=warmup, rounds=rounds, budget_ms=budget_ms, memory=not graphed_compile)
     if compile_mode is not None:
         # every variant compiles in its warm-up; a graph compiled after that, or a graph break, means
@@ -305,6 +325,8 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         for f in variants.values():
             f()
         row["steady"] = counters["stats"]["unique_graphs"] == row["graphs_compiled"] and not row["graph_breaks"]
+        for n in variants if graphed_compile else ():
+            row[f"{n}_cudagraph_skips"] = skips.get(n, 0)
         if static_launch:
             row["user_kernel_launchers"] = user_kernel_launchers()
     for name, r in res.items():
@@ -514,6 +536,8 @@ def main(argv=None) -> int:
             cols += ["nofuse_graph_speedup_vs_fused", "nofuse_graph_speedup_vs_unfused"]
     if a.compile:
         cols += ["graphs_compiled", "graph_breaks", "steady"]
+        if a.compile != "default":
+            cols += ["elsa_cudagraph_skips", "fused_cudagraph_skips"]
     if a.static_launch:
         cols += ["elsa_static_ms", "static_speedup_vs_elsa"]
     if a.python_host:

@@ -508,19 +508,33 @@ def test_models_benchmark_static_launch_variant(tmp_path, monkeypatch):
 def test_models_benchmark_with_eager_and_no_unfused(tmp_path, monkeypatch):
     """benchmarks/models.py --compile MODE --with-eager --no-unfused: an elsa_eager variant (a copy of
     the patched model, not compiled) with compile_speedup_vs_eager in the row, no unfused variant
-    (one compile fewer), torch.compile called for elsa and fused only (recorded and left out here);
-    --with-eager refused without --compile."""
+    (one compile fewer), torch.compile called for elsa and fused only (recorded and left out here),
+    each variant's CUDA-graph skips counted during its own calls; --with-eager refused without
+    --compile."""
     pytest.importorskip("timm")
     import csv
     from benchmarks import models
     compiled = []
-    monkeypatch.setattr(models.torch, "compile", lambda model, **kw: compiled.append(model) or model)
+    skips = models.torch._dynamo.utils.counters
+
+    def compile(model, **kw):  # (the first model compiled, ELSA's, reports a CUDA-graph skip per call)
+        compiled.append(model)
+        if len(compiled) > 1:
+            return model
+
+        def run(*args):
+            skips["inductor"]["cudagraph_skips"] += 1
+            return model(*args)
+        return run
+    monkeypatch.setattr(models.torch, "compile", compile)
     monkeypatch.setenv("ELSA_RESULTS_DIR", str(tmp_path))
     models.main(["--models", "ViT-T", "--sizes", "32", "--batches", "2", "--modes", "fwd", "--dtypes", "bf16",
                  "--warmup", "1", "--rounds", "2", "--device", "cpu", "--name", "eager", "--compile",
                  "max-autotune", "--with-eager", "--no-unfused"])
     (row,) = list(csv.DictReader(open(tmp_path / "eager.csv")))
     assert float(row["elsa_eager_ms"]) > 0, row
+    # (every call of the compiled ELSA model counted, none of the others')
+    assert int(row["elsa_cudagraph_skips"]) >= 3 and row["fused_cudagraph_skips"] == "0", row
     assert float(row["compile_speedup_vs_eager"]) == pytest.approx(float(row["elsa_eager_ms"]) / float(row["elsa_ms"]))
     assert not row.get("unfused_ms") and float(row["fused_ms"]) > 0, row
     assert len(compiled) == 2 and compiled[0] is not compiled[1]
