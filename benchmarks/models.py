@@ -29,9 +29,9 @@ inductor's static launcher for user-defined Triton kernels (ELSA's) as well as i
 inductor loaded got). With ``--compile MODE --with-eager``, also ``elsa_eager``: the patched model (a
 copy) run eagerly in the same rounds, and ``compile_speedup_vs_eager`` (> 1: compiling the patched
 model gains). ``--no-unfused`` leaves out the ``unfused`` baseline where timm's SDPA path exists
-(one compile fewer: ``max-autotune`` compiles take minutes). With ``--python-host``, also ``elsa_python``: the same patched model with its
-eager attention calls on the Python host path rather than replayed from C++ (kernels/native.py),
-and ``native_speedup_vs_python``. On a GPU the native replay is built or loaded before the first
+(one compile fewer: ``max-autotune`` compiles take minutes). With ``--python-host``, also
+``elsa_python``: the same patched model with its eager attention calls on the Python host path
+rather than replayed from C++ (kernels/native.py), and ``native_speedup_vs_python``. On a GPU the native replay is built or loaded before the first
 case (the CSV's ``native`` column says whether it was ready).
 
 A training step is forward + backward + SGD step. fp32 runs with ``torch.set_float32_matmul_precision
@@ -52,10 +52,10 @@ or ``max-autotune``; compiled during the warm-up calls, the optimizer step eager
 column and a ``_compile_<mode>`` file name; no memory columns in the two modes that capture CUDA
 graphs (their pools are allocated while capturing, in the warm-up), and in those two modes
 ``<variant>_cudagraph_skips``: the variant's graphs inductor left out of CUDA graphs (0: every graph
-replayed from one). ``--host`` adds each variant's
-host time per call — started with the GPU idle, not waited for: its Python, dispatch and launches
-(``<variant>_host_ms``) — and that time's share of the wall time (``<variant>_host_share``): near 1,
-the host paces the variant and its ratio moves with the host's speed, not the GPU's.
+replayed from one). ``--host`` adds each variant's host time per call — started with the GPU
+idle, not waited for: its Python, dispatch and launches (``<variant>_host_ms``) — and that time's
+share of the wall time (``<variant>_host_share``): near 1, the host paces the variant and its ratio
+moves with the host's speed, not the GPU's.
 
 Writes benchmarks/results/<device>/<name>.csv and <name>.png (speedups per case).
 """
