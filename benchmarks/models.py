@@ -31,8 +31,9 @@ copy) run eagerly in the same rounds, and ``compile_speedup_vs_eager`` (> 1: com
 model gains). ``--no-unfused`` leaves out the ``unfused`` baseline where timm's SDPA path exists
 (one compile fewer: ``max-autotune`` compiles take minutes). With ``--python-host``, also
 ``elsa_python``: the same patched model with its eager attention calls on the Python host path
-rather than replayed from C++ (kernels/native.py), and ``native_speedup_vs_python``. On a GPU the native replay is built or loaded before the first
-case (the CSV's ``native`` column says whether it was ready).
+rather than replayed from C++ (kernels/native.py), and ``native_speedup_vs_python``. On a GPU the
+native replay is built or loaded before the first case (the CSV's ``native`` column says whether it
+was ready).
 
 A training step is forward + backward + SGD step. fp32 runs with ``torch.set_float32_matmul_precision
 ("highest")`` (native attention is true fp32; ELSA's "auto" runs its float32-accurate fp16x3 mode);
