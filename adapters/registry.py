@@ -265,10 +265,11 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
                     (name, f"{type(mod).__module__}.{type(mod).__qualname__} subclasses {base.__qualname__} "
                            "but is not registered itself (its forward may differ); register an adapter for it"))
             continue
-        if isinstance(getattr(mod, "_elsa", None), PatchState):
+        state = state_of(mod)
+        if state is not None:
             report.already.append(name)
-            kept.append(mod._elsa.adapter)
-            if mod._elsa.options != opts and _selected(name, include, exclude):
+            kept.append(state.adapter)
+            if state.options != opts and _selected(name, include, exclude):
                 differ.append(name)
             continue
         if not _selected(name, include, exclude):
@@ -489,7 +490,7 @@ def unpatch(model: torch.nn.Module) -> int:
     that is no longer patched."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"unpatch expects a torch.nn.Module, got {type(model).__name__}")
-    found = [(name, mod) for name, mod in model.named_modules() if isinstance(mod.__dict__.get("_elsa"), PatchState)]
+    found = [(name, mod) for name, mod in model.named_modules() if state_of(mod) is not None]
     changed = [name or "<root>" for name, mod in found if not is_patched(mod)]
     if changed:
         raise RuntimeError(f"unpatch: the patched method of {', '.join(changed)} was replaced or removed after "
@@ -503,4 +504,4 @@ def unpatch(model: torch.nn.Module) -> int:
 
 def patched_modules(model: torch.nn.Module) -> list[tuple[str, PatchState]]:
     """(name, state) of every patched module: call and delegation counters live in the state."""
-    return [(n, m.__dict__["_elsa"]) for n, m in model.named_modules() if isinstance(m.__dict__.get("_elsa"), PatchState)]
+    return [(n, s) for n, m in model.named_modules() if (s := state_of(m)) is not None]

@@ -58,7 +58,7 @@ import torch
 
 from ..api import attention
 from ..dispatch import autocast_dtype
-from .registry import Adapter, PatchState, adapter_of, check_count, is_patched, register, register_extra
+from .registry import Adapter, PatchState, adapter_of, check_count, is_patched, register, register_extra, state_of
 from .vggt.attention import VGGTAttentionAdapter, elsa_attention, project_out, project_qkv, unsupported
 from .vggt.common import Kind, attention_kind
 
@@ -324,7 +324,7 @@ class StreamAttentionAdapter(_StreamAdapter, VGGTAttentionAdapter):
 
 def _served(block) -> bool:
     attn = getattr(block, "attn", None)
-    return attn is not None and is_patched(attn) and isinstance(adapter_of(attn._elsa), StreamAttentionAdapter)
+    return attn is not None and is_patched(attn) and isinstance(adapter_of(state_of(attn)), StreamAttentionAdapter)
 
 
 class StreamAggregatorAdapter(_StreamAdapter):

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .. import blocks
-from ..registry import PatchState, adapter_of, hooked, is_patched
+from ..registry import PatchState, adapter_of, hooked, is_patched, state_of
 from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, unsupported
 from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, LEAN_CHUNK, VGGTAdapter, attention_kind, block_classes,
                      is_fork_aggregator, lean_option)
@@ -112,8 +112,8 @@ def _block_attention(block, x, pos, norm1=None):
     instead of on the whole sequence."""
     attn = block.attn
     norm1 = norm1 or block.norm1
-    state = attn.__dict__.get("_elsa")
-    if (not isinstance(state, PatchState) or not isinstance(adapter_of(state), VGGTAttentionAdapter)
+    state = state_of(attn)
+    if (state is None or not isinstance(adapter_of(state), VGGTAttentionAdapter)
             or hooked(attn, global_hooks=False) or merge_call(attn) is not None):
         return attn(norm1(x), pos=pos)
     kind = attention_kind(type(attn))

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ..registry import PatchState, adapter_of, is_patched
+from ..registry import PatchState, adapter_of, is_patched, state_of
 from .common import CAMERA_HEAD_TARGETS, TRACK_HEAD_TARGETS, CallScope, VGGTAdapter
 
 
@@ -61,8 +61,7 @@ def check_spanning(blocks, adapter_cls, group, where: str) -> None:
     left to the original (excluded, patched separately) would attend to this rank's frames only."""
     for i, b in enumerate(blocks):
         attn = getattr(b, "attn", None)
-        state = attn.__dict__.get("_elsa") if attn is not None else None
-        if not (attn is not None and is_patched(attn) and isinstance(adapter_of(state), adapter_cls)
+        if not (attn is not None and is_patched(attn) and isinstance(adapter_of(state := state_of(attn)), adapter_cls)
                 and state.options.get("process_group") is group):
             raise RuntimeError(f"{where}[{i}].attn is not patched with this process_group, so its attention would "
                                "see this rank's frames only; patch the whole model with process_group (without "
