@@ -378,9 +378,11 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         base = next((b for b in BASELINES if res.get(b) is not None and res[b].ms), None)
         if base:
             try:
-                out_e = variants["elsa"]()
-                out_b = variants[base]()
-                row["max_diff"] = (out_e.float() - out_b.float()).abs().max().item()
+                # copies at once: under CUDA graphs (reduce-overhead, max-autotune) an output lives
+                # in the graphs' shared pool, which the next variant's replay may overwrite
+                out_e = variants["elsa"]().detach().to(torch.float32, copy=True)
+                out_b = variants[base]().detach().to(torch.float32, copy=True)
+                row["max_diff"] = (out_e - out_b).abs().max().item()
                 row["max_diff_vs"] = base
             except Exception as ex:  # noqa: BLE001
                 row["max_diff"] = None
