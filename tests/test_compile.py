@@ -472,6 +472,36 @@ def test_compile_modes_on_a_patched_vit(mode):
 
 
 @pytest.mark.gpu
+def test_reduce_overhead_training_of_a_patched_vit():
+    """Training steps of a patched ViT under ``mode="reduce-overhead"``: forward and backward
+    replayed from CUDA graphs (none left out), gradients as the eager patched step's."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, depth=2, drop_path_rate=0.0).cuda()
+    x = torch.randn(8, 3, 64, 64, device="cuda")
+    elsa_vision.patch(m)
+    skipped = lambda: torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]  # noqa: E731
+
+    def loss(f):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return f(x).float().square().mean()
+
+    loss(m).backward()
+    eager = {n: p.grad.clone() for n, p in m.named_parameters()}
+    torch._dynamo.reset()
+    before = skipped()
+    c = torch.compile(m, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):  # (the CUDA graphs are recorded on a later step, then replayed)
+        m.zero_grad(set_to_none=True)
+        loss(c).backward()
+    assert skipped() == before
+    for n, p in m.named_parameters():
+        scale = max(1e-6, eager[n].abs().max().item())
+        assert verify.max_err(p.grad, eager[n]) <= 5e-2 * scale, n
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,kw,size", [("vit_tiny_patch16_224", dict(depth=2), 224),
                                           ("swin_tiny_patch4_window7_224", dict(depths=(2, 2), num_heads=(3, 6)), 224),
                                           # 64 × 64 and 32 × 32 maps under 7 × 7 windows: padded
