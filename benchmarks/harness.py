@@ -68,19 +68,24 @@ def sync():
         torch.cuda.synchronize()
 
 
-def _time_once(fn: Callable[[], object]) -> float:
-    """Milliseconds for one call (CUDA events on GPU, perf_counter on CPU)."""
+def _time_once(fn: Callable[[], object], calls: int = 1) -> float:
+    """Milliseconds a call, over ``calls`` calls made back to back and waited for once at the end
+    (CUDA events on GPU, perf_counter on CPU). With one call the GPU starts idle, so the host's work
+    before the call's first kernel counts; with more, that work of each later call overlaps the
+    GPU's previous one, as in a loop that does not wait for its results."""
     if torch.cuda.is_available():
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(calls):
+            fn()
         b.record()
         b.synchronize()
-        return a.elapsed_time(b)
+        return a.elapsed_time(b) / calls
     import time
     t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) * 1e3 / calls
 
 
 def host_time(fn: Callable[[], object], rounds: int = 5) -> float:
@@ -146,12 +151,15 @@ def paired_ratio(base: Result, new: Result, level: float = 0.95) -> Optional[tup
 
 
 def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 10,
-            min_time_ms: float = 0.0, budget_ms: float = 0.0, memory: bool = True) -> dict[str, Result]:
+            min_time_ms: float = 0.0, budget_ms: float = 0.0, memory: bool = True,
+            calls: int = 1) -> dict[str, Result]:
     """Time the variants of one case interleaved, in a new (seeded) order every round; returns name → Result.
 
     A variant that raises (OOM, not supported) is recorded with its error and dropped from the
     rounds. ``min_time_ms`` raises ``rounds`` until each variant has run at least that long;
     ``budget_ms`` lowers ``rounds`` (to no fewer than 3) so the timed rounds fit in that budget.
+    ``calls``: each round's time is that of ``calls`` calls queued back to back, per call
+    (:func:`_time_once`).
     """
     alive = dict(variants)
     errors: dict[str, str] = {}
@@ -170,7 +178,7 @@ def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, round
                 torch.cuda.empty_cache()
     times: dict[str, list[float]] = {n: [] for n in alive}
     if budget_ms and alive:
-        one = sum(_time_once(fn) for fn in alive.values())
+        one = sum(_time_once(fn) for fn in alive.values()) * calls
         rounds = max(3, min(rounds, int(budget_ms / max(one, 1e-3))))
     r = 0
     while alive and (r < rounds or (min_time_ms and min(sum(t) for t in times.values()) < min_time_ms)):
@@ -180,7 +188,7 @@ def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, round
         order = list(alive.items())
         random.Random(r).shuffle(order)
         for name, fn in order:
-            times[name].append(_time_once(fn))
+            times[name].append(_time_once(fn, calls))
         r += 1
         if r > 10 * max(rounds, 1):
             break

@@ -56,7 +56,11 @@ graphs (their pools are allocated while capturing, in the warm-up), and in those
 replayed from one). ``--host`` adds each variant's host time per call — started with the GPU
 idle, not waited for: its Python, dispatch and launches (``<variant>_host_ms``) — and that time's
 share of the wall time (``<variant>_host_share``): near 1, the host paces the variant and its ratio
-moves with the host's speed, not the GPU's.
+moves with the host's speed, not the GPU's. Every call above is timed from an idle GPU, so the
+host's work before its first kernel counts; ``--queued K`` adds each variant timed over K calls
+queued back to back and waited for once (``<variant>_queued_ms`` a call,
+``queued_speedup_vs_<baseline>``), where that work of each call overlaps the GPU's previous one:
+a GPU-paced row then shows the GPU's ratio, as a loop that does not wait for its results sees it.
 
 Writes benchmarks/results/<device>/<name>.csv and <name>.png (speedups per case).
 """
@@ -255,7 +259,7 @@ def _on_python_path(fn):
 def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0,
              profile: Optional[list] = None, graphs: bool = False, compile_mode: Optional[str] = None,
              nofuse: Optional[Sequence[str]] = None, host: bool = False, static_launch: bool = False,
-             python_host: bool = False, with_eager: bool = False, unfused: bool = True) -> dict:
+             python_host: bool = False, with_eager: bool = False, unfused: bool = True, queued: int = 0) -> dict:
     """Time one case (ELSA vs timm's paths, interleaved); with ``profile`` (a list), also append one
     profiled call per variant: CUDA time per kernel category and the top kernels; with ``graphs``,
     also time each variant replayed from a CUDA graph (``<variant>_graph_ms``, ``graph_speedup_vs_<b>``);
@@ -267,7 +271,9 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     ``elsa_python``: the patched model's eager calls on the Python host path instead of their native
     replay (kernels/native.py); with ``with_eager`` (and ``compile_mode``), also ``elsa_eager``: a
     copy of the patched model run eagerly; ``unfused=False``: no ``unfused`` variant where the
-    ``fused`` one exists."""
+    ``fused`` one exists; ``queued`` > 1: also each variant timed over that many calls queued back
+    to back (``<variant>_queued_ms`` a call, ``queued_speedup_vs_<b>`` with its per-round interval):
+    the host's work before a call's first kernel then overlaps the GPU's previous call."""
     row = {"model": case.model, "size": case.size, "batch": case.batch, "mode": case.mode, "dtype": case.dtype}
     if compile_mode is not None:
         row["compile"] = compile_mode
@@ -359,6 +365,19 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
                 row[f"nofuse_speedup_vs_{b}"] = r.ms / res["elsa_nofuse"].ms
         if r is not None and r.peak_bytes and e.peak_bytes:
             row[f"mem_vs_{b}"] = e.peak_bytes / r.peak_bytes
+    if queued > 1:
+        qres = measure({n: variants[n] for n, r in res.items() if r.ms is not None}, warmup=1, rounds=rounds,
+                       budget_ms=budget_ms, memory=False, calls=queued)
+        for name, r in qres.items():
+            row[f"{name}_queued_ms"] = r.ms
+        qe = qres.get("elsa")
+        for b in BASELINES:
+            r = qres.get(b)
+            if r is not None and r.ms and qe is not None and qe.ms:
+                row[f"queued_speedup_vs_{b}"] = r.ms / qe.ms
+                ci = paired_ratio(r, qe)
+                if ci is not None:
+                    _, row[f"queued_speedup_vs_{b}_lo"], row[f"queued_speedup_vs_{b}_hi"] = ci
     if graphs and device == "cuda":
         gres = measure_graphed({n: f for n, f in variants.items() if res[n].ms is not None},
                                rounds=rounds, budget_ms=budget_ms)
@@ -488,10 +507,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-unfused", action="store_true",
                     help="leave out timm's explicit-softmax baseline where its SDPA path exists (one compile "
                          "fewer under --compile)")
+    ap.add_argument("--queued", type=int, default=0, metavar="K",
+                    help="also time each variant over K calls queued back to back, waited for once "
+                         "(<variant>_queued_ms a call, queued_speedup_vs_<baseline>): the host's work before a "
+                         "call's first kernel then overlaps the GPU's previous call, as in a loop that does "
+                         "not wait for its results")
     ap.add_argument("--python-host", action="store_true",
                     help="also the patched model with its eager calls on the Python host path instead of their "
                          "native replay (variant elsa_python; native_speedup_vs_python)")
     a = ap.parse_args(argv)
+    if a.queued < 0 or a.queued == 1:
+        ap.error("--queued K takes K ≥ 2 calls (0: off)")
     if a.static_launch and a.compile != "default":
         ap.error("--static-launch compares launchers of compiled steps: pass --compile default")
     if a.with_eager and not a.compile:
@@ -526,7 +552,7 @@ def main(argv=None) -> int:
         print(f"[{i + 1}/{len(cases)}] {c.label}", flush=True)
         rows.append(run_case(c, a.device, a.warmup, a.rounds, a.precision, 1e3 * a.budget_s,
                              prof_rows if a.profile else None, a.graphs, a.compile, a.nofuse, a.host,
-                             a.static_launch, a.python_host, a.with_eager, not a.no_unfused))
+                             a.static_launch, a.python_host, a.with_eager, not a.no_unfused, a.queued))
         write_csv(rows, out_dir / f"{name}.csv")  # written as we go: a killed run keeps its rows
     cols = ["model", "size", "batch", "mode", "dtype", "elsa_ms", "fused_ms", "unfused_ms", "speedup_vs_fused",
             "speedup_vs_fused_lo", "speedup_vs_fused_hi", "speedup_vs_unfused", "speedup_vs_unfused_lo",
@@ -549,6 +575,8 @@ def main(argv=None) -> int:
         cols += ["elsa_eager_ms", "compile_speedup_vs_eager"]
     if a.host:
         cols += [f"{v}_host_share" for v in ("elsa", *BASELINES)]
+    if a.queued:
+        cols += ["elsa_queued_ms", "queued_speedup_vs_fused", "queued_speedup_vs_unfused"]
     print(fmt_table(rows, cols))
     errs = [(r, k) for r in rows for k in r if k.endswith("error")]
     for r, k in errs:

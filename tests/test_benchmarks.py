@@ -4,6 +4,7 @@ rehearsal on the VGGT stand-in."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,21 @@ def test_host_time_counts_the_calls_own_time_not_the_rest():
     assert len(calls) == 5 and 4.5 <= ms < 50
 
 
+def test_measure_queued_calls_times_each_round_over_that_many_calls():
+    """measure(calls=K): each round calls the variant K times back to back and records the time a
+    call; the warm-up and the budget's probe are single calls."""
+    n = {"a": 0}
+
+    def a():
+        n["a"] += 1
+        time.sleep(0.002)
+
+    res = harness.measure({"a": a}, warmup=2, rounds=4, memory=False, calls=3)
+    assert n["a"] == 2 + 4 * 3
+    assert len(res["a"].samples) == 4 and all(t >= 2.0 for t in res["a"].samples)
+    assert res["a"].ms < 6.0  # (a call's time, not the round's three)
+
+
 def test_paired_ratio_interval_is_the_binomial_order_statistics():
     """The speedup's interval: the per-round ratios base_r / new_r, sorted, between the order
     statistics a Binomial(n, ½) count bounds at 95% (n = 15: the 4th and 12th; n = 6: the extremes);
@@ -141,8 +157,9 @@ def test_measure_keeps_each_rounds_time_in_round_order():
 
 
 def test_models_benchmark_host_columns(tmp_path, monkeypatch):
-    """benchmarks/models.py --host: each variant's host time and its share of the wall time, on a
-    patched ViT-T small enough for the interpreter, and the speedups' per-round intervals. (On the
+    """benchmarks/models.py --host --queued 2: each variant's host time and its share of the wall
+    time, its time a call over two calls queued back to back, and the speedups' per-round
+    intervals, on a patched ViT-T small enough for the interpreter. (On the
     CPU every call is the host's and the share is about one, but the two timings are separate calls
     on a shared machine: only their ratio's bookkeeping is checked.)"""
     pytest.importorskip("timm")
@@ -151,12 +168,19 @@ def test_models_benchmark_host_columns(tmp_path, monkeypatch):
     monkeypatch.setenv("ELSA_RESULTS_DIR", str(tmp_path))
     models.main(["--models", "ViT-T", "--sizes", "32", "--batches", "2", "--modes", "fwd", "--dtypes", "bf16",
                  "--warmup", "1", "--rounds", "6", "--budget-s", "0", "--host", "--device", "cpu",
-                 "--name", "host"])
+                 "--queued", "2", "--name", "host"])
     (row,) = list(csv.DictReader(open(tmp_path / "host.csv")))
     for v in ("elsa", "fused", "unfused"):
         host, wall = float(row[f"{v}_host_ms"]), float(row[f"{v}_ms"])
         assert host > 0 and wall > 0, row
         assert float(row[f"{v}_host_share"]) == pytest.approx(host / wall), row
+        assert float(row[f"{v}_queued_ms"]) > 0, row
+    for b in ("fused", "unfused"):  # (--queued 2: two calls a round, the time a call)
+        q = float(row[f"queued_speedup_vs_{b}"])
+        assert q == pytest.approx(float(row[f"{b}_queued_ms"]) / float(row["elsa_queued_ms"])), row
+        assert float(row[f"queued_speedup_vs_{b}_lo"]) <= float(row[f"queued_speedup_vs_{b}_hi"]), row
+    with pytest.raises(SystemExit):
+        models.main(["--queued", "1", "--device", "cpu"])
     # six rounds: the per-round ratios' interval (their extremes) around their median
     for b in ("fused", "unfused"):
         lo, mid, hi = (float(row[k]) for k in (f"speedup_vs_{b}_lo", f"round_speedup_vs_{b}", f"speedup_vs_{b}_hi"))
