@@ -256,6 +256,28 @@ def _on_python_path(fn):
     return call
 
 
+def _record(row: dict, tag: str, results: dict) -> None:
+    """The columns of a second timing of a case's variants (``tag``: queued, graph):
+    ``<variant>_<tag>_ms`` (and ``_error``), ``<tag>_speedup_vs_<baseline>`` with its per-round
+    interval where the rounds were kept, ``nofuse_<tag>_speedup_vs_<baseline>``."""
+    for name, r in results.items():
+        row[f"{name}_{tag}_ms"] = r.ms
+        if r.error:
+            row[f"{name}_{tag}_error"] = r.error
+    e, nf = results.get("elsa"), results.get("elsa_nofuse")
+    for b in BASELINES:
+        r = results.get(b)
+        if r is None or not r.ms:
+            continue
+        if e is not None and e.ms:
+            row[f"{tag}_speedup_vs_{b}"] = r.ms / e.ms
+            ci = paired_ratio(r, e)
+            if ci is not None:
+                _, row[f"{tag}_speedup_vs_{b}_lo"], row[f"{tag}_speedup_vs_{b}_hi"] = ci
+        if nf is not None and nf.ms:
+            row[f"nofuse_{tag}_speedup_vs_{b}"] = r.ms / nf.ms
+
+
 def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, budget_ms: float = 0.0,
              profile: Optional[list] = None, graphs: bool = False, compile_mode: Optional[str] = None,
              nofuse: Optional[Sequence[str]] = None, host: bool = False, static_launch: bool = False,
@@ -366,33 +388,11 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
         if r is not None and r.peak_bytes and e.peak_bytes:
             row[f"mem_vs_{b}"] = e.peak_bytes / r.peak_bytes
     if queued > 1:
-        qres = measure({n: variants[n] for n, r in res.items() if r.ms is not None}, warmup=1, rounds=rounds,
-                       budget_ms=budget_ms, memory=False, calls=queued)
-        for name, r in qres.items():
-            row[f"{name}_queued_ms"] = r.ms
-        qe = qres.get("elsa")
-        for b in BASELINES:
-            r = qres.get(b)
-            if r is not None and r.ms and qe is not None and qe.ms:
-                row[f"queued_speedup_vs_{b}"] = r.ms / qe.ms
-                ci = paired_ratio(r, qe)
-                if ci is not None:
-                    _, row[f"queued_speedup_vs_{b}_lo"], row[f"queued_speedup_vs_{b}_hi"] = ci
+        _record(row, "queued", measure({n: variants[n] for n, r in res.items() if r.ms is not None}, warmup=1,
+                                       rounds=rounds, budget_ms=budget_ms, memory=False, calls=queued))
     if graphs and device == "cuda":
-        gres = measure_graphed({n: f for n, f in variants.items() if res[n].ms is not None},
-                               rounds=rounds, budget_ms=budget_ms)
-        for name, r in gres.items():
-            row[f"{name}_graph_ms"] = r.ms
-            if r.error:
-                row[f"{name}_graph_error"] = r.error
-        ge = gres.get("elsa")
-        for b in BASELINES:
-            r = gres.get(b)
-            if r is not None and r.ms and ge is not None and ge.ms:
-                row[f"graph_speedup_vs_{b}"] = r.ms / ge.ms
-                gn = gres.get("elsa_nofuse")
-                if gn is not None and gn.ms:
-                    row[f"nofuse_graph_speedup_vs_{b}"] = r.ms / gn.ms
+        _record(row, "graph", measure_graphed({n: f for n, f in variants.items() if res[n].ms is not None},
+                                              rounds=rounds, budget_ms=budget_ms))
     if case.mode == "fwd" and e.ms:
         base = next((b for b in BASELINES if res.get(b) is not None and res[b].ms), None)
         if base:
