@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3, TF32X3, cast, dk_units, dot, dot3,
-                     dot_nt, ds_k, ds_units, fma, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
+                     dot_nt, ds_k, ds_units, finite_abs, fma, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
 from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared, sm_count, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
 from .reference import qkv_views
@@ -367,7 +367,7 @@ def _f16_scales_kernel(Q, K, V, dO, Scales, Partials, sq_b, sq_h, sq_m, sq_d, sk
         rows = start + offs_r
         x = tl.load(base + rows[:, None].to(tl.int64) * s_n + offs_d[None, :] * s_d,
                     mask=(rows[:, None] < n) & (offs_d[None, :] < D), other=0.0)
-        col = tl.maximum(col, tl.max(tl.abs(x.to(tl.float32)), 0))
+        col = tl.maximum(col, tl.max(finite_abs(x.to(tl.float32)), 0))
     if PARTIAL:
         tl.store(Partials + ((bh.to(tl.int64) * tl.num_programs(1) + which) * n_chunks + c) * D_PAD + offs_d, col)
     else:
@@ -405,7 +405,7 @@ def _store_scales(col, which, bh, Scales, offs_d, V_COLS: tl.constexpr, ROW: tl.
     exactly."""
     per_col = (which == 2) & V_COLS
     top = tl.where(per_col, col, tl.max(col, 0))
-    # floor(log2 top) from the exponent bits (NaN/inf: 128); a zero column takes the lowest scale
+    # floor(log2 top) from the exponent bits (top is finite: finite_abs); a zero column takes the lowest scale
     e = tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, tl.where(which >= 2, -100, -47))
     slot = tl.where(per_col, 2 + offs_d, which)
     tl.store(Scales + bh.to(tl.int64) * ROW + slot, ((140 - e) << 23).to(tl.float32, bitcast=True),

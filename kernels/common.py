@@ -143,6 +143,16 @@ def row_mean(delta, l):
 
 
 @triton.jit
+def finite_abs(x):
+    """|x| where x is finite, else 0: what the fp16x3 scales are taken over. An inf or NaN element
+    would otherwise set its head's (or column's) scale to the lowest power of two, and the float16
+    parts of every other element of that head would underflow to zero (rows that do not see it
+    would be silently wrong); with it left out, the rows that see it get inf or NaN, as in SDPA."""
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)  # (NaN < inf is false)
+
+
+@triton.jit
 def pow2_of(e):
     """2^e as float32 for integer e in [−126, 127]."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)

@@ -83,7 +83,7 @@ import triton.language as tl
 
 from . import tiles
 from .common import (C_LOG2E, FP16X3, PRECISION_CODES, cast, dk_units, dot, dot3, dot_nt, ds_k, ds_units, exp_of,
-                     fma, load_stats, pow2_of, pv, row_mean, split_f16, store_stats)
+                     finite_abs, fma, load_stats, pow2_of, pv, row_mean, split_f16, store_stats)
 from .launch import Launch, cdiv, clear_caches, pow2, prepared
 from .ops import AUTOGRAD, COMPILED, KernelOp, check_first_order, route
 from .reference import Geometry, qkv_views
@@ -154,7 +154,7 @@ def _parts(x, PER_COL: tl.constexpr, LOW: tl.constexpr, PREC: tl.constexpr):
     column's with PER_COL (c [D_PAD]), else the tile's (c scalar): a window's few dozen rows need no
     prepass over the tensor. Otherwise (x, x, 1)."""
     if PREC == FP16X3:
-        a = tl.abs(x)
+        a = finite_abs(x)
         if PER_COL:
             c = _f16_scale(tl.max(a, 0), LOW)
             hi, lo = split_f16(x * c[None, :])
@@ -184,11 +184,11 @@ def _window_scale(base, rr, offs_r0, offs_d, s_r, s_d, N, nW, G_NWX, G_WH, G_WW,
     key tiles: delta_i sums P·dP over every key, so in the units of a key tile whose own v is small
     (zero-padded tokens: all zero) dP − delta would leave float16's range when dS is split."""
     tok = _tok(rr, offs_r0, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
-    top = tl.max(tl.max(tl.abs(_load_rows(base, tok, offs_r0, offs_d, s_r, s_d, N, D)), 1), 0)
+    top = tl.max(tl.max(finite_abs(_load_rows(base, tok, offs_r0, offs_d, s_r, s_d, N, D)), 1), 0)
     for start in range(BLOCK, N, BLOCK):
         offs = start + offs_r0
         tok = _tok(rr, offs, nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, GEO)
-        top = tl.maximum(top, tl.max(tl.max(tl.abs(_load_rows(base, tok, offs, offs_d, s_r, s_d, N, D)), 1), 0))
+        top = tl.maximum(top, tl.max(tl.max(finite_abs(_load_rows(base, tok, offs, offs_d, s_r, s_d, N, D)), 1), 0))
     return _f16_scale(top, _LOW_ONE)
 
 
@@ -553,7 +553,7 @@ def _win_bwd_dkdv_kernel(
                 cv_w = _window_scale(V + rr * sv_b + h * sv_h, rr, tl.arange(0, BLOCK_N), offs_d, sv_n, sv_d, N,
                                      nW, G_NWX, G_WH, G_WW, G_IH, G_IW, G_RH, G_RW, G_SH, G_SW, D, BLOCK_N, GEO)
             else:
-                cv_w = _f16_scale(tl.max(tl.max(tl.abs(v_raw), 1), 0), _LOW_ONE)
+                cv_w = _f16_scale(tl.max(tl.max(finite_abs(v_raw), 1), 0), _LOW_ONE)
         v, v_lo, cv = _parts_at(v_raw, cv_w, PREC)
         q_base = Q + rr * sq_b + h * sq_h
         do_base = dOut + rr * sdo_b + h * sdo_h

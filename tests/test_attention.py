@@ -82,6 +82,47 @@ def test_fp16x3_outlier_feature():
     assert (out[..., 0].double() - ref[..., 0]).abs().amax() / ref[..., 0].abs().amax() < 1e-6
 
 
+@pytest.mark.parametrize("where", ["q", "k", "v", "dO"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_fp16x3_nonfinite_element_spares_the_rest_of_its_head(where, value):
+    """An inf or NaN element leaves the fp16x3 scales to the head's finite elements: rows (and, for
+    v, output columns) that never meet it stay float32-accurate. Its head's scale once came from
+    the non-finite maximum (the lowest power of two), every other float16 part of the head
+    underflowed to zero, and the other rows were silently plain averages of v. The rows that meet
+    it are inf or NaN, not a finite number."""
+    from elsa_vision import verify
+    q, k, v = qkv(1, 2, 24, 40, 32, seed=13)
+    do = rand(1, 2, 24, 32, seed=14)
+    t = {"q": q, "k": k, "v": v, "dO": do}[where]
+    t[0, 0, 3, 5] = value
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = elsa_vision.attention(*ins, precision="fp16x3", backend="triton")
+    grads = torch.autograd.grad(out, ins, do)
+    refs = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = verify.oracle(*refs)
+    ref_grads = torch.autograd.grad(ref, refs, do.double())
+    # what never meets the element: head 1 everywhere; in head 0, rows other than 3 (q, dO), the
+    # output columns other than 5 (v); a key's inf reaches every row of its head
+    assert torch.isfinite(out[0, 1]).all()
+    assert (out[0, 1].double() - ref[0, 1]).abs().max() < 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert (g[0, 1].double() - r[0, 1]).abs().max() < 1e-4
+    if where == "q":
+        rest = [i for i in range(24) if i != 3]
+        assert (out[0, 0, rest].double() - ref[0, 0, rest]).abs().max() < 1e-5
+        assert not torch.isfinite(out[0, 0, 3]).all()
+    elif where == "v":
+        cols = [i for i in range(32) if i != 5]
+        assert (out[0, 0, :, cols].double() - ref[0, 0, :, cols]).abs().max() < 1e-5
+        assert not torch.isfinite(out[0, 0, :, 5]).any()
+    elif where == "dO":
+        assert (out[0, 0].double() - ref[0, 0]).abs().max() < 1e-5
+        rest = [i for i in range(24) if i != 3]
+        assert (grads[0][0, 0, rest].double() - ref_grads[0][0, 0, rest]).abs().max() < 1e-4
+    else:
+        assert not torch.isfinite(out[0, 0]).all(dim=-1).any()
+
+
 @pytest.mark.parametrize("backward", [False, True])
 def test_fp16x3_scales_in_chunks(backward, monkeypatch):
     """fp16x3's head scales (attention._f16_scales) with each tensor's rows cut into chunks (a pass of

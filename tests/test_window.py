@@ -178,6 +178,23 @@ def test_fp16x3_per_window_scales(N, block):
 
 
 @needs_interp
+@pytest.mark.parametrize("N,block", [(16, 64), (144, 64)], ids=["one-tile", "folded"])
+def test_fp16x3_nonfinite_element_spares_the_rest_of_its_window(N, block):
+    """An inf in one element of q leaves the fp16x3 window scales to the finite elements: the
+    window's other rows and the other windows stay float32-accurate, that row is not finite (its
+    scale once came from the inf, and the window's other rows were silently averages of v)."""
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, 2, N, 16, generator=g) for _ in range(3))
+    q[0, 0, 1, 0] = float("inf")
+    out = elsa_vision.window_attention(q, k, v, block=block, precision="fp16x3", backend="triton")
+    ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 4, -1) @ v.double()
+    rows = [i for i in range(N) if i != 1]
+    assert max_err(out[0, 0, rows], ref[0, 0, rows]) < 1e-5
+    assert max_err(out[1], ref[1]) < 1e-5 and max_err(out[0, 1], ref[0, 1]) < 1e-5
+    assert not torch.isfinite(out[0, 0, 1]).all()
+
+
+@needs_interp
 @pytest.mark.parametrize("scale", [1e-6, 0.0], ids=["tiny", "zero"])
 def test_fp16x3_key_tile_far_below_its_window(scale):
     """A window folded over several key tiles, one of whose v is 1e-6 of the others' or all zero
