@@ -15,14 +15,15 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def autocast(*ts):
-    """SDPA's autocast rule: inside CUDA/CPU autocast, floating inputs run in the autocast dtype."""
+    """SDPA's autocast rule: inside CUDA/CPU autocast, floating inputs other than float64 run in the
+    autocast dtype (autocast leaves float64 tensors as they are)."""
     if not isinstance(ts[0], torch.Tensor) or not all(t is None or isinstance(t, torch.Tensor) for t in ts):
         return ts  # the input checks that follow explain what is wrong
     dt = autocast_dtype(ts[0].device.type)
     if dt is None:
         return ts
     # only floating tensors: a bool keep-mask stays one, other dtypes meet the checks below
-    return tuple(t if t is None or not t.is_floating_point() else t.to(dt) for t in ts)
+    return tuple(t if t is None or not t.is_floating_point() or t.dtype == torch.float64 else t.to(dt) for t in ts)
 
 
 def check_qkv(q, k, v, fn: str):

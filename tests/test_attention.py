@@ -503,6 +503,21 @@ def test_autocast_follows_sdpa():
     assert out.dtype == torch.bfloat16
 
 
+def test_autocast_leaves_float64_alone():
+    """Autocast casts no float64 tensor (SDPA's float64 call stays float64 under it): neither do the
+    public functions, which once ran float64 inputs in bfloat16."""
+    q, k, v = (t.double() for t in qkv(1, 2, 16, 16, 32))
+    exact = verify.oracle(q, k, v)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        outs = [elsa_vision.attention(q, k, v), elsa_vision.window_attention(q, k, v),
+                elsa_vision.attention_packed(torch.stack((q, k, v), 2).transpose(1, 3))]
+    assert sdpa.dtype == torch.float64
+    for out in outs:
+        assert out.dtype == torch.float64
+        assert (out - exact).abs().max() < 1e-12
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_autocast_keeps_bool_mask_and_checks_int_bias(backend):
     """Under autocast only floating tensors are cast: a bool keep-mask still masks, an integer
