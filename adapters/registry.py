@@ -22,7 +22,7 @@ import importlib
 import importlib.util
 import types
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -293,12 +293,19 @@ def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None
         if value is not None and value is not False and not any(a is b for a in served for b in adapters):
             raise ValueError(f"patch(): {opt} works through {' / '.join(a.name for a in adapters)} modules, and "
                              f"this model has none that would be patched ({type(model).__name__}); leave {opt} out")
-    for name, mod, adapter in chosen:
-        _bind(mod, adapter, opts)
-        report.patched.setdefault(adapter.name, []).append(name)
-    if differ:
+    if differ:  # (before binding: where warnings are errors, the model is then left as it was)
         warnings.warn(f"patch(): {len(differ)} module(s) already patched with other options keep those "
                       f"(e.g. {differ[0] or '<root>'}); unpatch() first to patch with these", UserWarning, stacklevel=3)
+    bound = []
+    try:
+        for name, mod, adapter in chosen:
+            _bind(mod, adapter, opts)
+            bound.append(mod)
+            report.patched.setdefault(adapter.name, []).append(name)
+    except BaseException:  # (an adapter's initial memo raised: no module stays half the call's)
+        for mod in bound:
+            _unbind(mod)
+        raise
     return report
 
 
@@ -443,6 +450,12 @@ def _bind(mod: torch.nn.Module, adapter: Adapter, opts: dict) -> None:
     object.__setattr__(mod, adapter.method, _PatchedForward(mod))
 
 
+def _unbind(mod: torch.nn.Module) -> None:
+    """Undo _bind: the module's own forward again (patch skips modules with a method of their own)."""
+    del mod.__dict__[mod.__dict__["_elsa"].method]
+    del mod.__dict__["_elsa"]
+
+
 def is_patched(mod: torch.nn.Module) -> bool:
     """Whether ``mod`` is patched and its patched method is still the one ``patch`` bound."""
     traced = _traced_with_tags()
@@ -483,22 +496,23 @@ def _traced_with_tags() -> bool:
     return torch.compiler.is_compiling() and _tag_guards()
 
 
-def unpatch(model: torch.nn.Module) -> int:
-    """Restore every patched module's original forward; returns the number restored. A module whose
-    patched method was replaced or removed since (a wrapper set on it) is an error, raised before
-    any module is restored: restoring would drop that wrapper, keeping it would call a forward
-    that is no longer patched."""
+def unpatch(model: torch.nn.Module, names: Optional[Collection[str]] = None) -> int:
+    """Restore every patched module's original forward (with ``names``: only the patched modules of
+    these names, as ``model.named_modules()`` gives them); returns the number restored. A module
+    whose patched method was replaced or removed since (a wrapper set on it) is an error, raised
+    before any module is restored: restoring would drop that wrapper, keeping it would call a
+    forward that is no longer patched."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"unpatch expects a torch.nn.Module, got {type(model).__name__}")
-    found = [(name, mod) for name, mod in model.named_modules() if state_of(mod) is not None]
+    found = [(name, mod) for name, mod in model.named_modules()
+             if state_of(mod) is not None and (names is None or name in names)]
     changed = [name or "<root>" for name, mod in found if not is_patched(mod)]
     if changed:
         raise RuntimeError(f"unpatch: the patched method of {', '.join(changed)} was replaced or removed after "
                            "patch() (e.g. a hook library's wrapper); remove that wrapper first, then unpatch. "
                            "No module was restored.")
     for _, mod in found:
-        del mod.__dict__[mod.__dict__["_elsa"].method]  # (patch skips modules with one of their own)
-        del mod.__dict__["_elsa"]
+        _unbind(mod)
     return len(found)
 
 

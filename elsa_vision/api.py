@@ -511,9 +511,11 @@ def unpatch(model: torch.nn.Module) -> int:
 
 @contextlib.contextmanager
 def patched(model: torch.nn.Module, **kwargs):
-    """``with patched(model): ...`` — patch for the duration of the block."""
+    """``with patched(model): ...`` — patch for the duration of the block. On leaving it, the
+    modules this call patched are restored; modules patched before it stay patched."""
+    from .adapters import registry
     report = patch(model, **kwargs)
     try:
         yield report
     finally:
-        unpatch(model)
+        registry.unpatch(model, names={n for names in report.patched.values() for n in names})

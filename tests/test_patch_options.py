@@ -166,6 +166,57 @@ def test_patching_again_with_other_options_warns_and_keeps_the_first():
     assert all(st.options["precision"] == "ieee" for _, st in registry.patched_modules(model))
 
 
+def test_the_other_options_warning_as_an_error_leaves_the_model_as_it_was():
+    """Where warnings are errors (pytest -W error), the "already patched with other options"
+    warning raises before any module is bound: the part patched before stays the only part."""
+    import warnings
+    model = _swin()
+    elsa_vision.patch(model, include=["layers.0.blocks.0*"], precision="ieee")
+    before = [n for n, _ in registry.patched_modules(model)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="already patched with other options"):
+            elsa_vision.patch(model, precision="tf32")
+    assert [n for n, _ in registry.patched_modules(model)] == before
+
+
+def test_a_bind_that_raises_unbinds_the_modules_bound_before_it(monkeypatch):
+    """An adapter that raises while a module is bound (its initial memo) leaves none of the call's
+    modules patched, those bound before it included."""
+    model = _swin()
+    before = _snapshot(model)
+    calls = []
+    real = registry.Adapter.initial_memo
+
+    def memo(self, module, options):
+        calls.append(module)
+        if len(calls) == 2:
+            raise RuntimeError("planted")
+        return real(self, module, options)
+
+    monkeypatch.setattr(registry.Adapter, "initial_memo", memo)
+    with pytest.raises(RuntimeError, match="planted"):
+        elsa_vision.patch(model)
+    assert len(calls) == 2
+    _untouched(model, before)
+
+
+def test_patched_context_restores_only_what_it_patched():
+    """``with patched(model)`` restores the modules it patched; modules patched before the block
+    stay patched (with their options)."""
+    model = _swin()
+    first = elsa_vision.patch(model, include=["layers.0.blocks.0*"], precision="ieee").num_patched
+    before = [n for n, _ in registry.patched_modules(model)]
+    with elsa_vision.patched(model) as report:
+        assert report.num_patched > 0 and len(report.already) == first
+        assert len(registry.patched_modules(model)) == first + report.num_patched
+    assert [n for n, _ in registry.patched_modules(model)] == before
+    assert all(st.options["precision"] == "ieee" for _, st in registry.patched_modules(model))
+    with elsa_vision.patched(model, exclude=["*"]):
+        pass
+    assert [n for n, _ in registry.patched_modules(model)] == before
+
+
 def test_unpatch_refuses_a_replaced_method_and_restores_nothing():
     """A patched method replaced (a hook library's wrapper) or removed after patch(): unpatch raises
     before it restores any module, so the model is never left half-patched."""
