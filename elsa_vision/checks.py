@@ -131,7 +131,7 @@ def window_bias(bias, H: int, N: int, q, fn: str):
     shape = tuple(bias.shape)
     lead = shape[:-2] if len(shape) >= 2 else ()
     ok = (2 <= len(shape) <= 4 and shape[-2:] == (N, N) and all(s == 1 for s in lead[:-1])
-          and (not lead or lead[-1] in (1, H)))
+          and (len(lead) == 0 or lead[-1] in (1, H)))  # (len: dynamo traces no truth test of a tuple of SymInts)
     if not ok:
         raise ValueError(f"{fn}: bias must be [H, N, N] = [{H}, {N}, {N}] (or [1, H, N, N], [N, N]) and is "
                          f"shared by every window, got {shape}; a per-window term belongs in mask [nW, N, N]")

@@ -1039,7 +1039,9 @@ def _op_grads(do, q, k, v, bias, mask, out, stats, scale: float, precision: str,
 def _reads_out(q: torch.Tensor, geo: Optional[Geometry], block: int, precision: str) -> bool:
     """Whether the backward of a call on q (window rows, or image rows with ``geo``) reads out."""
     _, _, n, d = _shape(q, geo)
-    return make_plan(n, d, q.dtype, block, precision).reads_out
+    # int(): while torch.compile traces, n and d may be SymInts (automatic dynamic on a recompile,
+    # dynamic=True), which make_plan's cache cannot hash; the forward's plan specialises them anyway
+    return make_plan(int(n), int(d), q.dtype, block, precision).reads_out
 
 
 def _save(inputs, outputs):

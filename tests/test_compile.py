@@ -94,6 +94,29 @@ def test_window_dynamic_batch():
     torch._dynamo.reset()
 
 
+def test_window_tokens_and_bias_symbolic():
+    """Window attention with a bias, in training, where the token count is symbolic: dynamic=True
+    (one full graph; the bias check once broke the graph on a tuple of SymInts), and the default
+    compile, whose recompile for a second token count makes it symbolic (saving for the backward
+    once hashed a SymInt in a planner's cache and raised)."""
+    H, D = 2, 16
+
+    def step(q, k, v, bias):
+        return elsa_vision.window_attention(q, k, v, bias=bias)
+
+    for dynamic, fullgraph in ((True, True), (None, False)):
+        torch._dynamo.reset()
+        c = torch.compile(step, fullgraph=fullgraph, backend="inductor" if GPU else "aot_eager", dynamic=dynamic)
+        for N in (20, 24, 28):
+            q, k, v = _qkv(8, H, N, D, seed=N)
+            bias = torch.randn(H, N, N, device=DEVICE, requires_grad=True)
+            out, grads = _grads(c, q, k, v, bias)
+            ref, ref_grads = _grads(step, q, k, v, bias)
+            assert verify.max_err(out, ref) <= 1e-6
+            assert all(verify.max_err(a, b) <= 1e-5 for a, b in zip(grads, ref_grads))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("packed,image", [(True, None), (False, None), (True, (7, 10))],
                          ids=["packed", "apart", "packed-padded"])
 def test_shifted_windows_compiled_in_place(packed, image):

@@ -311,6 +311,10 @@ def test_autocast_and_custom_op():
     args = (q.detach(), k.detach(), v.detach(), b.detach(), m, 0.2, "ieee", 64, 0)
     torch.library.opcheck(torch.ops.elsa_vision.window_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+    # with gradients and symbolic sizes (the op's save for the backward once hashed a SymInt)
+    grad_args = (*(t.detach().requires_grad_() for t in (q, k, v, b)), *args[4:])
+    torch.library.opcheck(torch.ops.elsa_vision.window_fwd.default, grad_args,
+                          test_utils=("test_autograd_registration", "test_aot_dispatch_dynamic"))
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
