@@ -6,6 +6,7 @@ warps laid out beyond the tile (replicated work).
     python benchmarks/window_compile.py --n 49,144 --d 32,64 --arch 90 --blocks 64,256
     python benchmarks/window_compile.py --attention --d 16,32,64,128,256   # kernels/attention.py tile table
     python benchmarks/window_compile.py --static --n 49,64 --blocks 64    # can inductor's static launcher take them?
+    python benchmarks/window_compile.py --hopper --d 64,128               # the Gluon forward's SASS: P·V overlap?
 
 Run it with the Triton version the GPU machine has (registers and spills differ between releases;
 e.g. ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``). It runs the real launchers (kernels/window.py forward + backward on small CPU tensors) with Triton's
@@ -108,6 +109,10 @@ def main(argv=None):
     ap.add_argument("--precisions", default="fp32:tf32x3,fp32:tf32,fp32:ieee,bf16:native")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--attention", action="store_true", help="the attention kernels' tile table instead")
+    ap.add_argument("--hopper", action="store_true",
+                    help="the Hopper (Gluon) bf16 forward instead: per consumer warpgroup's steady-state key "
+                         "tile, whether the wait for P·V_(j-1) comes before tile j's exponentials (no overlap)")
+    ap.add_argument("--tokens", type=int, default=4096, help="--hopper: query and key tokens")
     ap.add_argument("--static", action="store_true",
                     help="also say per kernel whether torch.compile's static launcher (inductor's C++ launch path, "
                          "which user-defined kernels take only under static_launch_user_defined_triton_kernels) "
@@ -125,6 +130,8 @@ def main(argv=None):
     dts = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if a.attention:
         return attention_report(a, dts)
+    if a.hopper:
+        return hopper_report(a)
     for N in map(int, a.n.split(",")):
         for D in map(int, a.d.split(",")):
             for spec in a.precisions.split(","):
@@ -179,6 +186,54 @@ def attention_report(a, dts):
                 out, stats = K.forward(q, k, v, bias, D ** -0.5, False, prec)
                 K.backward(out, q, k, v, bias, out, stats, D ** -0.5, False, prec, has_bias)
                 print(f"D={D} {spec} bias={has_bias} | " + _cells(), flush=True)
+
+
+def sass(kern) -> str:
+    """The kernel's SASS, by the cuobjdump that ships with Triton."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        open(path, "wb").write(kern.asm["cubin"])
+        return subprocess.run([os.path.join(os.path.dirname(PTXAS), "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True).stdout
+
+
+def pv_overlap(text: str) -> list[int]:
+    """Per steady-state key tile of each consumer warpgroup (a ``WARPGROUP.DEPBAR.LE gsb0, 0x1``:
+    QKᵀ_j retired, P·V_(j−1) left in flight), how many MUFU.EX2 (tile j's exponentials) issue
+    before the next ``DEPBAR.LE gsb0, 0x0`` (P·V_(j−1) retired): 0 means the softmax does not run
+    under P·V. (Straight-line order of the listing: the masked-tile branch of each loop comes first.)"""
+    counts, open_ = [], None
+    for line in text.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            open_ = 0
+        elif open_ is not None and "MUFU.EX2" in line:
+            open_ += 1
+        elif open_ is not None and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            counts.append(open_)
+            open_ = None
+    return counts
+
+
+def hopper_report(a):
+    """Compile kernels/hopper.py's bf16 forward for one [1, 16, tokens, D] call per head dim at its
+    tile config and report registers, shared memory and the P·V overlap (pv_overlap)."""
+    from elsa_vision.kernels import hopper as Hk
+    from elsa_vision.kernels.common import LOG2E
+    for D in map(int, a.d.split(",")):
+        B, H, N = 1, 16, a.tokens
+        bm, bn, stages, regs = Hk.config(D, N, False)
+        q, k, v, out = (torch.empty(B, H, N, D, dtype=torch.bfloat16) for _ in range(4))
+        stats = torch.empty(B, H, 2, N)
+        rows, keys = Hk._blocks(64), Hk._blocks(bn)
+        n_m = -(-N // bm)
+        COMPILED.clear()
+        Hk._fwd_kernel[(132,)](rows(q), keys(k), keys(v), out, rows(out), stats, stats, *out.stride()[:3], H, N, N,
+                               n_m, n_m * B * H, n_m * B * H, D ** -0.5 * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn,
+                               STAGES=stages, CAUSAL=False, CONSUMER_REGS=regs, PARTS=1, TMA_OUT=True, num_warps=4)
+        _, kern = COMPILED[-1]
+        overlap = pv_overlap(sass(kern))
+        print(f"D={D} N={N}: BLOCK_M={bm} BLOCK_N={bn} stages={stages} consumer registers={regs} "
+              f"{kern.metadata.shared // 1024}K-smem | exponentials under P·V per tile: {overlap}", flush=True)
 
 
 if __name__ == "__main__":
