@@ -586,3 +586,23 @@ def test_logit_scale_benchmark_smoke(tmp_path):
     assert all(0 < float(r[k]) < 1e-3 for r in rows for k in ("timm_err", "tau_in_q_err", "elsa_err"))
     assert all(r["served"] == "True" for r in rows)
     assert (tmp_path / "swinv2_logit_scale_rounding.png").stat().st_size > 0
+
+
+def test_pv_overlap_counts_exponentials_between_the_waits():
+    """window_compile.pv_overlap: per steady-state tile (a wait leaving one MMA group in flight,
+    then the wait for all), the exponentials issued between the two; a tile whose full wait comes
+    first counts 0; a full wait with no partial one before it counts nothing."""
+    pytest.importorskip("triton")
+    from benchmarks.window_compile import pv_overlap
+    listing = "\n".join([
+        "HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR16].tnspB, R88, gsb0 ;",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",            # a prologue's full wait: not a tile
+        "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
+        "MUFU.EX2 R24, R24 ;", "MUFU.EX2 R25, R25 ;",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
+        "FMNMX R23, R24, R25, !PT ;",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+        "MUFU.EX2 R26, R26 ;",
+    ])
+    assert pv_overlap(listing) == [2, 0]
