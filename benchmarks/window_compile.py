@@ -199,12 +199,13 @@ def sass(kern) -> str:
 
 def pv_overlap(text: str) -> list[int]:
     """Per steady-state key tile of each consumer warpgroup (a ``WARPGROUP.DEPBAR.LE gsb0, 0x1``:
-    QKᵀ_j retired, P·V_(j−1) left in flight), how many MUFU.EX2 (tile j's exponentials) issue
-    before the next ``DEPBAR.LE gsb0, 0x0`` (P·V_(j−1) retired): 0 means the softmax does not run
-    under P·V. (Straight-line order of the listing: the masked-tile branch of each loop comes first.)"""
+    QKᵀ_j retired, P·V_(j−1) left in flight; 0x3 with fp16x3's three products each), how many
+    MUFU.EX2 (tile j's exponentials) issue before the next ``DEPBAR.LE gsb0, 0x0`` (P·V_(j−1)
+    retired): 0 means the softmax does not run under P·V. (Straight-line order of the listing:
+    both arms of the mask branch count.)"""
     counts, open_ = [], None
     for line in text.splitlines():
-        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+        if re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", line):
             open_ = 0
         elif open_ is not None and "MUFU.EX2" in line:
             open_ += 1
@@ -216,7 +217,8 @@ def pv_overlap(text: str) -> list[int]:
 
 def hopper_report(a):
     """Compile kernels/hopper.py's bf16 forward for one [1, 16, tokens, D] call per head dim at its
-    tile config and report registers, shared memory and the P·V overlap (pv_overlap)."""
+    tile config, with hopper.OVERLAP off and on, and report shared memory, code size, local memory
+    traffic (spills) and the P·V overlap (pv_overlap)."""
     from elsa_vision.kernels import hopper as Hk
     from elsa_vision.kernels.common import LOG2E
     for D in map(int, a.d.split(",")):
@@ -226,14 +228,18 @@ def hopper_report(a):
         stats = torch.empty(B, H, 2, N)
         rows, keys = Hk._blocks(64), Hk._blocks(bn)
         n_m = -(-N // bm)
-        COMPILED.clear()
-        Hk._fwd_kernel[(132,)](rows(q), keys(k), keys(v), out, rows(out), stats, stats, *out.stride()[:3], H, N, N,
-                               n_m, n_m * B * H, n_m * B * H, D ** -0.5 * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn,
-                               STAGES=stages, CAUSAL=False, CONSUMER_REGS=regs, PARTS=1, TMA_OUT=True, num_warps=4)
-        _, kern = COMPILED[-1]
-        overlap = pv_overlap(sass(kern))
-        print(f"D={D} N={N}: BLOCK_M={bm} BLOCK_N={bn} stages={stages} consumer registers={regs} "
-              f"{kern.metadata.shared // 1024}K-smem | exponentials under P·V per tile: {overlap}", flush=True)
+        for overlap in (False, True):
+            COMPILED.clear()
+            Hk._fwd_kernel[(132,)](rows(q), keys(k), keys(v), out, rows(out), stats, stats, *out.stride()[:3], H, N,
+                                   N, n_m, n_m * B * H, n_m * B * H, D ** -0.5 * LOG2E, D=D, BLOCK_M=bm, BLOCK_N=bn,
+                                   STAGES=stages, CAUSAL=False, CONSUMER_REGS=regs, PARTS=1, TMA_OUT=True,
+                                   OVERLAP=overlap, num_warps=4)
+            _, kern = COMPILED[-1]
+            text = sass(kern)
+            spill = sum(" STL" in line or " LDL" in line for line in text.splitlines())
+            print(f"D={D} N={N} OVERLAP={overlap}: BLOCK_M={bm} BLOCK_N={bn} stages={stages} consumer registers="
+                  f"{regs} {kern.metadata.shared // 1024}K-smem {len(text.splitlines()) // 2} SASS lines "
+                  f"{spill} local loads/stores | exponentials under P·V per tile: {pv_overlap(text)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,11 @@ TMA_OUT = True
 # BACKWARD = False keeps every backward on the portable kernels (serves_backward does not depend
 # on which forward ran: the statistics are the same)
 BACKWARD = True
+# OVERLAP = True gives each key tile's softmax a copy in both arms of the mask branch (_step), so
+# that ptxas, which puts the wait for P·V_(j−1) at the start of the block holding the softmax,
+# puts it after the exponentials: FlashAttention-3's intra-warpgroup overlap, in the SASS
+# (benchmarks/window_compile.py --hopper). An A/B switch, off until timed on a GPU.
+OVERLAP = False
 
 
 # The persistent kernels' item counts are not specialised on: Triton would compile a kernel per
@@ -215,15 +220,36 @@ def _fold(acc, tok, PARTS: gl.constexpr):
 
 
 @gluon.jit
+def _masked(s, j, offs_m, offs_n, Nq, Nk, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tile j's logits with −inf where a key is past Nk or (CAUSAL) past a row's diagonal."""
+    n0 = j * BLOCK_N
+    visible = gl.expand_dims(n0 + offs_n < Nk, 0)
+    if CAUSAL:
+        visible = visible & (gl.expand_dims(n0 + offs_n, 0) <= gl.expand_dims(offs_m + (Nk - Nq), 1))
+    return gl.where(visible, s, float("-inf"))
+
+
+@gluon.jit
+def _softmax(s, m_i, s_i, qk_scale2):
+    """One key tile's online softmax, log2 units: (m_new, P, α = 2^(m_i − m_new), s_i·α + ΣP)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale2)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet: p = 0, α = 0
+    p = gl.exp2(gl.fma(s, qk_scale2, -gl.expand_dims(m_use, 1)))
+    alpha = gl.exp2(m_i - m_use)
+    return m_new, p, alpha, s_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
 def _step(j, g, p16, p_lo, acc, m_i, s_i, q, q_lo, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, offs_m,
           offs_n, masked, Nq, Nk, qk_scale2, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          CAUSAL: gl.constexpr, FIRST: gl.constexpr, PARTS: gl.constexpr):
+          CAUSAL: gl.constexpr, FIRST: gl.constexpr, PARTS: gl.constexpr, OVERLAP: gl.constexpr):
     """Fold key tile j (ring position g) into the state: QKᵀ_j is issued, then P·V_(j−1) (p16, p_lo:
     tile j−1's probabilities; acc already rescaled to tile j−1's max), and tile j's softmax runs
     while P·V_(j−1) is in flight. Returns tile j's probabilities and the state, acc rescaled to
     tile j's max. Nothing is in flight across calls: ptxas serialises every wgmma of a loop whose
     in-flight accumulators cross its back edge. PARTS = 2 (fp16x3): the products are split three
-    ways (_scores, _pv) and P goes in as P·2^14's float16 (hi, lo) parts; else p_lo is p16."""
+    ways (_scores, _pv) and P goes in as P·2^14's float16 (hi, lo) parts; else p_lo is p16.
+    OVERLAP: the softmax in both arms of the mask branch (see the module's OVERLAP)."""
     O_L: gl.constexpr = acc.type.layout
     P_L: gl.constexpr = p16.type.layout
     slot = g % STAGES
@@ -239,17 +265,17 @@ def _step(j, g, p16, p_lo, acc, m_i, s_i, q, q_lo, k_ring, v_ring, k_ready, k_em
     else:
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(slot))  # QKᵀ_j has read its K slot
-    if masked:
-        n0 = j * BLOCK_N
-        visible = gl.expand_dims(n0 + offs_n < Nk, 0)
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(n0 + offs_n, 0) <= gl.expand_dims(offs_m + (Nk - Nq), 1))
-        s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale2)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet: p = 0, α = 0
-    p = gl.exp2(gl.fma(s, qk_scale2, -gl.expand_dims(m_use, 1)))
-    alpha = gl.exp2(m_i - m_use)
-    s_i = s_i * alpha + gl.sum(p, axis=1)
+    if OVERLAP:
+        # (the wait in _fold then opens the join block: ptxas keeps it there, after both copies)
+        if masked:
+            m_new, p, alpha, s_i = _softmax(_masked(s, j, offs_m, offs_n, Nq, Nk, BLOCK_N, CAUSAL), m_i, s_i,
+                                            qk_scale2)
+        else:
+            m_new, p, alpha, s_i = _softmax(s, m_i, s_i, qk_scale2)
+    else:
+        if masked:
+            s = _masked(s, j, offs_m, offs_n, Nq, Nk, BLOCK_N, CAUSAL)
+        m_new, p, alpha, s_i = _softmax(s, m_i, s_i, qk_scale2)
     if not FIRST:
         acc = _fold(acc, pv, PARTS)
         mbarrier.arrive(v_empty.index(prev))  # P·V_(j−1) has read its V slot
@@ -269,7 +295,7 @@ def _step(j, g, p16, p_lo, acc, m_i, s_i, q, q_lo, k_ring, v_ring, k_ready, k_em
 def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
               o_desc, o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2,
               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
+              CAUSAL: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr, OVERLAP: gl.constexpr):
     """Warpgroup wg: per item, its 64 query rows [q0 + wg·64, +64) scanned over the item's key
     tiles, then the rows' output and statistics. Every warpgroup visits all of an item's tiles (a
     tile past a row's diagonal scores −inf there), so that each releases every slot; in a tail item
@@ -284,7 +310,7 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_read
         else:
             _fold_item(wg, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
                        v_ready, v_empty, Out, o_desc, o_smem, Stats, Scales, so_b, so_h, so_m, Nq, Nk, qk_scale2, D,
-                       BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)
+                       BLOCK_M, BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT, OVERLAP)
         g += n_tiles
         it += 1
     if TMA_OUT:
@@ -311,7 +337,7 @@ def _pass(it, g, n_tiles, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, 
 def _fold_item(wg: gl.constexpr, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                k_empty, v_ready, v_empty, Out, o_desc, o_smem, Stats, Scales, so_b, so_h, so_m, Nq, Nk, qk_scale2,
                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
+               CAUSAL: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr, OVERLAP: gl.constexpr):
     """Warpgroup wg's 64 rows [q0 + wg·64, +64) of one item (ring position g, Q buffer it % 2):
     the scan over the item's key tiles, then the rows' output and statistics. PARTS = 2 (fp16x3):
     q, k, v arrive scaled by the head's powers of two in Scales [BH, 2 + D] (c_q, c_k, then c_v per
@@ -348,11 +374,11 @@ def _fold_item(wg: gl.constexpr, it, g, b, h, bh, q0, n_tiles, q_smem, k_ring, v
         p16 = gl.zeros([WG_M, BLOCK_N], dtype, P_L)
         p16, p_lo, acc, m_i, s_i = _step(0, g, p16, p16, acc, m_i, s_i, q, q_lo, k_ring, v_ring, k_ready, k_empty,
                                          v_ready, v_empty, offs_m, offs_n, 0 >= mask_from, Nq, Nk, qk_scale2,
-                                         D, BLOCK_N, STAGES, CAUSAL, True, PARTS)
+                                         D, BLOCK_N, STAGES, CAUSAL, True, PARTS, OVERLAP)
         for j in range(1, n_tiles):
             p16, p_lo, acc, m_i, s_i = _step(j, g + j, p16, p_lo, acc, m_i, s_i, q, q_lo, k_ring, v_ring, k_ready,
                                              k_empty, v_ready, v_empty, offs_m, offs_n, j >= mask_from, Nq, Nk,
-                                             qk_scale2, D, BLOCK_N, STAGES, CAUSAL, False, PARTS)
+                                             qk_scale2, D, BLOCK_N, STAGES, CAUSAL, False, PARTS, OVERLAP)
         mbarrier.arrive(q_empty.index(qb))  # every QKᵀ of the item has read Q
         last = (g + n_tiles - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((g + n_tiles - 1) // STAGES) & 1)
@@ -426,7 +452,8 @@ def _query_stationary_buffers(q_desc, k_desc, v_desc, NUM_WG: gl.constexpr, STAG
 @gluon.jit(do_not_specialize=_COUNTS)
 def _fwd_kernel(q_desc, k_desc, v_desc, Out, o_desc, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0,
                 qk_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
+                CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr,
+                OVERLAP: gl.constexpr):
     """Persistent: program p takes work items p, p + programs, … (see _item), each BLOCK_M query
     rows of one batch·head (BLOCK_M − 64 from item t0 on), with BLOCK_M / 64 consumer warpgroups of
     64 rows and a producer warp (num_warps = 4: the first warpgroup).
@@ -448,13 +475,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, o_desc, Stats, Scales, so_b, so_h, 
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
                          o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
-                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT, OVERLAP)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
                          o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
-                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT, OVERLAP)),
             (_consumer, (2, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
                          o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
-                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT, OVERLAP)),
             (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                        k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                        False, PARTS)),
@@ -463,7 +490,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, o_desc, Stats, Scales, so_b, so_h, 
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
                          o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
-                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT, OVERLAP)),
             (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                        k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                        False, PARTS)),
@@ -472,10 +499,10 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, o_desc, Stats, Scales, so_b, so_h, 
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
                          o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
-                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT, OVERLAP)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, o_desc,
                          o_smem, Stats, Scales, so_b, so_h, so_m, H, Nq, Nk, n_m, n_items, t0, qk_scale2, D, BLOCK_M,
-                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT)),
+                         BLOCK_N, STAGES, CAUSAL, PARTS, TMA_OUT, OVERLAP)),
             (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                        k_empty, v_ready, v_empty, H, Nq, Nk, n_m, n_items, t0, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                        False, PARTS)),
@@ -1098,7 +1125,7 @@ SPLIT_CHUNK_BYTES = 1 << 28
 
 # (the switches this module's host code reads per call: kernels/native.py keys its recorded calls on them,
 # so that a switch flipped between two calls changes what the second runs, as on the Python path)
-register_switches(lambda: (ENABLED, EVERYWHERE, BACKWARD, TMA_OUT, SPLIT_CHUNK_BYTES))
+register_switches(lambda: (ENABLED, EVERYWHERE, BACKWARD, TMA_OUT, OVERLAP, SPLIT_CHUNK_BYTES))
 
 
 def _chunks(B: int, H: int, per: int):
@@ -1144,7 +1171,7 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     ``scales`` is given, Nq and Nk then half their rows. Planned once per call signature
     (_forward_launch): a repeat binds the addresses and reuses the descriptors' tensor maps."""
     key = ("hopper-fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device,
-           scale, causal, scales is None, TMA_OUT, out.data_ptr() & 15 == 0)
+           scale, causal, scales is None, TMA_OUT, OVERLAP, out.data_ptr() & 15 == 0)
     prepared(key, _forward_launch, q, k, v, out, scale, causal, scales is not None)(
         q, k, v, out, stats, stats if scales is None else scales)
 
@@ -1168,7 +1195,7 @@ def _forward_launch(q, k, v, out, scale: float, causal: bool, split: bool) -> La
     d64, dkeys = _blocks(64), _blocks(bn)
     return Launch(_fwd_kernel, (programs,), (*out.stride()[:3], H, Nq, Nk, n_m, n_items, t0, scale * LOG2E),
                   dict(D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts,
-                       TMA_OUT=tma_out, num_warps=4, **({"maxnreg": 256 // per_sm} if per_sm > 1 else {})),
+                       TMA_OUT=tma_out, OVERLAP=OVERLAP, num_warps=4, **({"maxnreg": 256 // per_sm} if per_sm > 1 else {})),
                   leading=((0, d64), (1, dkeys), (2, dkeys), 3, (3, d64) if tma_out else (0, d64), 4, 5))
 
 

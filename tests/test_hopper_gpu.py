@@ -286,6 +286,38 @@ def test_forward_tail_items(B, H, n, d, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float16),
+                                     (64, torch.float32)])
+@pytest.mark.parametrize("n", [197, 1041, 4097])
+def test_overlapped_softmax_is_bitwise_the_plain_one(n, d, dtype, causal, monkeypatch):
+    """hopper.OVERLAP (each tile's softmax in both arms of the mask branch, so that it runs under
+    P·V_(j−1)) computes the same operations in the same order: output and statistics bit for bit
+    those of the plain step, in half precision and in fp16x3 (float32), and within the oracle rule."""
+    from elsa_vision.kernels import hopper
+    q, k, v = qkv(2, 3, n, n, d, dtype, seed=n + d)
+    precision = "fp16x3" if dtype == torch.float32 else "native"
+    scales = None
+    if dtype == torch.float32:
+        from elsa_vision.kernels import attention as K
+        scales = K._f16_scales(q, k, v, None)
+
+    def run(overlap):
+        monkeypatch.setattr(hopper, "OVERLAP", overlap)
+        out = torch.empty_like(q)
+        stats = torch.empty(2, 3, 2, n, device="cuda")
+        hopper.forward(q, k, v, out, stats, d ** -0.5, causal, scales)
+        torch.cuda.synchronize()
+        return out, stats
+
+    plain, overlapped = run(False), run(True)
+    assert torch.equal(plain[0], overlapped[0]) and torch.equal(plain[1], overlapped[1])
+    monkeypatch.setattr(hopper, "OVERLAP", True)
+    elsa_vision.clear_caches()
+    check_case(q, k, v, causal=causal, precision=precision if dtype == torch.float32 else "auto",
+               backend="triton", grads=False, seed=n)
+
+
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_output_stored_by_tma(d, causal, monkeypatch):
     """O stored by TMA from the warpgroups' staging tiles (hopper.TMA_OUT) is the st.global path's bit
