@@ -376,7 +376,8 @@ def plot(rows, path):
 
 def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
     """bf16, B·H·N² ≈ 2^25·16 per point, CUDA-graph replays, interleaved: kernels/hopper.py's Gluon
-    forward (every shape it supports) against the portable Triton forward, cuDNN and flash; and
+    forward (every shape it supports; also with ``hopper.OVERLAP``, "elsa-gluon-overlap") against
+    the portable Triton forward, cuDNN and flash; and
     forward + backward: the Gluon forward and backward, the Gluon forward with the portable
     backward ("elsa-gluon-fwd"), the portable pair, cuDNN and flash. These rows set the policies
     of ``hopper.serves`` and ``hopper.serves_backward``. ``dtype="fp32"``: float32 in ``fp16x3`` at
@@ -385,15 +386,15 @@ def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
     fp32 = dtype == "fp32"
     precision = "fp16x3" if fp32 else "auto"
 
-    def elsa(q, k, v, do, causal, fwd, bwd):
+    def elsa(q, k, v, do, causal, fwd, bwd, overlap=False):
         def f():
-            before = hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD
-            hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD = fwd, fwd, bwd
+            before = hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP
+            hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP = fwd, fwd, bwd, overlap
             try:
                 out = elsa_vision.attention(q, k, v, causal=causal, precision=precision)
                 return out if do is None else torch.autograd.grad(out, (q, k, v), do)
             finally:
-                hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD = before
+                hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP = before
         return f
 
     def sdpa(name, q, k, v, do, causal):
@@ -407,7 +408,8 @@ def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
         bh = min(3072, max(16, (1 << 29) // (n * n)))
         q, k, v = make(1, bh, n, n, d, DT[dtype], bwd)
         do = torch.randn_like(q) if bwd else None
-        variants = {"elsa-gluon": (True, True), "elsa-gluon-fwd": (True, False), "elsa-portable": (False, False)}
+        variants = {"elsa-gluon": (True, True), "elsa-gluon-overlap": (True, True, True),
+                    "elsa-gluon-fwd": (True, False), "elsa-portable": (False, False)}
         if not bwd:
             del variants["elsa-gluon-fwd"]
         fns = {label: elsa(q, k, v, do, causal, *how) for label, how in variants.items()}
