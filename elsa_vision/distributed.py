@@ -41,7 +41,7 @@ import torch
 from .api import attention as _attention
 from .api import resolve_precision
 from .checks import autocast, check_scale
-from .dispatch import Problem, select
+from .dispatch import NotSupportedError, Problem, select
 
 
 def _dist():
@@ -119,14 +119,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"distributed.attention: causal attention needs each rank's query and key shards to be the "
                          f"same tokens (n_q == n_k), got {q.shape[2]} and {k.shape[2]}")
+    q, k, v, _ = autocast(q, k, v, None)  # (as the single-process call casts; the ring's steps then agree)
+    _check_ring_backend(q, scale, precision, backend)  # (on every rank alike, before any collective)
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if lengths is None:
-        # every shard's length, and a check that the ranks agree on the rest of the shape
-        metas = gather_ints([k.shape[2], k.shape[0], k.shape[1], k.shape[3]], group, k.device)
+        # every shard's length, and a check that the ranks agree on the rest of the shape and on
+        # the dtype (ranks of different dtypes would take different paths, or send shards of other sizes)
+        metas = gather_ints([k.shape[2], k.shape[0], k.shape[1], k.shape[3], _dtype_code(k.dtype)], group, k.device)
         if any(m[1:] != metas[0][1:] for m in metas):
-            raise ValueError(f"distributed.attention: the ranks' k/v shards differ in [B, H, ·, D]: "
-                             f"{[(m[1], m[2], m[3]) for m in metas]}")
+            raise ValueError(f"distributed.attention: the ranks' k/v shards differ in [B, H, ·, D] or dtype: "
+                             f"{[(m[1], m[2], m[3], str(_DTYPES[m[4]]) if m[4] < len(_DTYPES) else 'other') for m in metas]}; give every rank's "
+                             "shards the same batch, heads, head dim and dtype")
         lengths = [m[0] for m in metas]
     else:
         lengths = [int(n) for n in lengths]
@@ -136,7 +140,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     overlap = OVERLAP if overlap is None else bool(overlap)
     longest = max(lengths)
     kw = dict(scale=scale, precision=precision, backend=backend)
-    q, k, v, _ = autocast(q, k, v, None)  # (as the single-process call casts; the ring's steps then agree)
     ring = q.dtype != torch.float64
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if ring and not grads:
@@ -155,6 +158,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     seen = range(rank + 1) if causal else range(world)
     keys = torch.cat([parts[i][:, :, :, :lengths[i]] for i in seen], dim=3)
     return _attention(q, keys[0], keys[1], causal=causal, **kw)
+
+
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """dtype's index in _DTYPES (what the ranks compare), len(_DTYPES) for any other dtype (which
+    the attention call then refuses with its own message)."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _check_ring_backend(q, scale, precision: str, backend: str) -> None:
+    """A named backend must run what the sharded call runs besides the causal diagonal: this rank's
+    queries against another rank's keys (not causal, n_q ≠ n_k). Raised alike on every rank (the
+    ranks agree on dtype, D and the options), before any collective."""
+    if backend == "auto" or q.dtype not in _DTYPES:
+        return
+    D = q.shape[-1]
+    sc = check_scale(scale, D, "distributed.attention")
+    p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=False, has_bias=False,
+                precision=resolve_precision(precision, q.dtype), positive_scale=sc > 0, same_lengths=False, keys=0)
+    try:
+        select(p, backend)
+    except NotSupportedError as e:
+        raise NotSupportedError(f"distributed.attention: backend={backend!r} cannot run the sharded call's steps "
+                                f"(a rank's queries against another rank's keys: not causal, n_q ≠ n_k): {e}; "
+                                "use backend='auto'") from None
 
 
 def _backward_entry(q, scale, causal: bool, precision: str, backend: str):

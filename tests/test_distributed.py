@@ -196,6 +196,37 @@ def test_ring_on_gpus_follows_the_rule(dtype, causal):
         assert e <= tolerance(same_e, dtype, grad=i > 0), f"{name}: {e:.3g} against plain torch's {same_e:.3g}"
 
 
+def _ring_refusal_worker(rank, world, init_file, out_dir):
+    """One rank of test_refused_alike_on_every_rank: what each call raised (or "returned")."""
+    results = {}
+    with _group("gloo", init_file, rank, world):
+        q, k, v, _ = (t[:, :, :4] for t in _full(4, torch.float32))
+        for name, call in (
+                ("dtypes", lambda: distributed.attention(*(t.to(torch.float64 if rank else torch.float32)
+                                                          for t in (q, k, v)))),
+                ("eca", lambda: distributed.attention(q, k, v, causal=True, backend="eca"))):
+            try:
+                call()
+                results[name] = "returned"
+            except (ValueError, RuntimeError) as e:
+                results[name] = f"{type(e).__name__}: {e}"
+    torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+
+
+def test_refused_alike_on_every_rank():
+    """Ranks whose shards differ in dtype (they would take different paths: a crash or a hang), and
+    a named backend that cannot run a rank's queries against another rank's keys (ECA: causal,
+    n_q = n_k only; rank 0 once returned while the others raised), raise on every rank before any
+    collective of the call's own, saying what is wrong."""
+    world = 3
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_ring_refusal_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world)
+        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(world)]
+    for r in results:
+        assert r["dtypes"].startswith("ValueError") and "or dtype" in r["dtypes"] and "float64" in r["dtypes"]
+        assert r["eca"].startswith("NotSupportedError") and "backend='eca' cannot run" in r["eca"]
+
+
 def test_needs_a_process_group():
     q = torch.randn(1, 1, 4, 8)
     if dist.is_available() and dist.is_initialized():
