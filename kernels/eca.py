@@ -186,6 +186,24 @@ def masked_product(a: torch.Tensor, b: torch.Tensor, depth: int = 1, base: int =
     return out.tril_()  # the diagonal blocks' upper parts hold sums of full products
 
 
+def _row_scales(x: torch.Tensor) -> torch.Tensor:
+    """[..., L, 1]: per row of x the power of two that brings its largest |x| into [1/2, 1) (1 for a
+    zero row; between 2⁻⁶⁰ and 2⁶⁰)."""
+    top = x.abs().amax(-1, keepdim=True)
+    e = torch.frexp(top).exponent.clamp_(-60, 60)
+    return torch.where(top > 0, torch.ldexp(torch.ones_like(top), -e), torch.ones_like(top))
+
+
+def scaled_masked_product(a: torch.Tensor, b: torch.Tensor, depth: int = 1, base: int = 64) -> torch.Tensor:
+    """masked_product with each row of a and of b scaled by a power of two first (_row_scales) and
+    the product's entries unscaled after (exact). Algorithm 1 adds rows of different blocks into one
+    operand, so a product's rounding error follows the largest rows it combines: one token far
+    larger than the rest would set the error of rows that never see it. With the rows brought to
+    one range, each entry's error is the plain product's bound times the identities' small constant."""
+    ra, rb = _row_scales(a), _row_scales(b)
+    return masked_product(a * ra, b * rb, depth, base).div_(ra).div_(rb.transpose(-1, -2))
+
+
 def _masked_rows(a: torch.Tensor, b: torch.Tensor, t: int) -> torch.Tensor:
     """Mask(a·bᵀ) by row blocks of t: rows [i·t, (i+1)·t) against keys < (i+1)·t."""
     L = a.shape[-2]
@@ -249,7 +267,7 @@ class _ECA(torch.autograd.Function):
         step = 4 ** depth
         Lp, dp = -(-L // step) * step, -(-d // step) * step
         qp, kp, vp = (_padded(t, Lp, dp) for t in (q, k, v))
-        s = masked_product(qp, kp, depth, base).mul_(scale)
+        s = scaled_masked_product(qp, kp, depth, base).mul_(scale)
         s.masked_fill_(_upper(Lp, s.device), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
         p = torch.softmax(s, dim=-1)
@@ -266,7 +284,7 @@ class _ECA(torch.autograd.Function):
         Lp, dp = qp.shape[-2], qp.shape[-1]
         dop = _padded(d_out, Lp, dp)
         dv = upper_product(p, dop, depth, base)
-        dp_ = masked_product(dop, vp, depth, base)
+        dp_ = scaled_masked_product(dop, vp, depth, base)
         # dS = P ⊙ (dP − rowsum(P ⊙ dP)); an lse gradient adds P ⊙ dlse (∂lse/∂s = P)
         ds = dp_.sub_((p * dp_).sum(-1, keepdim=True))
         if d_lse is not None:
@@ -315,5 +333,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, d
     dtype = q.dtype
     work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     depth = _depth_allowed(q.shape[-2], q.shape[-1], depth)
+    if depth and not all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
+        # the identities add rows of different blocks into one operand: an inf or NaN would reach
+        # rows that never see its token (their logits, before the mask). Row blocks do not mix rows.
+        depth = 0
     out, lse = _ECA.apply(q.to(work), k.to(work), v.to(work), float(scale), depth, base)
     return out.to(dtype), lse.float()

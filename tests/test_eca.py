@@ -92,6 +92,33 @@ def test_attention_long_rows():
     check_case(q, k, v, causal=True, backend="eca")
 
 
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_a_nonfinite_token_reaches_no_earlier_row(where, value):
+    """An inf or NaN in the last token's q or k: the rows before it, which never see it, are the
+    reference backend's (the identities' block sums once carried it into their logits)."""
+    q, k, v = (torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    {"q": q, "k": k}[where][0, 0, 15, 0] = value
+    got = elsa_vision.attention(q, k, v, causal=True, backend="eca")
+    want = elsa_vision.attention(q, k, v, causal=True, backend="reference")
+    assert torch.isfinite(got[:, :, :15]).all()
+    assert (got[:, :, :15] - want[:, :, :15]).abs().max() < 1e-5
+
+
+def test_one_large_token_leaves_the_other_rows_accurate():
+    """The last token's q and k 10⁴ times the others': the logits' products take rows scaled to one
+    range (scaled_masked_product), so the rows that never see that token keep plain float32's
+    accuracy (their error once followed the large token's, 1e-3 at this size)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 1, 64, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    q[..., 63, :] *= 1e4
+    k[..., 63, :] *= 1e4
+    exact = torch.softmax((q @ k.transpose(-1, -2) / 4).masked_fill(torch.ones(64, 64).triu(1).bool(), -float("inf")),
+                          -1) @ v
+    got = elsa_vision.attention(q.float(), k.float(), v.float(), causal=True, backend="eca")
+    assert (got[..., :63, :].double() - exact[..., :63, :]).abs().max() < 2e-6
+
+
 def test_bfloat16_computed_in_float32():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 100, 32, generator=g).bfloat16() for _ in range(3))
