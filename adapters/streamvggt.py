@@ -205,6 +205,7 @@ class _StreamAdapter(Adapter):
     registered under ``extra`` with :func:`register_classes`; the options they read."""
 
     options = frozenset({"kv_reserve"})
+    anchors = frozenset({"kv_reserve"})  # (on a model without StreamVGGT's modules it would do nothing)
     extra: str = ""
 
     def classes(self) -> tuple[type, ...]:

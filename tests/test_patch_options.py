@@ -72,6 +72,9 @@ BAD = [
     (dict(head_chunk=-1), ValueError, "head_chunk must be a positive int"),
     (dict(lean_offload="no"), TypeError, "lean_offload must be True or False"),
     (dict(lean_offload=True), ValueError, "pass lean_memory=True"),
+    (dict(lean_chunk=4096), ValueError, "lean_chunk sets the chunks of lean_memory's passes"),
+    (dict(head_chunk=2), ValueError, "head_chunk sets the chunks of lean_memory's passes"),
+    (dict(kv_reserve=4), ValueError, "kv_reserve works through"),
     (dict(lean_memory=True, lean_offload=None), TypeError, "lean_offload must be True or False"),
     (dict(token_merging=0.9), TypeError, "token_merging must be an elsa_vision.TokenMerging"),
     (dict(token_merging={"ratio": 0.5}), TypeError, "token_merging must be an elsa_vision.TokenMerging"),
@@ -103,8 +106,7 @@ def test_token_merging_values_are_checked_when_made(field, value):
 
 def test_good_options_patch():
     model = _swin()
-    report = elsa_vision.patch(model, fuse_windows=False, lean_chunk=4096, head_chunk=None, include=["layers.*"],
-                               exclude=())
+    report = elsa_vision.patch(model, fuse_windows=False, head_chunk=None, include=["layers.*"], exclude=())
     assert report.num_patched > 0
     assert elsa_vision.unpatch(model) == report.num_patched
     model = _vggt()

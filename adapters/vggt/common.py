@@ -136,6 +136,10 @@ def check_options(options: dict) -> None:
                          "pass lean_memory=True (or a list of layers) with it")
     check_count(options, "lean_chunk", "tokens")
     check_count(options, "head_chunk", "frames", none_ok=True)
+    for name in ("lean_chunk", "head_chunk"):  # (read by lean mode only: alone they would do nothing)
+        if options.get(name) is not None and lean_option(options) is None:
+            raise ValueError(f"{name} sets the chunks of lean_memory's passes: pass lean_memory=True (or a list "
+                             f"of layers) with it, or leave {name} out")
     from .sharded import check_group
     check_group(options)
 

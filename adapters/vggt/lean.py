@@ -262,6 +262,9 @@ class VGGTAggregatorAdapter(VGGTAdapter):
                 raise ValueError(f"a VGGT aggregator patched with process_group takes this rank's frames as images "
                                  f"[B, S, 3, H, W], got {getattr(images, 'shape', type(images).__name__)}")
             return state.delegate(images, *args, reason="images not [B, S, 3, H, W]", **kwargs)
+        if images.shape[1] == 0 and group is None:  # (a rank's shard may hold no frame)
+            raise ValueError(f"the VGGT aggregator got images {tuple(images.shape)}: no frame (S = 0); pass at "
+                             "least one frame")
         if agg.training:
             if group is None:
                 return state.delegate(images, *args, reason="training mode (lean memory and token merging are "
