@@ -16,9 +16,11 @@ forward. What differs is how the work is laid out:
     never stored) into a ring of STAGES slots, running ahead across items. K and V have barriers of
     their own: a K slot is released as soon as its QKᵀ has retired.
   * BLOCK_M / 64 consumer warpgroups of 64 rows each: per key tile a warpgroup issues QKᵀ_j and
-    P·V_(j−1) asynchronously and runs tile j's softmax while P·V_(j−1) is in flight
-    (FlashAttention-3's intra-warpgroup overlap); the scheduler interleaves one warpgroup's
-    softmax with another's products.
+    P·V_(j−1) asynchronously, then tile j's softmax; the scheduler interleaves one warpgroup's
+    softmax with another's products. The softmax does not run under the warpgroup's own P·V_(j−1)
+    (FlashAttention-3's intra-warpgroup overlap): ptxas waits for it at the start of the block
+    that holds the softmax, unless OVERLAP puts a copy of the softmax in each arm of the mask
+    branch (benchmarks/window_compile.py --hopper counts both from the SASS).
   * Each warpgroup stores its rows of O by TMA, from a staging tile in shared memory (TMA_OUT):
     attention's O is a [B, H, N, D] view of a token-major [B, N, H, D] buffer, whose rows a
     st.global from the wgmma accumulator layout writes 4 bytes per thread at a time, H·D apart.
@@ -244,12 +246,12 @@ def _step(j, g, p16, p_lo, acc, m_i, s_i, q, q_lo, k_ring, v_ring, k_ready, k_em
           offs_n, masked, Nq, Nk, qk_scale2, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, FIRST: gl.constexpr, PARTS: gl.constexpr, OVERLAP: gl.constexpr):
     """Fold key tile j (ring position g) into the state: QKᵀ_j is issued, then P·V_(j−1) (p16, p_lo:
-    tile j−1's probabilities; acc already rescaled to tile j−1's max), and tile j's softmax runs
-    while P·V_(j−1) is in flight. Returns tile j's probabilities and the state, acc rescaled to
-    tile j's max. Nothing is in flight across calls: ptxas serialises every wgmma of a loop whose
+    tile j−1's probabilities; acc already rescaled to tile j−1's max), then tile j's softmax (under
+    P·V_(j−1) with OVERLAP only, which puts a copy of it in each arm of the mask branch: see the
+    module's docstring). Returns tile j's probabilities and the state, acc rescaled to tile j's
+    max. Nothing is in flight across calls: ptxas serialises every wgmma of a loop whose
     in-flight accumulators cross its back edge. PARTS = 2 (fp16x3): the products are split three
-    ways (_scores, _pv) and P goes in as P·2^14's float16 (hi, lo) parts; else p_lo is p16.
-    OVERLAP: the softmax in both arms of the mask branch (see the module's OVERLAP)."""
+    ways (_scores, _pv) and P goes in as P·2^14's float16 (hi, lo) parts; else p_lo is p16."""
     O_L: gl.constexpr = acc.type.layout
     P_L: gl.constexpr = p16.type.layout
     slot = g % STAGES
@@ -1195,7 +1197,8 @@ def _forward_launch(q, k, v, out, scale: float, causal: bool, split: bool) -> La
     d64, dkeys = _blocks(64), _blocks(bn)
     return Launch(_fwd_kernel, (programs,), (*out.stride()[:3], H, Nq, Nk, n_m, n_items, t0, scale * LOG2E),
                   dict(D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts,
-                       TMA_OUT=tma_out, OVERLAP=OVERLAP, num_warps=4, **({"maxnreg": 256 // per_sm} if per_sm > 1 else {})),
+                       TMA_OUT=tma_out, OVERLAP=OVERLAP, num_warps=4,
+                       **({"maxnreg": 256 // per_sm} if per_sm > 1 else {})),
                   leading=((0, d64), (1, dkeys), (2, dkeys), 3, (3, d64) if tma_out else (0, d64), 4, 5))
 
 
