@@ -53,13 +53,18 @@ def _nearest_kernel(
             if WIDEN_HALF:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc)
-        acc = tl.where(col_ok[None, :], acc, float("-inf"))
+        nan = ((acc != acc) & col_ok[None, :]).to(tl.int32)
+        acc = tl.where(col_ok[None, :] & (nan == 0), acc, float("-inf"))
         tile_max = tl.max(acc, axis=1)
         tile_arg = tl.argmax(acc, axis=1, tie_break_left=True).to(tl.int32) + n0
         # strictly greater: an earlier tile keeps a tie, so the first maximal index wins overall
         better = tile_max > best
         best = tl.where(better, tile_max, best)
         arg = tl.where(better, tile_arg, arg)
+        # a NaN score wins, as in torch.max (the first one: a row that has one keeps it)
+        first_nan = (tl.max(nan, axis=1) > 0) & (best == best)
+        best = tl.where(first_nan, float("nan"), best)
+        arg = tl.where(first_nan, tl.argmax(nan, axis=1, tie_break_left=True).to(tl.int32) + n0, arg)
     tl.store(Val + rows, best, mask=row_ok)
     tl.store(Idx + rows, arg.to(tl.int64), mask=row_ok)
 

@@ -222,7 +222,7 @@ def _cpb_dparams_kernel(Coords, W1, B1, W2, DZ, DW1, DB1, DW2, T, C, H,
         dz = tl.load(DZ + offs_h[:, None] * T + offs_t[None, :], mask=h_ok[:, None] & t_ok[None, :], other=0.0)
         dw2 += tl.dot(dz, _relu(pre), input_precision="ieee")
         dh = tl.dot(tl.trans(dz), w2, input_precision="ieee")
-        dh = tl.where(pre > 0.0, dh, 0.0)   # (ReLU's gradient: 0 where its output is 0, as PyTorch's)
+        dh = tl.where(pre <= 0.0, 0.0, dh)  # (ReLU's gradient as PyTorch's: 0 where pre ≤ 0; NaN passes)
         dw1_y += tl.sum(dh * cy[:, None], axis=0)
         dw1_x += tl.sum(dh * cx[:, None], axis=0)
         db1 += tl.sum(dh, axis=0)
@@ -354,6 +354,8 @@ class _TableFunction(torch.autograd.Function):
 
 def _window(what: str, window, table: torch.Tensor, name: str, cols: Optional[int]) -> tuple[int, int]:
     """(wh, ww) of ``window``, checked against the rows of ``table`` (and its columns, ``cols`` if given)."""
+    if len(window) != 2 or not all(hasattr(type(w), "__index__") and not isinstance(w, bool) for w in window):
+        raise ValueError(f"{what}: window must be two ints (wh, ww), got {tuple(window)!r}")
     wh, ww = (int(w) for w in window)
     T = (2 * wh - 1) * (2 * ww - 1)
     if wh < 1 or ww < 1 or table.dim() != 2 or table.shape[0] != T or (cols is not None and table.shape[1] != cols):

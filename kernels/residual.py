@@ -176,7 +176,7 @@ def residual_norm(x: torch.Tensor, y: Optional[torch.Tensor] = None, gamma: Opti
         w, b = norm._parameters.get("weight"), norm._parameters.get("bias")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, y, gamma, w, b)):
         if norm is None:  # the residual alone: PyTorch's own ops (one pass either way, the same bits)
-            return x + (y if gamma is None else y * gamma), None
+            return (x if y is None else x + (y if gamma is None else y * gamma)), None
         if y is None:
             return x, _Fused.apply(x, None, None, w, b, norm, out_dtype)
         return _Fused.apply(x, y, gamma, w, b, norm, out_dtype)
@@ -278,6 +278,10 @@ def _plan(x, y, gamma, norm, w, b, out_dtype, save=False):
     for t in (x, y, gamma, w, b):
         if t is not None and (t.dtype not in DTYPES or t.device != x.device):
             raise ValueError(f"residual_norm: every tensor must be on x's device, with dtypes among {DTYPES}")
+    for name, t in (("gamma", gamma), ("the LayerNorm's weight", w), ("the LayerNorm's bias", b)):
+        if t is not None and t.dim() == 1 and t.stride(0) != 1:  # (the kernels read [C] vectors densely)
+            raise ValueError(f"residual_norm: {name} must be a contiguous [{C}] vector, got stride {t.stride(0)}; "
+                             "pass it .contiguous()")
     if not 0 < C <= MAX_WIDTH or (out_dtype is not None and out_dtype not in DTYPES):
         raise ValueError(f"residual_norm: rows of 1 to {MAX_WIDTH} features and output dtypes among {DTYPES}")
     r_dtype = x.dtype if y is None else residual_dtype(x, y, gamma)

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import cast
 from .launch import INTERPRET, cdiv, launch
 from .limits import ROPE_MIN_HEAD_DIM
 from .ops import register
@@ -102,14 +103,14 @@ def _qk_norm_rope_kernel(
         a, c = _normed_rotated(X, W0, B0, x_row + h * D, idx, cos_a, sin_a, cos_b, sin_b, ok, eps0,
                                D, NORM, HAS_W, HAS_B, ROPE)
         o = Out0 + o_row + h * stride_oh + idx
-        tl.store(o, a.to(Out0.dtype.element_ty), mask=ok)
-        tl.store(o + QUART, c.to(Out0.dtype.element_ty), mask=ok)
+        tl.store(o, cast(a, Out0.dtype.element_ty), mask=ok)
+        tl.store(o + QUART, cast(c, Out0.dtype.element_ty), mask=ok)
         if PARTS == 2:  # k: the next H·D columns of x
             a, c = _normed_rotated(X, W1, B1, x_row + (H + h) * D, idx, cos_a, sin_a, cos_b, sin_b, ok, eps1,
                                    D, NORM, HAS_W, HAS_B, ROPE)
             o = Out1 + o_row + h * stride_oh + idx
-            tl.store(o, a.to(Out1.dtype.element_ty), mask=ok)
-            tl.store(o + QUART, c.to(Out1.dtype.element_ty), mask=ok)
+            tl.store(o, cast(a, Out1.dtype.element_ty), mask=ok)
+            tl.store(o + QUART, cast(c, Out1.dtype.element_ty), mask=ok)
 
 
 def qk_norm_rope(x: torch.Tensor, heads: int, outs: Sequence[torch.Tensor],
@@ -143,6 +144,9 @@ def qk_norm_rope(x: torch.Tensor, heads: int, outs: Sequence[torch.Tensor],
     rope = pos is not None
     if rope and (tables is None or tables[0].shape[1] != D // 2 or tables[0].dtype != torch.float32):
         raise ValueError("qk_norm_rope: rope needs float32 (cos, sin) tables of D/2 columns")
+    if rope and (tuple(pos.shape) != (B, n, 2) or pos.dtype.is_floating_point or pos.dtype == torch.bool):
+        raise ValueError(f"qk_norm_rope: pos must be an integer [B, n, 2] = [{B}, {n}, 2] tensor of (y, x) "
+                         f"positions, got {pos.dtype} {tuple(pos.shape)}; expand a shared one to the batch")
     if n == 0 or B == 0:
         return outs
     if rope:
@@ -152,6 +156,8 @@ def qk_norm_rope(x: torch.Tensor, heads: int, outs: Sequence[torch.Tensor],
         cos = sin = None
     w = [getattr(m, "weight", None) for m in norms] + [None]
     bias = [getattr(m, "bias", None) for m in norms] + [None]
+    if any(t is not None and t.stride(-1) != 1 for t in w + bias):  # (the kernel reads them densely)
+        raise ValueError("qk_norm_rope: the norms' weight and bias must be contiguous [D] vectors")
     eps = [float(m.eps) if m is not None else 0.0 for m in norms] + [0.0]
     run = OP if torch.compiler.is_compiling() else _qk_norm_rope
     run(x, heads, out0, outs[1] if parts == 2 else None, norms[0] is not None, w[0], bias[0], w[1], bias[1],

@@ -68,11 +68,14 @@ def segment_mean(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) ->
         raise ValueError("segment_mean runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1)")
     if x.dim() != 4:
         raise ValueError(f"segment_mean takes x [B, N, H, D], got shape {tuple(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"segment_mean takes floating-point x, got {x.dtype}")
     B, N, H, D = x.shape
-    M = offsets.shape[1] - 1
-    if tuple(order.shape) != (B, N) or offsets.shape[0] != B:
+    if tuple(order.shape) != (B, N) or offsets.dim() != 2 or offsets.shape[0] != B or offsets.shape[1] < 1:
         raise ValueError(f"segment_mean: order {tuple(order.shape)} / offsets {tuple(offsets.shape)} do not fit "
-                         f"x {tuple(x.shape)}")
+                         f"x {tuple(x.shape)} (order [B, N], offsets [B, M + 1])")
+    M = offsets.shape[1] - 1
+    order, offsets = order.contiguous(), offsets.contiguous()  # (the kernel reads their rows densely)
     y = torch.empty(B, M, H, D, dtype=x.dtype, device=x.device)
     if M == 0 or B == 0:
         return y

@@ -65,3 +65,17 @@ def test_nearest_gpu_real_size():
     _check(src[sel], dst, val[sel], idx[sel])
     again = KN.nearest(src, dst)
     assert torch.equal(again[0], val) and torch.equal(again[1], idx)
+
+
+def test_nan_scores_as_torch_max():
+    """A NaN score wins a row, at its first index, as in torch.max over the scores (the token
+    merging's torch path): a NaN source row, and a NaN destination row every source sees."""
+    g = torch.Generator().manual_seed(3)
+    src, dst = torch.randn(4, 8, generator=g), torch.randn(70, 8, generator=g)
+    src[0, 0] = float("nan")
+    dst[66, 1] = float("nan")
+    src, dst = src.to(DEVICE, torch.bfloat16), dst.to(DEVICE, torch.bfloat16)
+    val, idx = KN.nearest(src, dst)
+    want = (src.float() @ dst.float().T).max(1)
+    assert torch.equal(val.isnan(), want.values.isnan()) and val.isnan().all()
+    assert torch.equal(idx, want.indices)

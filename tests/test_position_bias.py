@@ -86,6 +86,19 @@ def test_nan_propagates_as_in_pytorch():
     assert torch.equal(out.isnan(), want.isnan()) and out.isnan().any()
 
 
+def test_nan_hidden_unit_gradient_is_nan_as_in_pytorch():
+    """A hidden unit whose pre-activation is NaN passes its gradient as PyTorch's ReLU backward does
+    (NaN into its W1 row and b1 entry), not 0."""
+    m = _module((3, 3), 2)
+    with torch.no_grad():
+        m.cpb_mlp[0].bias[0] = float("nan")
+    g = torch.randn(2, 9, 9, dtype=torch.float64).to(DEVICE)
+    (_, got), (_, want) = _with_grads(_fused, m, g), _with_grads(_timm_bias, m, g)
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan())
+    assert got[1][0].isnan()
+
+
 def test_gradients_are_deterministic():
     m = _module((8, 8), 6)
     g = torch.randn(6, 64, 64, dtype=torch.float64).to(DEVICE)
@@ -114,6 +127,8 @@ def test_bad_arguments_say_what_is_wrong():
         pb.continuous_position_bias(coords.double(), w1, b1, w2, (4, 4))
     with pytest.raises(ValueError, match="window"):
         pb.continuous_position_bias(coords, w1, b1, w2, (0, 4))
+    with pytest.raises(ValueError, match="window must be two ints"):
+        pb.continuous_position_bias(coords, w1, b1, w2, (4.0, 4))
 
 
 def test_double_backward_is_refused():

@@ -202,3 +202,21 @@ def test_residual_norm_rows_of_size_one_dimensions_and_no_double_backward():
     (gx,) = torch.autograd.grad(h.sum(), x, create_graph=False)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(residual_norm(x, y, None, norm)[1].square().sum(), y, create_graph=True)
+
+
+def test_strided_vectors_are_refused_and_the_bare_residual_is_x():
+    """gamma and the LayerNorm's weight and bias are read as dense [C] vectors: a strided or
+    broadcast one is refused (it was read as if dense); with neither y nor a norm, x comes back as
+    it is, also under autograd (it raised)."""
+    x, y = (torch.randn(4, 6, device=DEVICE) for _ in range(2))
+    norm = torch.nn.LayerNorm(6).to(DEVICE)
+    for gamma in (torch.rand(12, device=DEVICE)[::2], torch.tensor([0.5], device=DEVICE).expand(6)):
+        with pytest.raises(ValueError, match="gamma must be a contiguous"):
+            residual_norm(x, y, gamma, norm)
+    strided = torch.nn.LayerNorm(6).to(DEVICE)
+    strided.weight = torch.nn.Parameter(torch.rand(12, device=DEVICE)[::2])
+    with pytest.raises(ValueError, match="weight must be a contiguous"):
+        residual_norm(x, y, None, strided)
+    xg = x.clone().requires_grad_()
+    r, h = residual_norm(xg)
+    assert r is xg and h is None

@@ -156,3 +156,20 @@ def test_qk_norm_rope_traces_as_one_op():
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(y)
     assert all(torch.equal(a, b) for a, b in zip(got, f(y)))
+
+
+def test_pos_and_norm_vectors_are_checked():
+    """pos must be an integer [B, n, 2] (a shared [1, n, 2] one was read past its end for the
+    other batches; a float one failed inside Triton), and the norms' weight and bias dense."""
+    B, n, H, D = 2, 8, 2, 16
+    x = torch.randn(B, n, H * D, device=DEVICE)
+    out = torch.empty(B, n, H, D, device=DEVICE)
+    tables = (torch.ones(n, D // 2, device=DEVICE), torch.zeros(n, D // 2, device=DEVICE))
+    pos = torch.randint(0, n, (B, n, 2), device=DEVICE)
+    for bad in (pos[:1], pos.float(), pos[0]):
+        with pytest.raises(ValueError, match="pos must be an integer"):
+            KR.qk_norm_rope(x, H, [out], None, bad, tables)
+    norm = torch.nn.LayerNorm(D).to(DEVICE)
+    norm.weight = torch.nn.Parameter(torch.rand(2 * D, device=DEVICE)[::2])
+    with pytest.raises(ValueError, match="contiguous"):
+        KR.qk_norm_rope(x, H, [out], [norm])

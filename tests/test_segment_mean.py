@@ -77,3 +77,19 @@ def test_segment_mean_rejects_what_it_cannot_serve():
         KS.segment_mean(torch.randn(1, 10, 8, device=DEVICE), order, offsets)
     with pytest.raises(ValueError, match="do not fit"):
         KS.segment_mean(torch.randn(1, 11, 2, 4, device=DEVICE), order, offsets)
+
+
+def test_index_layouts_and_bad_inputs():
+    """order and offsets of any layout give the contiguous ones' result bit for bit; an integer x
+    and a 1-D offsets are refused with what is wrong."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 10, 2, 4, generator=g).to(DEVICE)
+    order = torch.stack([torch.randperm(10, generator=g) for _ in range(2)]).to(DEVICE)
+    offsets = torch.tensor([[0, 3, 7, 10], [0, 1, 5, 10]], device=DEVICE)
+    want = KS.segment_mean(x, order, offsets)
+    got = KS.segment_mean(x, order.T.contiguous().T, offsets.T.contiguous().T)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="floating-point"):
+        KS.segment_mean(x.int(), order, offsets)
+    with pytest.raises(ValueError, match="offsets"):
+        KS.segment_mean(x, order, offsets[0])
