@@ -22,7 +22,6 @@ if not _os.path.isdir(_os.path.join(_here, "kernels")) and _os.path.isfile(_os.p
 from .api import (attention, attention_packed, clear_caches, patch, patched, resolve_precision,
                   shifted_window_attention, unpatch, window_attention, window_attention_packed)
 from .dispatch import BACKENDS, BackendFallbackWarning, NotSupportedError
-from . import verify
 
 __all__ = ["attention", "attention_packed", "window_attention", "window_attention_packed", "shifted_window_attention",
            "patch", "unpatch", "patched", "resolve_precision", "clear_caches", "verify", "BACKENDS", "NotSupportedError",
@@ -32,3 +31,12 @@ __version__ = "0.1.0"
 from .adapters.vggt import TokenMerging  # noqa: E402  (VGGT token merging, an option of patch())
 
 __all__.append("TokenMerging")
+
+
+def __getattr__(name):
+    # elsa_vision.verify on first use: imported here eagerly, ``python -m elsa_vision.verify`` would
+    # find the module already loaded and warn (runpy's RuntimeWarning)
+    if name == "verify":
+        import importlib
+        return importlib.import_module(".verify", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
