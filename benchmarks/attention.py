@@ -643,7 +643,7 @@ def plot_host_phases(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", choices=["fwd", "bwd", "bwdkv", "both", "fewq"],
                     help="tile-shape sweep: forward, backward (dQ tile), the dK/dV kernel's tile, fwd+bwd, or "

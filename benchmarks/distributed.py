@@ -228,7 +228,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", default="400,1000")
     ap.add_argument("--dtypes", default="bf16")
     ap.add_argument("--parts", default="attention,aggregator")
@@ -252,11 +252,24 @@ def main(argv=None):
                     help="also write what is allocated at rank 0's peak of a one-GPU call (both parts) and of a "
                          "sharded call (aggregator) (distributed_<name>_memory.csv; CUDA only)")
     ap.add_argument("--name", help="results file stem after distributed_ (default: the launch's rank count)")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cuda (NCCL, one GPU a rank) or cpu (gloo)")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--timeout-s", type=float, default=900,
                     help="process-group timeout: how long the other ranks wait in a collective for one that failed")
     a = ap.parse_args(argv)
+    bad = [p for p in a.parts.split(",") if p not in ("attention", "aggregator")]
+    bad += [d for d in a.dtypes.split(",") if d not in DT]
+    if bad:
+        ap.error(f"unknown --parts / --dtypes {bad}: parts are attention, aggregator; dtypes {list(DT)}")
+    if a.device not in ("cuda", "cpu") or (a.device == "cuda" and not torch.cuda.is_available()):
+        ap.error(f"--device {a.device!r}: cuda (with GPUs here) or cpu")
+    try:
+        if min(int(f) for f in a.frames.split(",")) < 1 or a.tokens < 1:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--frames takes positive ints (comma-separated) and --tokens a positive int, got {a.frames!r} / "
+                 f"{a.tokens}")
     if "WORLD_SIZE" not in os.environ:
         raise SystemExit("benchmarks/distributed.py runs under torchrun, e.g. torchrun --nproc-per-node 2 "
                          "benchmarks/distributed.py")

@@ -158,11 +158,13 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--breakdown", type=int, metavar="L")
     ap.add_argument("--out", help="results folder (default benchmarks/results/<cpu>)")
     a = ap.parse_args(argv)
+    if a.breakdown is not None and a.breakdown < 4:
+        ap.error(f"--breakdown L takes a sequence length of at least 4, got {a.breakdown}")
     outdir = Path(a.out) if a.out else results_dir()
     outdir.mkdir(parents=True, exist_ok=True)
     if a.breakdown:

@@ -15,8 +15,9 @@ Writes benchmarks/results/<device>/frames.csv and frames.png (time and peak memo
 prints a table and, per variant with two or more frame counts, the largest frame count its memory
 trend predicts for this GPU.
 
-Model: upstream VGGT (``vggt`` importable, e.g. PYTHONPATH=third_party/vggt), random weights (or
-``--weights model.pt``), images 392×518 (1041 tokens per frame), built once on the GPU and reused.
+Model: upstream VGGT (``vggt`` importable, e.g. PYTHONPATH=third_party/vggt for a clone of its
+repository there), random weights (or ``--weights model.pt``), images 392×518 (1041 tokens per
+frame), built once on the GPU and reused.
 Parts: ``aggregator`` (model.aggregator(images)) and ``full`` (model(images): aggregator + camera,
 depth and point heads). dtypes: ``bf16`` (autocast, as VGGT's demo runs) and ``fp32`` (no autocast;
 matmul precision "highest" for every linear layer; ELSA in ``--fp32-precision``, default ``fp16x3``
@@ -466,7 +467,8 @@ def build_upstream(weights):
         from vggt.models.vggt import VGGT
     except ImportError:
         sys.exit("vggt is not importable: pip install git+https://github.com/facebookresearch/vggt "
-                 "(or PYTHONPATH=third_party/vggt)")
+                 "(or PYTHONPATH=<the folder that holds the vggt package>, e.g. third_party/vggt for a clone of its "
+                 "repository)")
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialise on the GPU: seconds instead of half a minute
         model = VGGT(enable_track=False)

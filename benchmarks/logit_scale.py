@@ -31,6 +31,7 @@ from benchmarks.harness import metadata, results_dir, save  # noqa: E402
 import elsa_vision  # noqa: E402
 from elsa_vision import verify  # noqa: E402
 from elsa_vision.adapters import registry  # noqa: E402
+from elsa_vision.dispatch import device_problem  # noqa: E402
 
 
 def tau_in_q_forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
@@ -156,6 +157,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="results folder (default benchmarks/results/<cpu>)")
     ap.add_argument("--name", default="swinv2_logit_scale_rounding")
     a = ap.parse_args(argv)
+    if a.draws < 1 or not a.inputs:
+        ap.error(f"--draws takes at least 1 weight draw and --inputs at least one seed, got {a.draws} / {a.inputs}")
+    why = device_problem("cpu", a.backend)
+    if why:
+        ap.error(f"--backend: {why}")
     rows = []
     for inp in a.inputs:
         for seed in range(a.draws):

@@ -85,6 +85,7 @@ from benchmarks.harness import (fmt_table, host_time, measure, measure_graphed, 
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters.blocks import PreNormBlock  # noqa: E402
 from elsa_vision.adapters.registry import patched_modules  # noqa: E402
+from elsa_vision.dispatch import device_problem  # noqa: E402
 from elsa_vision.verify import unzero_residual_norms  # noqa: E402
 
 VIT = {"ViT-T": "vit_tiny_patch16_224", "ViT-S": "vit_small_patch16_224", "ViT-B": "vit_base_patch16_224"}
@@ -461,7 +462,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the headline cases only (a few minutes)")
     ap.add_argument("--family", choices=["vit", "swin", "all"], default="all")
     ap.add_argument("--models", nargs="*", help=f"subset of {list(VIT) + list(SWIN)}")
@@ -516,6 +517,14 @@ def main(argv=None) -> int:
                     help="also the patched model with its eager calls on the Python host path instead of their "
                          "native replay (variant elsa_python; native_speedup_vs_python)")
     a = ap.parse_args(argv)
+    unknown = sorted(set(a.models or ()) - set(VIT) - set(SWIN))
+    if unknown:
+        ap.error(f"--models: unknown {unknown}; choose from {list(VIT) + list(SWIN)}")
+    if any(n < 1 for n in (a.sizes or ()) + (a.batches or ())):
+        ap.error("--sizes and --batches take positive ints")
+    why = device_problem(a.device)
+    if why:
+        ap.error(f"--device: {why}")
     if a.queued < 0 or a.queued == 1:
         ap.error("--queued K takes K ≥ 2 calls (0: off)")
     if a.static_launch and a.compile != "default":
@@ -538,6 +547,8 @@ def main(argv=None) -> int:
     keep = lambda c: ((not a.models or c.model in a.models) and (not a.modes or c.mode in a.modes)  # noqa: E731
                       and (not a.dtypes or c.dtype in a.dtypes))
     cases = [c for c in cases if keep(c)]
+    if not cases:
+        ap.error("no case matches the --models / --sizes / --batches / --modes / --dtypes given")
     parts = ["models"] + (["quick"] if a.quick else []) + ([a.family] if a.family != "all" and not a.quick else [])
     parts += ["-".join(m.lower() for m in a.models)] if a.models else []
     parts += [f"compile_{a.compile.replace('-', '_')}"] if a.compile else []

@@ -97,7 +97,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", type=int, default=500)
     ap.add_argument("--height", type=int, default=392)
     ap.add_argument("--width", type=int, default=518)

@@ -102,7 +102,7 @@ def replication(kern) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", default="49,64,144,256", help="window tokens")
     ap.add_argument("--d", default="32", help="head dims")
     ap.add_argument("--blocks", default="64,128,256")
@@ -118,6 +118,9 @@ def main(argv=None):
                          "which user-defined kernels take only under static_launch_user_defined_triton_kernels) "
                          "can launch it, with the argument types it would pass")
     a = ap.parse_args(argv)
+    bad = [p for p in a.precisions.split(",") if p.count(":") != 1]
+    if bad:
+        ap.error(f"--precisions takes dtype:precision pairs (e.g. fp32:tf32x3,bf16:native), got {bad}")
     global STATIC
     STATIC = a.static
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -396,7 +397,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the Swin-T stages and two SwinV2 shapes, no block sweep, fewer rounds")
     ap.add_argument("--shapes", help="comma-separated shape names (see SHAPES)")
     ap.add_argument("--dtypes", default="fp32,bf16")
@@ -427,13 +428,23 @@ def main(argv=None):
         ap.error("--chain repeats the attention calls; not with --blocks or --tune")
     if a.compile and (a.blocks or a.tune):
         ap.error("--compile times the attention calls; not with --blocks or --tune")
+    if a.no_bwd and a.no_fwd:
+        ap.error("--no-fwd and --no-bwd leave nothing to time")
     global DEVICE
     if a.smoke:
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            ap.error("--smoke runs ELSA's kernels on the CPU through Triton's interpreter: set TRITON_INTERPRET=1")
         DEVICE = "cpu"
     elif not torch.cuda.is_available():
         raise SystemExit("benchmarks/windows.py needs a CUDA GPU (or --smoke on CPU with TRITON_INTERPRET=1)")
     torch.backends.cuda.matmul.allow_tf32 = False  # timm's fp32 matmuls in IEEE float32 (torch default)
     names = a.shapes.split(",") if a.shapes else (QUICK if a.quick else [s[0] for s in SHAPES])
+    unknown = sorted(set(names) - {s[0] for s in SHAPES})
+    if unknown:
+        ap.error(f"--shapes: unknown {unknown}; choose from {[s[0] for s in SHAPES]}")
+    bad = sorted(set(a.dtypes.split(",")) - set(DT))
+    if bad:
+        ap.error(f"--dtypes: unknown {bad}; choose from {list(DT)}")
     shapes = [s for s in SHAPES if s[0] in names]
     if a.smoke:
         shapes = [(n, nW, nW, 1, N) for n, _, nW, _, N in shapes]

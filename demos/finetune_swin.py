@@ -154,6 +154,8 @@ def build_model(a, num_classes: int, elsa: bool):
     try:
         model = timm.create_model(a.model, pretrained=a.pretrained, num_classes=num_classes, img_size=a.img_size,
                                   drop_path_rate=a.drop_path, **kw)
+    except TypeError as e:  # (an argument the model's constructor does not take, from --model-kwargs)
+        raise SystemExit(f"{a.model}: {e}; check --model-kwargs ({a.model_kwargs or 'none given'})") from None
     except (OSError, RuntimeError) as e:
         if not a.pretrained:
             raise
@@ -350,6 +352,13 @@ def check_args(a, ap) -> None:
     if not timm.is_model(a.model):
         ap.error(f"--model {a.model!r} is not a timm model name (e.g. swin_tiny_patch4_window7_224, "
                  "swinv2_tiny_window8_256)")
+    if "swin" not in a.model:
+        ap.error(f"--model {a.model!r} is not a timm Swin (v1 or v2): this demo fine-tunes Swin models, whose "
+                 "window attention ELSA serves (e.g. swin_tiny_patch4_window7_224, swinv2_tiny_window8_256)")
+    if not 0.0 <= a.drop_path < 1.0:
+        ap.error(f"--drop-path is a probability in [0, 1), got {a.drop_path}")
+    if a.backend == "eca":
+        ap.error("--backend eca runs causal attention only; Swin's windows take auto, triton or reference")
 
 
 def check_data(root: Path, ap) -> None:

@@ -111,7 +111,7 @@ def table(rows: list[dict], cols: list[str]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, help="override the batch size")
     ap.add_argument("--rounds", type=int, help="timed rounds per variant (default 20 on GPU, 3 on CPU)")

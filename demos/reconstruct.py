@@ -522,6 +522,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     QUIET = args.quiet
     if args.synthetic:
+        import importlib.util
+        if importlib.util.find_spec("vggt") is None:  # (before any frame is written into INPUT)
+            raise DemoError(f"vggt is not installed; install it with:\n    {VGGT_INSTALL}")
         write_synthetic_scene(args.input, args.frames)
     group = start_distributed(args) if args.distributed else None
     rank = 0 if group is None else torch.distributed.get_rank()

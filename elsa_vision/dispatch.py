@@ -410,6 +410,8 @@ def device_problem(device: str, backend: str = "auto") -> Optional[str]:
         kind = torch.device(device).type
     except RuntimeError:
         return f"{device!r} is not a torch device (e.g. cuda, cuda:1, cpu)"
+    if kind not in ("cuda", "cpu"):
+        return f"device {device!r}: the tools run on cuda or cpu, not {kind}"
     if kind == "cuda" and not torch.cuda.is_available():
         return f"device {device!r}: no CUDA GPU here; use cpu"
     try:
