@@ -128,9 +128,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         # the dtype (ranks of different dtypes would take different paths, or send shards of other sizes)
         metas = gather_ints([k.shape[2], k.shape[0], k.shape[1], k.shape[3], _dtype_code(k.dtype)], group, k.device)
         if any(m[1:] != metas[0][1:] for m in metas):
-            raise ValueError(f"distributed.attention: the ranks' k/v shards differ in [B, H, ·, D] or dtype: "
-                             f"{[(m[1], m[2], m[3], str(_DTYPES[m[4]]) if m[4] < len(_DTYPES) else 'other') for m in metas]}; give every rank's "
-                             "shards the same batch, heads, head dim and dtype")
+            seen = [(*m[1:4], str(_DTYPES[m[4]]) if m[4] < len(_DTYPES) else "other") for m in metas]
+            raise ValueError(f"distributed.attention: the ranks' k/v shards differ in [B, H, ·, D] or dtype: {seen}; "
+                             "give every rank's shards the same batch, heads, head dim and dtype")
         lengths = [m[0] for m in metas]
     else:
         lengths = [int(n) for n in lengths]

@@ -51,7 +51,8 @@ import triton
 import triton.language as tl
 
 from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3, TF32X3, cast, dk_units, dot, dot3,
-                     dot_nt, ds_k, ds_units, finite_abs, fma, load_stats, pv, row_mean, split_f16, split_tf32, store_stats)
+                     dot_nt, ds_k, ds_units, finite_abs, fma, load_stats, pv, row_mean, split_f16, split_tf32,
+                     store_stats)
 from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared, sm_count, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
 from .reference import qkv_views
