@@ -40,7 +40,7 @@ import torch
 
 from .api import attention as _attention
 from .api import resolve_precision
-from .checks import autocast, check_scale
+from .checks import FLOATS, autocast, check_scale
 from .dispatch import NotSupportedError, Problem, select
 
 
@@ -128,7 +128,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         # the dtype (ranks of different dtypes would take different paths, or send shards of other sizes)
         metas = gather_ints([k.shape[2], k.shape[0], k.shape[1], k.shape[3], _dtype_code(k.dtype)], group, k.device)
         if any(m[1:] != metas[0][1:] for m in metas):
-            seen = [(*m[1:4], str(_DTYPES[m[4]]) if m[4] < len(_DTYPES) else "other") for m in metas]
+            seen = [(*m[1:4], str(FLOATS[m[4]]) if m[4] < len(FLOATS) else "other") for m in metas]
             raise ValueError(f"distributed.attention: the ranks' k/v shards differ in [B, H, ·, D] or dtype: {seen}; "
                              "give every rank's shards the same batch, heads, head dim and dtype")
         lengths = [m[0] for m in metas]
@@ -160,27 +160,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     return _attention(q, keys[0], keys[1], causal=causal, **kw)
 
 
-_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
 def _dtype_code(dtype: torch.dtype) -> int:
-    """dtype's index in _DTYPES (what the ranks compare), len(_DTYPES) for any other dtype (which
-    the attention call then refuses with its own message)."""
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    """dtype's index in FLOATS (what the ranks compare), len(FLOATS) for any other dtype (which the
+    attention call then refuses with its own message)."""
+    return FLOATS.index(dtype) if dtype in FLOATS else len(FLOATS)
+
+
+def _problem(q, scale, precision: str, causal: bool, same_lengths: bool) -> tuple[Problem, float, str]:
+    """(the dispatch Problem of one step of the sharded call, the checked scale, the precision)."""
+    D = q.shape[-1]
+    sc = check_scale(scale, D, "distributed.attention")
+    prec = resolve_precision(precision, q.dtype)
+    return (Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=causal, has_bias=False,
+                    precision=prec, positive_scale=sc > 0, same_lengths=same_lengths, keys=0), sc, prec)
 
 
 def _check_ring_backend(q, scale, precision: str, backend: str) -> None:
     """A named backend must run what the sharded call runs besides the causal diagonal: this rank's
     queries against another rank's keys (not causal, n_q ≠ n_k). Raised alike on every rank (the
     ranks agree on dtype, D and the options), before any collective."""
-    if backend == "auto" or q.dtype not in _DTYPES:
+    if backend == "auto" or q.dtype not in FLOATS:
         return
-    D = q.shape[-1]
-    sc = check_scale(scale, D, "distributed.attention")
-    p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=False, has_bias=False,
-                precision=resolve_precision(precision, q.dtype), positive_scale=sc > 0, same_lengths=False, keys=0)
     try:
-        select(p, backend)
+        select(_problem(q, scale, precision, causal=False, same_lengths=False)[0], backend)
     except NotSupportedError as e:
         raise NotSupportedError(f"distributed.attention: backend={backend!r} cannot run the sharded call's steps "
                                 f"(a rank's queries against another rank's keys: not causal, n_q ≠ n_k): {e}; "
@@ -190,11 +192,7 @@ def _check_ring_backend(q, scale, precision: str, backend: str) -> None:
 def _backward_entry(q, scale, causal: bool, precision: str, backend: str):
     """(q, k, v, out, lse, do) → (dq, dk, dv) of the backend the forward's steps run on, or None when
     it has no backward entry point (the all-gather path then)."""
-    D = q.shape[-1]
-    sc = check_scale(scale, D, "distributed.attention")
-    prec = resolve_precision(precision, q.dtype)
-    p = Problem(op="attention", device=q.device.type, dtype=q.dtype, head_dim=D, causal=causal, has_bias=False,
-                precision=prec, positive_scale=sc > 0, same_lengths=True, keys=0)
+    p, sc, prec = _problem(q, scale, precision, causal, same_lengths=True)
     run = select(p, backend).run.get("attention_backward")
     if run is None:
         return None
