@@ -606,3 +606,30 @@ def test_pv_overlap_counts_exponentials_between_the_waits():
         "MUFU.EX2 R26, R26 ;",
     ])
     assert pv_overlap(listing) == [2, 0]
+
+
+def test_key_loop_spills_counts_local_traffic_inside_the_innermost_mma_loops():
+    """window_compile.key_loop_spills: local loads/stores inside each innermost loop (a backward
+    branch) that holds a partial warpgroup-MMA wait; spills outside it (an item's prologue), loops
+    without such a wait, and the out-of-line mbarrier retries after EXIT do not count."""
+    pytest.importorskip("triton")
+    from benchmarks.window_compile import key_loop_spills
+
+    def at(addr, op):
+        return f"        /*{addr:04x}*/                   {op} ;"
+    listing = "\n".join([
+        at(0x00, "STL [R1], R2"),                       # prologue spill: outside every loop
+        at(0x10, "LDL R2, [R1]"),                       # item loop starts here
+        at(0x20, "WARPGROUP.DEPBAR.LE gsb0, 0x1"),      # key loop starts here
+        at(0x30, "LDL R3, [R1+0x4]"),
+        at(0x40, "STL [R1+0x4], R3"),
+        at(0x50, "@P0 BRA 0x20"),                       # key loop's back edge
+        at(0x60, "IADD3 R4, R4, 0x1, RZ"),              # a loop with no MMA wait: not a key loop
+        at(0x70, "LDL R5, [R1+0x8]"),
+        at(0x80, "@P1 BRA 0x60"),
+        at(0x90, "@P2 BRA 0x10"),                       # item loop: holds the key loop
+        at(0xa0, "EXIT"),
+        at(0xb0, "LDL R6, [R1+0xc]"),                   # a retry stub branching back: not a loop
+        at(0xc0, "BRA 0x20"),
+    ])
+    assert key_loop_spills(listing) == [2]
