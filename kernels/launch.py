@@ -92,7 +92,7 @@ def host_cache(maxsize: "int | None" = 1024):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            return fn(*args, **kwargs) if _MODE is not None else cached(*args, **kwargs)
+            return fn(*args, **kwargs) if _MODE.mode is not None else cached(*args, **kwargs)
         call.cache_clear = cached.cache_clear
         register_cache(cached.cache_clear)
         return call
@@ -118,19 +118,24 @@ _LAUNCHED_MAX = 4096
 register_cache(_LAUNCHED.clear)
 
 
-# How launches run: normally, traced through torch.library.wrap_triton (traceable()), or not at all
-# (allocations_only()). Set by those two context managers only.
-_MODE: "str | None" = None
+# How launches run: normally (mode None), traced through torch.library.wrap_triton ("traced":
+# traceable()), or not at all ("none": allocations_only()). Set by those two context managers only,
+# per thread: a fake or a rehearsal in one thread must not skip or trace another thread's eager
+# launches (and interleaved exits must not leave the mode set for good).
+class _Mode(threading.local):
+    mode: "str | None" = None  # (a class default: every thread starts at None)
+
+
+_MODE = _Mode()
 
 
 @contextlib.contextmanager
 def _launch_mode(mode: str):
-    global _MODE
-    before, _MODE = _MODE, mode
+    before, _MODE.mode = _MODE.mode, mode
     try:
         yield
     finally:
-        _MODE = before
+        _MODE.mode = before
 
 
 def traceable():
@@ -149,9 +154,9 @@ def allocations_only():
 
 
 def tracing() -> bool:
-    """Whether launches are traced or skipped (see :func:`traceable`, :func:`allocations_only`):
-    host-side caches keyed by sizes step aside, the sizes may be symbolic."""
-    return _MODE is not None
+    """Whether this thread's launches are traced or skipped (see :func:`traceable`,
+    :func:`allocations_only`): host-side caches keyed by sizes step aside, the sizes may be symbolic."""
+    return _MODE.mode is not None
 
 
 # Recordings of the launches host bodies make (kernels/native.py): per thread, the list being filled
@@ -202,8 +207,8 @@ def switches() -> tuple:
 
 
 def _other_launch(fn, grid: tuple, args: tuple, meta: dict):
-    """A launch while :data:`_MODE` is set: traced, or skipped."""
-    if _MODE == "traced":
+    """A launch while this thread's launch mode is set: traced, or skipped."""
+    if _MODE.mode == "traced":
         from torch.library import wrap_triton
         wrap_triton(fn)[grid](*args, **meta)
 
@@ -255,7 +260,7 @@ def launch(fn, grid: tuple, *args, **meta):
     specialisation, so a kernel compiled for other dtypes, alignments or integer values is never
     reused). The first launch of each signature takes Triton's path, and so does every launch
     where :func:`tritons_own_path` holds."""
-    if _MODE is not None:
+    if _MODE.mode is not None:
         return _other_launch(fn, grid, args, meta)
     if _RECORD:
         _recorded(None)
@@ -326,7 +331,7 @@ class Launch:
         return (*(tensors[a] if type(a) is int else a[1](tensors[a[0]]) for a in self.leading), *self.scalars)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
-        if _MODE is not None:
+        if _MODE.mode is not None:
             _other_launch(self.fn, self.grid, self._args(tensors), self.meta)
             return
         if tritons_own_path():

@@ -988,6 +988,57 @@ def test_launch_leading_arguments(monkeypatch):
     assert not seen
 
 
+def test_launch_mode_is_per_thread():
+    """A launch mode (a fake's allocations_only(), a trace's traceable()) holds for its own thread
+    only: another thread's eager call meanwhile computes its output, and exits interleaved across
+    threads leave no mode set."""
+    import threading
+    from elsa_vision.kernels import attention as K, launch
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 33, 16) for _ in range(3))
+    from elsa_vision.kernels.reference import attention as reference
+    want = reference(q, k, v, scale=0.25)
+
+    def err():
+        out, _ = K.OP.run(q, k, v, None, 0.25, False, "ieee", 0)
+        return (out - want).abs().max().item()
+
+    entered, release, errs = threading.Event(), threading.Event(), []
+
+    def rehearse():
+        with launch.allocations_only():
+            entered.set()
+            release.wait()
+    held = threading.Thread(target=rehearse)
+    held.start()
+    entered.wait()
+    other = threading.Thread(target=lambda: errs.append((launch.tracing(), err())))
+    other.start()
+    other.join()
+    release.set()
+    held.join()
+    assert errs[0][0] is False and errs[0][1] < 1e-5
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with launch.allocations_only():
+            first_in.set()
+            second_in.wait()
+        first_out.set()
+
+    def second():
+        first_in.wait()
+        with launch.traceable():
+            second_in.set()
+            first_out.wait()
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not launch.tracing() and err() < 1e-5
+
+
 def test_tma_readable_layouts():
     """What the Hopper kernels read in place by TMA (the rest goes to the portable kernels, or, for
     dO, is copied first): unit last stride, 16-byte aligned strides, no broadcast dimension."""
