@@ -91,10 +91,10 @@ def attention(
     if kept is not None:
         run, sc, prec = kept
         return _with_lse(run(q, k, v, bias, sc, causal, prec, partitions, return_lse), return_lse)
-    q0 = q
+    given = (q, k, v)
     q, k, v, bias_cast = autocast(q, k, v, bias)
     return _attention(q, k, v, None, bias_cast, bias, scale, causal, precision, backend, partitions, return_lse,
-                      "attention", key if q is q0 else None)
+                      "attention", key if _uncast(given, (q, k, v)) else None)
 
 
 def attention_packed(
@@ -235,11 +235,11 @@ def window_attention(
     if kept is not None:
         run, sc, prec, blk = kept
         return run(q, k, v, bias, mask, sc, prec, blk)
-    q0 = q
+    given = (q, k, v)
     q, k, v = autocast(q, k, v)
     # (the bias stays in its own dtype under autocast: the kernels read it as float32 either way)
     return _window_attention(*_window_rows(q, k, v, "window_attention"), None, bias, mask, scale, block, precision,
-                             backend, "window_attention", key if q is q0 else None)
+                             backend, "window_attention", key if _uncast(given, (q, k, v)) else None)
 
 
 def window_attention_packed(
@@ -322,6 +322,12 @@ def _kept_call(op, tensors, args):
     """(the call's key, what the checks decided for it before or None)."""
     key = _call_key(op, tensors, args)
     return key, (_CALLS.get(key) if key is not None else None)
+
+
+def _uncast(given: tuple, cast: tuple) -> bool:
+    """Whether autocast left every input as given: only then may a repeat skip it (a kept call runs
+    no autocast, and q alone in the autocast dtype says nothing of k and v)."""
+    return all(a is b for a, b in zip(given, cast))
 
 
 def clear_caches() -> None:
@@ -451,7 +457,7 @@ def shifted_window_attention(
         if q.dim() != 6 or q.shape[3] != 3:
             raise ValueError(f"{fn}: a packed qkv must be [B, height, width, 3, H, D], got shape {tuple(q.shape)}; "
                              "pass q, k, v as [B, height, width, H, D] each, or reshape the projection output")
-        q0 = q
+        given = (q,)
         (qkv,) = autocast(q)
         B, IH, IW, _, H, D = qkv.shape
         qkv = qkv.reshape(B * IH * IW, 3, H, D)
@@ -467,11 +473,11 @@ def shifted_window_attention(
         if not (q.shape == k.shape == v.shape):
             raise ValueError(f"{fn}: q, k, v must have one shape [B, height, width, H, D], got {tuple(q.shape)}, "
                              f"{tuple(k.shape)}, {tuple(v.shape)}")
-        q0, qkv = q, None
+        given, qkv = (q, k, v), None
         q, k, v = autocast(q, k, v)
         B, IH, IW, H, D = q.shape
         q3, k3, v3 = (t.reshape(B * IH * IW, H, D) for t in (q, k, v))
-    if q is not q0 or (packed and qkv.dtype != q0.dtype):
+    if not _uncast(given, (qkv,) if packed else (q, k, v)):
         key = None  # a repeat would need the cast too
     if min(wh, ww) < 1 or IH % wh or IW % ww:
         raise ValueError(f"{fn}: the {IH}×{IW} token image is not tiled by {wh}×{ww} windows; pad it to a multiple "

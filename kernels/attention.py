@@ -1214,7 +1214,7 @@ def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partiti
     [B,N,3,H,D] tensor q, k, v are the ``qkv_views`` of, or None; with it, qkv's gradient is
     written by the kernels in one piece, and q, k, v may be None (eager calls read qkv alone)."""
     op, inputs = (OP, (q, k, v)) if qkv is None else (PACKED, (qkv,))
-    how = route((*inputs, bias))
+    how = route("attention", (*inputs, bias))
     if how is COMPILED:
         if q is None:
             q, k, v = qkv_views(qkv)

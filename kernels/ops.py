@@ -48,6 +48,7 @@ import functools
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from . import native
 from .launch import INTERPRET, allocations_only, traceable
@@ -55,15 +56,35 @@ from .launch import INTERPRET, allocations_only, traceable
 COMPILED, INFERENCE, AUTOGRAD = "compiled", "inference", "autograd"
 
 
-def route(leaves: Sequence[Optional[torch.Tensor]]) -> str:
+def route(what: str, leaves: Sequence[Optional[torch.Tensor]]) -> str:
     """How an entry point runs a call whose differentiable inputs are ``leaves``: :data:`COMPILED`
     (torch.compile is tracing: the custom op), :data:`INFERENCE` (no gradient wanted: the kernels
-    alone, no graph to record) or :data:`AUTOGRAD` (the eager autograd Function)."""
+    alone, no graph to record) or :data:`AUTOGRAD` (the eager autograd Function). Raises for
+    forward-mode AD (see :func:`no_tangents`); ``what`` names the public function."""
     if torch.compiler.is_compiling():
         return COMPILED
+    no_tangents(what, leaves)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves):
         return AUTOGRAD
     return INFERENCE
+
+
+def has_tangent(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Whether forward-mode AD is on and one of ``tensors`` carries a tangent. (The level test first:
+    unpacking costs about a microsecond a tensor, and forward AD is rarely on.)"""
+    return getattr(_forward_ad, "_current_level", 0) >= 0 and any(
+        t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def no_tangents(what: str, tensors: Sequence[Optional[torch.Tensor]]) -> None:
+    """Raise if forward-mode AD is on (``torch.autograd.forward_ad``) and one of ``tensors`` carries
+    a tangent: the kernels compute no Jacobian-vector product, and their output would come back
+    without a tangent — a silent zero (forward AD runs under ``torch.no_grad`` too)."""
+    if has_tangent(tensors):
+        raise NotImplementedError(
+            f"elsa_vision.{what}: forward-mode AD (dual tensors of torch.autograd.forward_ad) is not supported "
+            "by the Triton kernels. Use backend='reference' for this call, or elsa_vision.unpatch(model) for a "
+            "patched model.")
 
 
 def _within(mode: Callable, fn: Callable) -> Callable:

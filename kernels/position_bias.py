@@ -386,7 +386,7 @@ def continuous_position_bias(coords: torch.Tensor, w1: torch.Tensor, b1: torch.T
                          f"{tuple(w1.shape)}, {tuple(b1.shape)}, {tuple(w2.shape)}")
     _check_tensors("continuous_position_bias", (coords, w1, b1, w2))
     coords, w1, b1, w2 = (t.contiguous() for t in (coords, w1, b1, w2))
-    how = route((w1, b1, w2))
+    how = route("continuous_position_bias", (w1, b1, w2))
     if how is COMPILED:
         return FWD(coords, w1, b1, w2, wh, ww)[0]
     if how is AUTOGRAD:
@@ -403,7 +403,7 @@ def relative_position_bias(table: torch.Tensor, window: tuple[int, int]) -> torc
     wh, ww = _window("relative_position_bias", window, table, "the table", None)
     _check_tensors("relative_position_bias", (table,))
     table = table.contiguous()
-    how = route((table,))
+    how = route("relative_position_bias", (table,))
     if how is COMPILED:
         return TABLE_FWD(table, wh, ww)
     if how is AUTOGRAD:

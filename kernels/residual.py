@@ -32,7 +32,7 @@ import triton.language as tl
 from .common import cast
 from .launch import INTERPRET, Launch, launch, prepared
 from .limits import RESIDUAL_DTYPES, RESIDUAL_MAX_WIDTH
-from .ops import check_first_order
+from .ops import check_first_order, no_tangents
 
 DTYPES = RESIDUAL_DTYPES
 MAX_WIDTH = RESIDUAL_MAX_WIDTH
@@ -174,6 +174,7 @@ def residual_norm(x: torch.Tensor, y: Optional[torch.Tensor] = None, gamma: Opti
     w = b = None
     if norm is not None:
         w, b = norm._parameters.get("weight"), norm._parameters.get("bias")
+    no_tangents("residual_norm", (x, y, gamma, w, b))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, y, gamma, w, b)):
         if norm is None:  # the residual alone: PyTorch's own ops (one pass either way, the same bits)
             return (x if y is None else x + (y if gamma is None else y * gamma)), None

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRET, launch
+from .ops import no_tangents
 
 
 @triton.jit
@@ -63,7 +64,11 @@ def segments(slot: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, to
 def segment_mean(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [B, N, H, D] (any strides; CUDA, or the CPU under TRITON_INTERPRET=1) → [B, M, H, D]
     contiguous in x's dtype: row m is the mean of x's rows order[b, offsets[b, m] : offsets[b, m + 1]]
-    (see :func:`segments`)."""
+    (see :func:`segments`). No gradient: x must not require one (or carry a forward-AD tangent)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError("segment_mean has no backward: call it on a tensor that does not require grad (or under "
+                         "torch.no_grad())")
+    no_tangents("segment_mean", (x,))
     if not (x.is_cuda or INTERPRET):
         raise ValueError("segment_mean runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1)")
     if x.dim() != 4:

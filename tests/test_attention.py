@@ -503,6 +503,31 @@ def test_autocast_follows_sdpa():
     assert out.dtype == torch.bfloat16
 
 
+def test_autocast_repeat_casts_k_and_v_too(monkeypatch):
+    """A q already in the autocast dtype beside float32 k and v: the repeat of the call (which may
+    skip the checks) still hands the backend all three in the autocast dtype, as the first call."""
+    from elsa_vision import api, dispatch
+    seen = []
+    for op in ("attention", "window_attention", "shifted_window_attention"):
+        def spy(q, k, v, *args, _run=dispatch.TRITON.run[op], **kw):
+            seen.append(tuple(t.dtype for t in (q, k, v)))
+            return _run(q, k, v, *args, **kw)
+        monkeypatch.setitem(dispatch.TRITON.run, op, spy)
+    calls = [(lambda q, k, v: elsa_vision.attention(q, k, v, backend="triton"), (1, 2, 8, 16)),
+             (lambda q, k, v: elsa_vision.window_attention(q, k, v, backend="triton"), (4, 2, 16, 16)),
+             (lambda q, k, v: elsa_vision.shifted_window_attention(q, k, v, window_size=2, shift_size=1,
+                                                                   backend="triton"), (1, 4, 4, 2, 16))]
+    for call, shape in calls:
+        api._CALLS.clear()
+        seen.clear()
+        q = torch.randn(*shape, device=DEVICE).bfloat16()
+        k, v = (torch.randn(*shape, device=DEVICE) for _ in range(2))
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            first, repeat = call(q, k, v), call(q, k, v)
+        assert seen == [(torch.bfloat16,) * 3] * 2
+        assert torch.equal(first, repeat)
+
+
 def test_autocast_leaves_float64_alone():
     """Autocast casts no float64 tensor (SDPA's float64 call stays float64 under it): neither do the
     public functions, which once ran float64 inputs in bfloat16."""
@@ -986,6 +1011,30 @@ def test_launch_leading_arguments(monkeypatch):
     with launch.allocations_only():
         plan(a, b)
     assert not seen
+
+
+def test_forward_mode_ad_is_refused_by_the_triton_kernels():
+    """Dual tensors (torch.autograd.forward_ad, which runs under no_grad too): the Triton kernels
+    compute no tangent, so every family's entry refuses the call instead of returning an output
+    without one; the reference backend computes it."""
+    import torch.autograd.forward_ad as fwAD
+    from elsa_vision.kernels.residual import residual_norm
+    from elsa_vision.kernels.rope import qk_norm_rope
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 17, 16, device=DEVICE) for _ in range(3))
+    tq = torch.randn_like(q)
+    with fwAD.dual_level(), torch.no_grad():
+        qd = fwAD.make_dual(q, tq)
+        tangent = fwAD.unpack_dual(elsa_vision.attention(qd, k, v, backend="reference")).tangent
+        assert tangent is not None and tangent.abs().max() > 0
+        for call in (lambda: elsa_vision.attention(qd, k, v, backend="triton"),
+                     lambda: elsa_vision.window_attention(qd, k, v, backend="triton"),
+                     lambda: residual_norm(fwAD.make_dual(q, tq), q, None, torch.nn.LayerNorm(16).to(DEVICE)),
+                     lambda: qk_norm_rope(fwAD.make_dual(torch.randn(1, 5, 64, device=DEVICE), torch.ones(1, 5, 64,
+                                          device=DEVICE)), 2, (torch.empty(1, 5, 2, 16, device=DEVICE),))):
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                call()
+    assert elsa_vision.attention(q, k, v, backend="triton").shape == q.shape  # (no level open: served)
 
 
 def test_launch_mode_is_per_thread():

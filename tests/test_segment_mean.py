@@ -93,3 +93,28 @@ def test_index_layouts_and_bad_inputs():
         KS.segment_mean(x.int(), order, offsets)
     with pytest.raises(ValueError, match="offsets"):
         KS.segment_mean(x, order, offsets[0])
+
+
+def test_merge_mean_with_derivatives_takes_the_torch_path():
+    """The kernel has no derivative: merge_mean of a tensor that wants a gradient (or carries a
+    forward-AD tangent) takes PyTorch's ops, whose gradient and tangent are the merge's own, and
+    segment_mean itself refuses such a tensor."""
+    import torch.autograd.forward_ad as fwAD
+    plan = _plan(2, 30, 11, seed=4)
+    with_segments = M.MergePlan(plan.slot, plan.counts, 30, 11, plan.destinations,
+                                segments=KS.segments(plan.slot, plan.counts))
+    x = torch.randn(2, 30, 2, 4, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 11, 2, 4, device=DEVICE, dtype=torch.float64)
+    (M.merge_mean(x, with_segments) * w).sum().backward()
+    want = (w / plan.counts.double()[:, :, None, None]).gather(
+        1, plan.slot[:, :, None, None].expand(2, 30, 2, 4))  # d/dx of Σ w·mean: w / count of x's row
+    assert torch.allclose(x.grad, want)
+    with pytest.raises(ValueError, match="no backward"):
+        KS.segment_mean(x, *with_segments.segments)
+    t = torch.randn(2, 30, 2, 4, device=DEVICE, dtype=torch.float64)
+    with fwAD.dual_level(), torch.no_grad():
+        dual = fwAD.make_dual(x.detach(), t)
+        tangent = fwAD.unpack_dual(M.merge_mean(dual, with_segments)).tangent
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            KS.segment_mean(dual, *with_segments.segments)
+    assert tangent is not None and torch.allclose(tangent, M.merge_mean(t, plan))

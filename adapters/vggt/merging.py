@@ -284,10 +284,14 @@ def _segments(slot: torch.Tensor, counts: torch.Tensor) -> Optional[tuple]:
 def merge_mean(t: torch.Tensor, plan: MergePlan) -> torch.Tensor:
     """[B, N, ...] (any strides) → [B, M, ...]: each merged row is the mean of its tokens, accumulated
     in float32 (float64 for float64) and returned in t's dtype. Deterministic on CPU and CUDA. With
-    the plan's segments ([B, N, H, D] rows), one pass of kernels/segment_mean.py."""
-    if plan.segments is not None and plan.group is None and t.dim() == 4:
-        from ...kernels.segment_mean import segment_mean
-        return segment_mean(t, *plan.segments)
+    the plan's segments ([B, N, H, D] rows), one pass of kernels/segment_mean.py (which has no
+    derivative: a t that wants a gradient or carries a forward-AD tangent takes PyTorch's ops)."""
+    if plan.segments is not None and plan.group is None and t.dim() == 4 and not (
+            torch.is_grad_enabled() and t.requires_grad):
+        from ...kernels.ops import has_tangent
+        if not has_tangent((t,)):
+            from ...kernels.segment_mean import segment_mean
+            return segment_mean(t, *plan.segments)
     B, N = t.shape[:2]
     acc_dt = torch.float64 if t.dtype == torch.float64 else torch.float32
     acc = torch.zeros((B, plan.num_merged, *t.shape[2:]), dtype=acc_dt, device=t.device)
