@@ -53,7 +53,7 @@ import triton.language as tl
 from .common import (C_LOG2E, FP16X3, IEEE, LN2, LOG2E, PRECISION_CODES, SPLIT3, TF32X3, cast, dk_units, dot, dot3,
                      dot_nt, ds_k, ds_units, finite_abs, fma, load_stats, pv, row_mean, split_f16, split_tf32,
                      store_stats)
-from .launch import INTERPRET, Launch, cdiv, host_cache, launch, pow2, prepared, sm_count, tracing
+from .launch import INTERPRET, Launch, cdiv, host_cache, launch, on_device, pow2, prepared, sm_count, tracing
 from .ops import AUTOGRAD, COMPILED, KernelOp, route
 from .reference import qkv_views
 from .tiles import (PLAIN_KEYS, Config, bwd_config, early_dp_default, fwd_config, kv_config, plan_partitions,
@@ -1039,6 +1039,7 @@ def _merge_launch(out, ws, natural: bool) -> Launch:
                   dict(D=D, D_PAD=d_pad, BLOCK_M=bm2, NATURAL=natural, num_warps=4))
 
 
+@on_device
 def backward(do, q, k, v, bias, out, stats, scale: float, causal: bool, precision: str, bias_grad: bool,
              config: Optional[Config] = None, kv: Optional[Config] = None, early_dp: Optional[bool] = None,
              dqkv: Optional[torch.Tensor] = None):
@@ -1207,6 +1208,7 @@ def _hopper_in_graph(q, k, v, bias, precision: str, causal: bool) -> bool:
     return hopper is not None and hopper.serves(q, k, v, bias, precision, causal, traced=True)
 
 
+@on_device
 def attention(q, k, v, bias, scale: float, causal: bool, precision: str, partitions: Optional[int],
               qkv: Optional[torch.Tensor] = None):
     """(out, stats) with autograd (see :func:`kernels.ops.route`). stats [B,H,2,Nq]: the row

@@ -83,6 +83,27 @@ def clear_caches() -> None:
         clear()
 
 
+def on_device(fn: Callable) -> Callable:
+    """``fn`` (a kernel family's entry point) run with its first tensor argument's CUDA device as the
+    current device: every launch (Triton's, the planned ones, the C++ replay) takes the current
+    device's compiled kernels and stream, where PyTorch's ops follow their tensors — a model moved
+    to cuda:1 without ``torch.cuda.set_device`` would otherwise launch on cuda:0's stream, unordered
+    with the work that made its inputs. A no-op (one comparison) where that device is current, off
+    CUDA, and under torch.compile (inductor's code sets the device itself)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    idx = a.get_device()
+                    if idx >= 0 and idx != torch._C._cuda_getDevice():
+                        with torch.cuda.device(idx):
+                            return fn(*args, **kwargs)
+                    break
+        return fn(*args, **kwargs)
+    return call
+
+
 def host_cache(maxsize: "int | None" = 1024):
     """``functools.lru_cache`` for a host-side planner (a model repeats a few shapes, and planning is
     host time on every call), registered with :func:`clear_caches` and stepping aside while

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import WIDEN_HALF
-from .launch import INTERPRET, cdiv, launch
+from .launch import INTERPRET, cdiv, launch, on_device
 
 
 @triton.jit
@@ -82,6 +82,7 @@ def supported(src: torch.Tensor, dst: torch.Tensor) -> Optional[str]:
     return None
 
 
+@on_device
 def nearest(src: torch.Tensor, dst: torch.Tensor, config: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """src [Ns, C], dst [Nd, C] (bf16/fp16, the same dtype; rows as the caller wants them compared,
     e.g. unit-normalized for cosine similarity) → (best dot product [Ns] float32, index into dst [Ns]

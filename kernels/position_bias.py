@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, cdiv, launch
+from .launch import INTERPRET, cdiv, launch, on_device
 from .limits import POSITION_BIAS_DTYPES as DTYPES
 from .ops import AUTOGRAD, COMPILED, check_first_order, double_backward_error, register, route
 
@@ -372,6 +372,7 @@ def _check_tensors(what: str, tensors: tuple) -> None:
         raise ValueError(f"{what} runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1)")
 
 
+@on_device
 def continuous_position_bias(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
                              window: tuple[int, int]) -> torch.Tensor:
     """Swin v2's relative-position bias of a window (wh, ww) = ``window``: coords [T, 2] (its
@@ -394,6 +395,7 @@ def continuous_position_bias(coords: torch.Tensor, w1: torch.Tensor, b1: torch.T
     return _forward(coords, w1, b1, w2, wh, ww)[0]
 
 
+@on_device
 def relative_position_bias(table: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
     """Swin v1's relative-position bias of a window (wh, ww) = ``window``: table [T, H] (its
     ``relative_position_bias_table``, T = (2·wh − 1)(2·ww − 1)) → bias [H, N, N] float32, N = wh·ww,

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .common import cast
-from .launch import INTERPRET, Launch, launch, prepared
+from .launch import INTERPRET, Launch, launch, on_device, prepared
 from .limits import RESIDUAL_DTYPES, RESIDUAL_MAX_WIDTH
 from .ops import check_first_order, no_tangents
 
@@ -160,6 +160,7 @@ def _spec(t: Optional[torch.Tensor]):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
 
 
+@on_device
 def residual_norm(x: torch.Tensor, y: Optional[torch.Tensor] = None, gamma: Optional[torch.Tensor] = None,
                   norm: Optional[torch.nn.LayerNorm] = None, out_dtype: Optional[torch.dtype] = None,
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .common import cast
-from .launch import INTERPRET, cdiv, launch
+from .launch import INTERPRET, cdiv, launch, on_device
 from .limits import ROPE_MIN_HEAD_DIM
 from .ops import no_tangents, register
 
@@ -113,6 +113,7 @@ def _qk_norm_rope_kernel(
             tl.store(o + QUART, cast(c, Out1.dtype.element_ty), mask=ok)
 
 
+@on_device
 def qk_norm_rope(x: torch.Tensor, heads: int, outs: Sequence[torch.Tensor],
                  norms: Optional[Sequence[Optional[torch.nn.Module]]] = None, pos: Optional[torch.Tensor] = None,
                  tables: Optional[tuple] = None) -> Sequence[torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, launch
+from .launch import INTERPRET, launch, on_device
 from .ops import no_tangents
 
 
@@ -61,6 +61,7 @@ def segments(slot: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, to
     return order, offsets
 
 
+@on_device
 def segment_mean(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [B, N, H, D] (any strides; CUDA, or the CPU under TRITON_INTERPRET=1) → [B, M, H, D]
     contiguous in x's dtype: row m is the mean of x's rows order[b, offsets[b, m] : offsets[b, m + 1]]

@@ -84,7 +84,7 @@ import triton.language as tl
 from . import tiles
 from .common import (C_LOG2E, FP16X3, PRECISION_CODES, cast, dk_units, dot, dot3, dot_nt, ds_k, ds_units, exp_of,
                      finite_abs, fma, load_stats, pow2_of, pv, row_mean, split_f16, store_stats)
-from .launch import Launch, cdiv, clear_caches, pow2, prepared
+from .launch import Launch, cdiv, clear_caches, on_device, pow2, prepared
 from .ops import AUTOGRAD, COMPILED, KernelOp, check_first_order, route
 from .reference import Geometry, qkv_views
 from .tiles import make_plan, plan_runs
@@ -1163,6 +1163,7 @@ def _compiled(q, k, v, qkv, bias, mask, scale: float, precision: str, block: int
     return op.fwd(*inputs, bias, mask, scale, precision, block, wpp, list(geo))[0]
 
 
+@on_device
 def window_attention(q, k, v, bias, mask, scale: float, precision: str, block: int = 0,
                      windows_per_program: Optional[int] = None, qkv: Optional[torch.Tensor] = None,
                      geo: Optional[Geometry] = None) -> torch.Tensor:

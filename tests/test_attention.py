@@ -1037,6 +1037,32 @@ def test_forward_mode_ad_is_refused_by_the_triton_kernels():
     assert elsa_vision.attention(q, k, v, backend="triton").shape == q.shape  # (no level open: served)
 
 
+def test_entry_points_run_on_their_tensors_device(monkeypatch):
+    """launch.on_device: an entry point whose first tensor is on a CUDA device other than the
+    current one runs with that device current (launches take the current device's kernels and
+    stream); on the current device, or off CUDA, it runs as it is. (CUDA faked: a CPU machine.)"""
+    import contextlib
+    from elsa_vision.kernels import attention as K, launch
+    entered = []
+
+    @contextlib.contextmanager
+    def device(idx):
+        entered.append(idx)
+        yield
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0)
+    seen = []
+    entry = launch.on_device(lambda *args: seen.append(list(entered)) or "ran")
+    t = torch.zeros(1)
+    assert entry(None, t) == "ran" and entered == [] and seen == [[]]  # (CPU: as it is)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 1)
+    assert entry(None, t, 3) == "ran" and entered == [1] and seen[-1] == [1]
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    assert entry(t) == "ran" and entered == [1]
+    for fn in (K.attention, K.backward):  # (each family's entry carries it)
+        assert fn.__wrapped__ is not None
+
+
 def test_launch_mode_is_per_thread():
     """A launch mode (a fake's allocations_only(), a trace's traceable()) holds for its own thread
     only: another thread's eager call meanwhile computes its output, and exits interleaved across
