@@ -417,7 +417,7 @@ def bypass_reason(module: torch.nn.Module, skipped: Sequence[str] = ("attn_drop"
         return "attention dropout in training"
     for name in skipped:
         child = module._modules.get(name)  # (a child module, or none: hooks are a module's)
-        if child is not None and hooked(child, global_hooks=False):
+        if child is not None and hooked(child, global_hooks=False, backward=True):
             return f"hooks on {name}, which ELSA's forward does not call"
     return None
 

@@ -112,9 +112,10 @@ def _check_common(head_dim: int, options: dict, has_bias: bool = False) -> Optio
     why = _old_timm()
     if why:
         return why
-    if head_dim > HEAD_DIMS[1]:
-        return f"head dim {head_dim} > {HEAD_DIMS[1]} is not supported by ELSA"
-    return named_backend_refusal(options.get("backend", "auto"), "attention", head_dim, has_bias=has_bias)
+    backend = options.get("backend", "auto")
+    if head_dim > HEAD_DIMS[1] and backend == "auto":  # (auto would run them on the slow reference backend)
+        return f"head dim {head_dim} > {HEAD_DIMS[1]}, the Triton kernels' limit (backend='reference' serves it)"
+    return named_backend_refusal(backend, "attention", head_dim, has_bias=has_bias)
 
 
 def _bypass_reason(module: torch.nn.Module) -> Optional[str]:
@@ -169,10 +170,10 @@ def _self_attention(module, state: PatchState, q, k, v, attn_mask, is_causal, qk
 
 def _through(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """m(x). An nn.Identity, or an nn.Dropout that passes its input through (eval mode, or p = 0),
-    returns x itself: where no hook would see the call, that is done without nn.Module's call
+    returns x itself: where no hook (forward or backward) would see the call, that is done without nn.Module's call
     machinery (a few microseconds of host time per call, on every ViT attention call)."""
     t = type(m)
-    if (t is nn.Identity or (t is nn.Dropout and (not m.training or m.p == 0))) and not hooked(m):
+    if (t is nn.Identity or (t is nn.Dropout and (not m.training or m.p == 0))) and not hooked(m, backward=True):
         return x
     return m(x)
 
@@ -217,7 +218,8 @@ class TimmAttention(Adapter):
         mods = module._modules  # (not nn.Module's attribute lookup: host time on every call)
         qkv = mods["qkv"](x)
         q_norm, k_norm = mods["q_norm"], mods["k_norm"]
-        if isinstance(q_norm, nn.Identity) and isinstance(k_norm, nn.Identity):
+        if isinstance(q_norm, nn.Identity) and isinstance(k_norm, nn.Identity) and not (
+                hooked(q_norm, backward=True) or hooked(k_norm, backward=True)):  # (hooks see the calls)
             o = _self_attention(module, state, None, None, None, attn_mask, is_causal,
                                 qkv=qkv.reshape(B, N, 3, module.num_heads, -1))
         else:
@@ -565,7 +567,8 @@ class SwinV2WindowAttention(_SwinBase):
                                                                                layers[1].weight)):
             from ..kernels.position_bias import continuous_position_bias
             l1, l2 = layers
-            return continuous_position_bias(coords.view(-1, 2), l1.weight, l1.bias, l2.weight, (wh, ww))
+            # (reshape: a channels-last model's coordinates buffer has no [-1, 2] view)
+            return continuous_position_bias(coords.reshape(-1, 2), l1.weight, l1.bias, l2.weight, (wh, ww))
         # 16·sigmoid on the [(2w−1)², H] table before the gather (elementwise, so the same values)
         table = 16 * torch.sigmoid(module.cpb_mlp(coords).view(-1, module.num_heads))
         return _gather_heads(table, module.relative_position_index, n)
@@ -650,6 +653,9 @@ class SwinBlock(Adapter):
             return why
         if hooked(attn, backward=True):
             return "hooks on its attention module, which the fused block does not call"
+        if any(hooked(m, backward=True) for m in (attn.qkv, attn.proj, attn.proj_drop)):
+            # (the fused block calls them on the [B, H, W, C] map, not on timm's window rows)
+            return "hooks on its attention's qkv, proj or proj_drop, which see window rows in timm"
         if attn.proj_drop.p > 0 and attn.proj_drop.training:
             return "output-projection dropout in training (its random mask follows timm's window order)"
         if x.dim() != 4:

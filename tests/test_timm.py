@@ -531,6 +531,77 @@ def test_vit_identity_children_are_skipped_unless_hooked():
     assert (dropped == 0).float().mean() > 0.3 and not torch.allclose(dropped, ref)
 
 
+def test_hooks_on_skipped_identity_children_fire():
+    """Hooks on the children the packed ViT path would skip: a forward hook on an Identity q_norm
+    (here one that zeroes q) changes the output as in timm, and backward hooks on an Identity norm
+    or a pass-through proj_drop fire in the patched module's backward as in timm's."""
+    x = _x(2, 9, 32)
+    mod = Attention(32, num_heads=2).eval()
+    h = mod.q_norm.register_forward_hook(lambda m, i, o: o * 0)
+    with torch.no_grad():
+        ref = mod(x)
+    elsa_vision.patch(mod)
+    with torch.no_grad():
+        out = mod(x)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5) and mod._elsa.delegated == 0
+    h.remove()
+    seen = []
+    hooks = [m.register_full_backward_hook(lambda m, gi, go, n=n: seen.append(n))
+             for n, m in (("norm", mod.norm), ("proj_drop", mod.proj_drop), ("k_norm", mod.k_norm))]
+    mod(x.requires_grad_()).sum().backward()
+    assert sorted(seen) == ["k_norm", "norm", "proj_drop"]
+    for h in hooks:
+        h.remove()
+    elsa_vision.unpatch(mod)
+
+
+def test_swin_block_with_hooked_attention_children_delegates():
+    """A hook on a Swin attention's qkv, proj or proj_drop sees timm's window rows [B·nW, N, C]:
+    the fused block (which calls them on the [B, H, W, C] map) hands such calls to timm's own."""
+    torch.manual_seed(0)
+    block = swin1.SwinTransformerBlock(32, (8, 8), num_heads=2, window_size=4, shift_size=2).eval()
+    x = torch.randn(2, 8, 8, 32)
+    for child in ("qkv", "proj", "proj_drop"):
+        shapes = []
+        h = getattr(block.attn, child).register_forward_hook(lambda m, i, o: shapes.append(tuple(i[0].shape)))
+        with torch.no_grad():
+            ref = block(x)
+            elsa_vision.patch(block)
+            out = block(x)
+            elsa_vision.unpatch(block)
+        h.remove()
+        assert shapes[0] == shapes[1] == (8, 16, 32), child
+        assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_channels_last_swinv2_runs_patched():
+    """timm's --channels-last moves SwinV2's 4-D coordinates buffer to channels-last strides: the
+    fused position bias reads it as timm does."""
+    torch.manual_seed(0)
+    m = timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=32, window_size=4, depths=(1, 1),
+                          num_heads=(2, 4), embed_dim=32, num_classes=3).eval()
+    m = m.to(memory_format=torch.channels_last)
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        ref = m(x)
+        elsa_vision.patch(m)
+        assert torch.allclose(m(x), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_head_dims_past_the_kernels_patch_on_the_reference_backend():
+    """A head dim past the Triton kernels' 256: skipped under backend="auto" (the reference backend
+    would be slower than timm's SDPA), patched and exact under backend="reference"."""
+    x = _x(1, 5, 640)
+    for backend, patched in (("auto", 0), ("reference", 1)):
+        mod = Attention(640, num_heads=2).eval()
+        with torch.no_grad():
+            ref = mod(x)
+        report = elsa_vision.patch(mod, backend=backend)
+        assert len(registry.patched_modules(mod)) == patched, report
+        with torch.no_grad():
+            assert torch.allclose(mod(x), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_mc_dropout_and_hooked_children_delegate():
     """attn_drop kept in train mode under an eval model (MC dropout) runs in timm's unfused path, and
     hooks on children ELSA never calls (softmax, attn_drop) must still fire: both delegate."""
