@@ -219,7 +219,7 @@ class _StreamAdapter(Adapter):
             if options.get(name) not in (None, False):
                 raise ValueError(f"{name} is a VGGT option; patch StreamVGGT without it (its streaming path keeps "
                                  "only the key/value cache; frames across ranks are not built for it)")
-        return None
+        return super().skip_reason(module, options)  # (the attention adapter's: a backend that cannot run it)
 
 
 _SIGNATURES: dict[type, inspect.Signature] = {}
@@ -300,20 +300,22 @@ class StreamAttentionAdapter(_StreamAdapter, VGGTAttentionAdapter):
     @staticmethod
     def _masked(module, state: PatchState, x, pos, mask) -> Optional[torch.Tensor]:
         opts = state.options
-        q, k, v = project_qkv(module, x, pos, None)
+        q, k, v = project_qkv(module, x, pos, None, backend=opts.get("backend", "auto"))
         if autocast_dtype(x.device.type) is None and not (q.dtype == k.dtype == v.dtype):
             return None
         kw = dict(scale=_scale(module), precision=opts.get("precision", "auto"), backend=opts.get("backend", "auto"))
         if isinstance(mask, FrameCausal):
             out = frame_causal_attention(q, k, v, mask.frame_len, **kw)
         else:
+            if not module.fused_attn and not mask.is_floating_point():
+                mask = mask.float()  # (the unfused path adds a bool or integer mask as numbers: True = +1)
             out = attention(q, k, v, bias=mask, **kw)
         return module.proj_drop(project_out(module, out, None))
 
     @staticmethod
     def _stream(module, state: PatchState, x, pos, past: Optional[KVCache]):
         opts = state.options
-        q, k, v = project_qkv(module, x, pos, None)
+        q, k, v = project_qkv(module, x, pos, None, backend=opts.get("backend", "auto"))
         dtype = autocast_dtype(x.device.type) or q.dtype  # what attention runs in (SDPA casts to it)
         if past is None:
             past = KVCache(opts.get("kv_reserve", 32))

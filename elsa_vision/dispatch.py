@@ -287,6 +287,13 @@ def triton_serves(device_type: str) -> bool:
     return TRITON.available() is None and device_type in TRITON.devices()
 
 
+def fused_kernels(backend: str, device_type: str) -> bool:
+    """Whether an adapter may launch its fused kernel families (norms, RoPE, merging) directly for a
+    model patched with ``backend``: under "auto" or "triton" where the Triton kernels serve the
+    device; a model patched for another backend (e.g. "reference") launches none."""
+    return backend in ("auto", "triton") and triton_serves(device_type)
+
+
 def named_backend_refusal(backend: str, op: str, head_dim: int, causal: bool = False,
                           has_bias: bool = False) -> Optional[str]:
     """Why the named ``backend`` can never run ``op`` calls of this head dim (causal or not, with a

@@ -392,6 +392,11 @@ def _refusal_worker(rank, world, init_file, out_dir):
         except RuntimeError as e:
             found["fallback"] = str(e)
         hook.remove()
+        try:  # rank 1 with no frame: every rank raises (none waits in a collective the other left)
+            with torch.no_grad():
+                model.eval()(local if rank == 0 else local[:, :0])
+        except ValueError as e:
+            found["empty"] = str(e)
         try:
             elsa_vision.patch(torch.nn.Sequential(torch.nn.Linear(2, 2)), process_group=group)
         except ValueError as e:
@@ -409,7 +414,8 @@ def _refusal_worker(rank, world, init_file, out_dir):
 
 def test_vggt_sharded_refuses_local_attention():
     """A global block left unpatched, or one whose call needs the original forward, raises instead of
-    attending to this rank's frames only; a process_group no module can use raises at patch()."""
+    attending to this rank's frames only, as does a call where a rank holds no frame (on every rank);
+    a process_group no module can use raises at patch()."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_refusal_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2)
         found = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
@@ -418,6 +424,7 @@ def test_vggt_sharded_refuses_local_attention():
         assert "spans the ranks" in f["fallback"] and "hooks on attn_drop" in f["fallback"]
         assert "process_group works through vggt-aggregator modules" in f["no_aggregator"]
         assert "process_group is a VGGT option" in f["streamvggt"]
+        assert "rank 1 holds no frame" in f["empty"]
 
 
 def test_process_group_none_under_a_launch(monkeypatch):

@@ -220,6 +220,32 @@ def test_options(standin):
         elsa_vision.patch(make(), kv_reserve=1.5)
 
 
+def test_unfused_attention_adds_a_bool_mask_as_numbers(standin):
+    """fused_attn=False: StreamVGGT's unfused path adds an attn_mask to the logits, a bool one as
+    0/1; with fused_attn it is SDPA's keep-mask. The patched module follows each."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(1, 6, 64), torch.tril(torch.ones(6, 6, dtype=torch.bool))
+    for fused in (False, True):
+        mod = SV.Attention(64, num_heads=2).eval()
+        mod.fused_attn = fused
+        with torch.no_grad():
+            ref = mod(x, attn_mask=mask)
+            with elsa_vision.patched(mod, backend="reference"):
+                out = mod(x, attn_mask=mask)
+                assert mod._elsa.delegated == 0
+        assert (out - ref).abs().max() < 1e-5, fused
+
+
+def test_a_backend_that_cannot_run_the_attention_is_reported_at_patch(standin):
+    """backend="triton" with a head dim the kernels refuse: the module is skipped with the reason at
+    patch(), as vggt's, not patched to raise at its first call."""
+    mod = SV.Attention(16, num_heads=2).eval()  # head dim 8
+    report = elsa_vision.patch(mod, backend="triton")
+    assert not patched_modules(mod) and "head dim 8" in str(report)
+    with torch.no_grad():
+        mod(torch.randn(1, 5, 16))
+
+
 @pytest.mark.skipif(not HAS_STREAMVGGT, reason="streamvggt is not importable")
 @pytest.mark.parametrize("mode", ["batch", "stream"])
 def test_real_aggregator_follows_the_rule(mode):

@@ -625,6 +625,38 @@ def test_merging_is_deterministic_and_batch_independent(standin):
     assert plain.num_patched == len(STANDIN_ATTN) + len(STANDIN_BLOCKS)
 
 
+def test_lean_memory_runs_a_forward_wrapped_after_patching(standin):
+    """Another library wrapping a patched attention's forward after patch() (accelerate's hooks, a
+    capture tool): lean mode, which otherwise calls ELSA's attention itself, runs the wrapper."""
+    m = make_standin()
+    x = frames(S=2)
+    with elsa_vision.patched(m, backend="reference", lean_memory=(1, 3)):
+        attn = m.aggregator.global_blocks[1].attn
+        seen, inner = [], attn.forward
+        attn.forward = lambda *a, **k: seen.append(1) or inner(*a, **k)
+        run(m, x)
+        attn.__dict__["forward"] = inner  # (the patched forward back where patch() put it)
+    assert seen
+
+
+def test_reference_backend_launches_no_fused_kernel(standin, monkeypatch):
+    """A model patched with backend="reference" runs no Triton kernel of its own: the fused q/k norm
+    + RoPE and token merging's nearest search take their torch paths (under "auto" they launch)."""
+    from elsa_vision.kernels import nearest as NK, rope as RK
+    launched = []
+    for mod, name in ((RK, "qk_norm_rope"), (NK, "nearest")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: launched.append(_name) or _real(*a, **k))
+    m = make_standin()
+    x = frames(S=2)
+    merge = A.TokenMerging(similarity_dtype=torch.bfloat16)
+    for backend in ("reference", "auto"):
+        launched.clear()
+        with elsa_vision.patched(m, backend=backend, token_merging=merge):
+            run(m, x)
+        assert (set(launched) == {"qk_norm_rope", "nearest"}) if backend == "auto" else not launched, backend
+
+
 def test_similarity_dim_searches_the_projected_rows():
     """similarity_dim k: the plan is the full search's on the rows projected onto k fixed random
     directions; k ≥ C is the full dimension itself."""

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from ...api import attention
-from ...dispatch import autocast_dtype, named_backend_refusal, triton_serves
+from ...dispatch import autocast_dtype, fused_kernels, named_backend_refusal
 from ...kernels.limits import HEAD_DIMS, ROPE_MIN_HEAD_DIM
 from ..registry import PatchState, bypass_reason, hooked
 from .common import ATTENTION_TARGETS, LEAN_CHUNK, Kind, VGGTAdapter, attention_kind, lean_option
@@ -16,18 +16,18 @@ from .merging import FORK_BLOCKS, AggregatorCall, fork_merge, merge_mean, mergin
 from .sharded import key_lengths, sharded_group
 
 
-def _fused_qk(module, x: torch.Tensor, pos) -> Optional[Callable[[int, int], tuple]]:
+def _fused_qk(module, x: torch.Tensor, pos, backend: str) -> Optional[Callable[[int, int], tuple]]:
     """When q/k norm and RoPE can run as one kernel (kernels/rope.py): a function of a token range
     (n0, n1) → (rows, (cos, sin)), the kernel's position operand [B, n1 − n0, 2] for those tokens
     and the RoPE tables [P, D/2] float32 whose rows it indexes ((None, None) without RoPE); None
     when they go through the modules themselves — with gradients, hooks on them, or modules other
-    than LayerNorm / Identity and vggt's RoPE.
+    than LayerNorm / Identity and vggt's RoPE, or a named backend other than "triton".
 
     Eagerly the tables are the module's own (row p: position p; rows = the positions). Under
     torch.compile their size would be a value read from the positions, which dynamo cannot trace
     (see _rope): there the range's tokens each have their own two rows, formed in the graph (see
     _token_tables), one range at a time (lean mode's chunks: no tables of the whole sequence)."""
-    if torch.is_grad_enabled() or x.dtype == torch.float64 or not triton_serves(x.device.type):
+    if torch.is_grad_enabled() or x.dtype == torch.float64 or not fused_kernels(backend, x.device.type):
         return None  # (the kernel computes in float32)
     D = module.head_dim
     qn, kn, rope = module.q_norm, module.k_norm, module.rope
@@ -106,7 +106,7 @@ def _rope(module, t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.cat((rotate(vertical, pos[..., 0]), rotate(horizontal, pos[..., 1])), dim=-1)
 
 
-def project_qkv(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None):
+def project_qkv(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None, backend: str = "auto"):
     """q, k, v [B, H, N, D] after q/k norm and RoPE, exactly as vggt's Attention forms them from
     ``prenorm(x)`` (``x`` itself when prenorm is None).
 
@@ -120,7 +120,7 @@ def project_qkv(module, x: torch.Tensor, pos, chunk: Optional[int], prenorm=None
     B, N, C = x.shape
     H, D = module.num_heads, module.head_dim
     cast = autocast_dtype(x.device.type)
-    fuse = _fused_qk(module, x, pos)
+    fuse = _fused_qk(module, x, pos, backend)
     norms = (module.q_norm, module.k_norm) if type(module.q_norm) is torch.nn.LayerNorm else (None, None)
 
     def fused(part, n0, n1, bufs):  # q, k of tokens n0:n1 into bufs[0], bufs[1] ([B, N, H, D])
@@ -242,7 +242,7 @@ def elsa_attention(module, state: PatchState, x, pos, kind: "Kind", merging=None
                 plan = call.plan(metric, call.layers[id(module)])
         else:
             plan = call.plan(metric, call.layers[id(module)])
-    q, k, v = project_qkv(module, x, pos, chunk, prenorm)
+    q, k, v = project_qkv(module, x, pos, chunk, prenorm, opts.get("backend", "auto"))
     if side is not None:
         main.wait_stream(side)
         for t in plan.tensors():

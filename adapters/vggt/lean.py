@@ -113,7 +113,8 @@ def _block_attention(block, x, pos, norm1=None):
     attn = block.attn
     norm1 = norm1 or block.norm1
     state = state_of(attn)
-    if (state is None or not isinstance(adapter_of(state), VGGTAttentionAdapter)
+    # (is_patched: a forward wrapped after patching, e.g. by another library's hooks, must run)
+    if (state is None or not is_patched(attn) or not isinstance(adapter_of(state), VGGTAttentionAdapter)
             or hooked(attn, global_hooks=False) or merge_call(attn) is not None):
         return attn(norm1(x), pos=pos)
     kind = attention_kind(type(attn))
@@ -262,7 +263,7 @@ class VGGTAggregatorAdapter(VGGTAdapter):
                 raise ValueError(f"a VGGT aggregator patched with process_group takes this rank's frames as images "
                                  f"[B, S, 3, H, W], got {getattr(images, 'shape', type(images).__name__)}")
             return state.delegate(images, *args, reason="images not [B, S, 3, H, W]", **kwargs)
-        if images.shape[1] == 0 and group is None:  # (a rank's shard may hold no frame)
+        if images.shape[1] == 0 and group is None:  # (under a group: raised on every rank, below)
             raise ValueError(f"the VGGT aggregator got images {tuple(images.shape)}: no frame (S = 0); pass at "
                              "least one frame")
         if agg.training:
@@ -278,6 +279,9 @@ class VGGTAggregatorAdapter(VGGTAdapter):
             if rank_of(group) > 0:
                 shadowed.update(first_frame_tokens_elsewhere(agg))
             counts = frame_counts(images.shape[1], group, images.device)
+            if min(counts) == 0:  # (raised on every rank alike: all of them know the counts now)
+                raise ValueError(f"a VGGT aggregator patched with process_group got frames per rank {counts}: "
+                                 f"rank {counts.index(0)} holds no frame; give every rank at least one")
             scopes.append(spanning_call(counts))
         if cfg is not None:
             grid = (images.shape[-2] // agg.patch_size, images.shape[-1] // agg.patch_size)
@@ -289,7 +293,8 @@ class VGGTAggregatorAdapter(VGGTAdapter):
                 shard = Shard(group, tuple(counts), rank_of(group))
                 frames = sum(counts)
             pattern = tuple(t.to(images.device) for t in pattern_on(frames, grid, agg.patch_start_idx, cfg))
-            scopes.append(merging(AggregatorCall(cfg, frames, grid, agg.patch_start_idx, layers, pattern, shard=shard)))
+            scopes.append(merging(AggregatorCall(cfg, frames, grid, agg.patch_start_idx, layers, pattern, shard=shard,
+                                                 backend=opts.get("backend", "auto"))))
         keep = _kept_layers(agg.depth, lean) if lean is not None else None
         host = {} if keep is not None and opts.get("lean_offload") else None
         if keep is not None:

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ...dispatch import triton_serves
+from ...dispatch import fused_kernels
 from .common import CallScope
 
 # TokenMerging.fast(): random directions of the similarity, merged blocks per plan, and the share of
@@ -167,7 +167,7 @@ class MergePlan:
 
 
 def _nearest(metric: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype,
-             budget: int = 1 << 28):
+             budget: int = 1 << 28, backend: str = "auto"):
     """Per batch element, each source's most cosine-similar destination: (similarity [B, Ns] float32,
     destination row [B, Ns] int64). The unit vectors are rounded to ``dtype`` and their products
     accumulated in float32 (float64 for float64); ties go to the first destination. bf16/fp16 on a
@@ -182,7 +182,7 @@ def _nearest(metric: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, dtype: 
     def unit(idx):  # [n, C] unit rows in the similarity dtype, normalized in float32
         return F.normalize(metric[b].index_select(0, idx).float(), dim=-1).to(dtype)
 
-    nearest = _fused_nearest(metric)
+    nearest = _fused_nearest(metric, backend)
     with torch.autocast(metric.device.type, enabled=False):
         for b in range(B):
             d = unit(dst)
@@ -208,10 +208,10 @@ def _nearest(metric: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, dtype: 
     return sim, best
 
 
-def _fused_nearest(metric: torch.Tensor):
+def _fused_nearest(metric: torch.Tensor, backend: str):
     """kernels/nearest.py when the Triton kernels serve ``metric``'s device here, else None (the
     kernel module, and Triton with it, is imported only then)."""
-    if not triton_serves(metric.device.type):
+    if not fused_kernels(backend, metric.device.type):
         return None
     from ...kernels import nearest
     return nearest
@@ -236,7 +236,7 @@ def similarity_rows(metric: torch.Tensor, cfg: TokenMerging) -> torch.Tensor:
 
 
 def merge_plan(metric: torch.Tensor, frames: int, grid: tuple[int, int], special: int, cfg: TokenMerging,
-               pattern: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> MergePlan:
+               pattern: Optional[tuple[torch.Tensor, torch.Tensor]] = None, backend: str = "auto") -> MergePlan:
     """The merge plan of one global block. metric: [B, N, C], the block's normalized input."""
     B, N, _ = metric.shape
     h, w = grid
@@ -252,7 +252,7 @@ def merge_plan(metric: torch.Tensor, frames: int, grid: tuple[int, int], special
     slot = torch.empty(B, N, dtype=torch.int64, device=dev)
     slot[:, dst] = torch.arange(nd, device=dev)
     if ns:
-        sim, best = _nearest(similarity_rows(metric, cfg), dst, src, cfg.similarity_dtype)
+        sim, best = _nearest(similarity_rows(metric, cfg), dst, src, cfg.similarity_dtype, backend=backend)
         if r == ns:
             slot[:, src] = best
         else:
@@ -263,21 +263,21 @@ def merge_plan(metric: torch.Tensor, frames: int, grid: tuple[int, int], special
     # integer counts are exact in float32 whatever the order of the additions
     counts = torch.zeros(B, M, dtype=torch.float32, device=dev).scatter_add_(
         1, slot, torch.ones(1, 1, dtype=torch.float32, device=dev).expand(B, N))
-    return MergePlan(slot, counts, N, M, dst, segments=_segments(slot, counts))
+    return MergePlan(slot, counts, N, M, dst, segments=_segments(slot, counts, backend))
 
 
-def _segment_kernel(device: torch.device):
+def _segment_kernel(device: torch.device, backend: str):
     """kernels/segment_mean.py where it serves the merge: on CUDA with the Triton kernels available
     (on the CPU the merge stays index_add_; the CPU tests run the kernel under the interpreter
     directly)."""
-    if device.type != "cuda" or not triton_serves("cuda") or torch.compiler.is_compiling():
+    if device.type != "cuda" or not fused_kernels(backend, "cuda") or torch.compiler.is_compiling():
         return None  # (under torch.compile the torch ops, which inductor fuses, as for kernels/rope.py)
     from ...kernels import segment_mean
     return segment_mean
 
 
-def _segments(slot: torch.Tensor, counts: torch.Tensor) -> Optional[tuple]:
-    kernel = _segment_kernel(slot.device)
+def _segments(slot: torch.Tensor, counts: torch.Tensor, backend: str) -> Optional[tuple]:
+    kernel = _segment_kernel(slot.device, backend)
     return None if kernel is None else kernel.segments(slot, counts)
 
 
@@ -380,7 +380,7 @@ def sharded_merge_plan(metric: torch.Tensor, call: "AggregatorCall") -> MergePla
         d_all = _gather_rows(rows_sim[:, dst[d0:d1] - lo], nd_r, sh.group)
         both = torch.cat([d_all, rows_sim[:, src[s0:s1] - lo]], dim=1)
         sim, best = _nearest(both, torch.arange(nd, device=dev), torch.arange(nd, nd + s1 - s0, device=dev),
-                             cfg.similarity_dtype)
+                             cfg.similarity_dtype, backend=call.backend)
         local = src[s0:s1] - lo
         if r == ns:
             slot[:, local] = best
@@ -410,6 +410,7 @@ class AggregatorCall:
     pattern: tuple  # (destinations, sources) on the device, shared by the call's global blocks
     plans: dict = field(default_factory=dict)  # global layer → its plan (cfg.reuse > 1)
     shard: Optional[Shard] = None  # frames sharded across ranks: ``frames`` is then the whole sequence's
+    backend: str = "auto"  # the patch's backend option: its fused kernels only under "auto" / "triton"
     _geometry: Optional[tuple] = None
 
     def shard_geometry(self) -> tuple:
@@ -434,7 +435,7 @@ class AggregatorCall:
     def _make(self, x: torch.Tensor) -> MergePlan:
         if self.shard is not None:
             return sharded_merge_plan(x, self)
-        return merge_plan(x, self.frames, self.grid, self.special, self.cfg, self.pattern)
+        return merge_plan(x, self.frames, self.grid, self.special, self.cfg, self.pattern, self.backend)
 
     def plan(self, x: torch.Tensor, layer: int) -> MergePlan:
         """The plan of global layer ``layer`` (x: its metric [B, N, C]): made at the layers
