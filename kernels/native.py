@@ -123,6 +123,8 @@ _PLANS_MAX = 1024
 # plan id → (op, the backward's non-tensor arguments, its tail arguments): kept after the plan is
 # released, for the backwards of graphs built from it
 _INFO: dict = {}
+# the ids of the plans in _PLANS (not released): only those record backward recipes
+_LIVE: set = set()
 
 
 @_launch.register_cache
@@ -134,6 +136,7 @@ def clear_plans() -> None:
             if plan is not False:
                 _ext.release(plan)
     _PLANS.clear()
+    _LIVE.clear()
     _PYTHON_BACKWARDS.clear()
 
 
@@ -449,6 +452,8 @@ def _record_call(op, key, args: tuple, autograd: bool):
     if len(_PLANS) >= _PLANS_MAX:
         clear_plans()
     _PLANS[key] = plan
+    if plan is not False:
+        _LIVE.add(plan)
     return result
 
 
@@ -504,7 +509,8 @@ def _record_backward(plan: int, dout: torch.Tensor, saved: list, bias_grad: bool
     # the layout's key does not see: not recorded from such a call, nor refused)
     shared = any(t is not None and t.untyped_storage().data_ptr() == dout.untyped_storage().data_ptr()
                  for t in saved)
-    if layout in _PYTHON_BACKWARDS or shared:
+    # (a released plan's graphs still call back: their gradients, nothing recorded for a plan gone)
+    if layout in _PYTHON_BACKWARDS or shared or plan not in _LIVE:
         return list(op.backward(dout, *saved, *args, bias_grad, *tail))
     inputs = [dout, *saved]
     grads, recipe = _recorded_body(lambda: op.backward(dout, *saved, *args, bias_grad, *tail), inputs,

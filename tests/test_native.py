@@ -305,3 +305,26 @@ def test_replayed_vit_training_steps_match_the_python_path():
         qkv = model.blocks[0].attn.qkv(model.patch_embed(x)).reshape(8, -1, 3, 6, 64)
         replayed = [_replayed(elsa_vision.attention_packed(qkv)) for _ in range(2)]
         assert replayed == [False, True]
+
+
+def test_a_released_plans_call_back_records_nothing(monkeypatch):
+    """A graph built from a plan that clear_plans() released since calls back for a backward layout
+    with no recipe: its gradients come from the Python backward, with no recording tried (which
+    would warn that it failed and keep the layout on Python for the plans to come)."""
+    class Op:
+        what = "probe"
+
+        @staticmethod
+        def backward(dout, x, scale, bias_grad):
+            return dout * scale, None
+
+    plan = 1 << 40
+    monkeypatch.setitem(native._INFO, plan, (Op, (3.0,), ()))
+    monkeypatch.setattr(native, "_ext", None)  # (a recording would need it)
+    assert plan not in native._LIVE
+    before = set(native._PYTHON_BACKWARDS)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dx, _ = native._record_backward(plan, torch.ones(2), [torch.zeros(2)], False)
+    assert torch.equal(dx, torch.full((2,), 3.0)) and native._PYTHON_BACKWARDS == before
