@@ -625,6 +625,20 @@ def test_merging_is_deterministic_and_batch_independent(standin):
     assert plain.num_patched == len(STANDIN_ATTN) + len(STANDIN_BLOCKS)
 
 
+def test_strided_norm_weights_take_the_modules(standin):
+    """q/k LayerNorm weights that are strided views (tied or sliced parameters): the fused q/k norm +
+    RoPE kernel reads them densely, so the call runs the modules themselves, to the same values."""
+    torch.manual_seed(0)
+    mod = V.Attention(64, 2, qk_norm=True, rope=V.RotaryPositionEmbedding2D()).eval()
+    for norm in (mod.q_norm, mod.k_norm):
+        norm.weight = torch.nn.Parameter(torch.randn(64)[::2])
+    x, pos = torch.randn(2, 11, 64), _positions(2, (2, 3))
+    with torch.no_grad():
+        ref = mod(x, pos=pos)
+        with elsa_vision.patched(mod, precision="ieee"):
+            assert (mod(x, pos=pos) - ref).abs().max() < 1e-5 and mod._elsa.delegated == 0
+
+
 def test_lean_memory_runs_a_forward_wrapped_after_patching(standin):
     """Another library wrapping a patched attention's forward after patch() (accelerate's hooks, a
     capture tool): lean mode, which otherwise calls ELSA's attention itself, runs the wrapper."""

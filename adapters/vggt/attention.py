@@ -35,8 +35,10 @@ def _fused_qk(module, x: torch.Tensor, pos, backend: str) -> Optional[Callable[[
     if not (norms == [torch.nn.Identity] * 2 or (norms == [torch.nn.LayerNorm] * 2
                                                  and qn.normalized_shape == kn.normalized_shape == (D,)
                                                  and (qn.weight is None) == (kn.weight is None)
-                                                 and (qn.bias is None) == (kn.bias is None))):
-        return None  # (one launch forms q and k: their norms take the same affine parameters)
+                                                 and (qn.bias is None) == (kn.bias is None)
+                                                 and all(t is None or t.stride(-1) == 1
+                                                         for t in (qn.weight, qn.bias, kn.weight, kn.bias)))):
+        return None  # (one launch forms q and k: their norms take the same affine parameters, read densely)
     if D < ROPE_MIN_HEAD_DIM or D & (D - 1) or any(hooked(m) for m in (qn, kn, rope)):
         return None
     if rope is None:  # norms only (nothing to fuse without them: q and k stay views of qkv)
