@@ -378,6 +378,15 @@ def hooked(module: Optional[torch.nn.Module], *, global_hooks: bool = True, back
         backward and (glob._global_backward_hooks or glob._global_backward_pre_hooks)))
 
 
+def hooked_any(modules: Sequence[torch.nn.Module], *, global_hooks: bool = True, backward: bool = False) -> bool:
+    """:func:`hooked` of any of ``modules``, the global hooks looked at once (a plain loop: these
+    checks run on every patched call)."""
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks or (backward and (m._backward_hooks or m._backward_pre_hooks)):
+            return True
+    return global_hooks and hooked(None, backward=backward)
+
+
 @torch.compiler.assume_constant_result
 def _tag_guards() -> bool:
     # (a constant of the trace, not a guard on dynamo's config: both branches that read it give the

@@ -78,8 +78,8 @@ from ..api import attention, attention_packed, shifted_window_attention, window_
 from ..dispatch import named_backend_refusal, triton_serves
 from ..kernels.limits import HEAD_DIMS, POSITION_BIAS_DTYPES
 from .blocks import PreNormBlock
-from .registry import (Adapter, PatchState, adapter_of, bypass_reason, check_flag, hooked, is_patched, module_attr,
-                       register, state_of)
+from .registry import (Adapter, PatchState, adapter_of, bypass_reason, check_flag, hooked, hooked_any, is_patched,
+                       module_attr, register, state_of)
 
 MIN_TIMM = (1, 0, 20)
 
@@ -218,8 +218,8 @@ class TimmAttention(Adapter):
         mods = module._modules  # (not nn.Module's attribute lookup: host time on every call)
         qkv = mods["qkv"](x)
         q_norm, k_norm = mods["q_norm"], mods["k_norm"]
-        if isinstance(q_norm, nn.Identity) and isinstance(k_norm, nn.Identity) and not (
-                hooked(q_norm, backward=True) or hooked(k_norm, backward=True)):  # (hooks see the calls)
+        if isinstance(q_norm, nn.Identity) and isinstance(k_norm, nn.Identity) and not hooked_any(
+                (q_norm, k_norm), backward=True):  # (hooks see the calls)
             o = _self_attention(module, state, None, None, None, attn_mask, is_causal,
                                 qkv=qkv.reshape(B, N, 3, module.num_heads, -1))
         else:
@@ -653,7 +653,8 @@ class SwinBlock(Adapter):
             return why
         if hooked(attn, backward=True):
             return "hooks on its attention module, which the fused block does not call"
-        if any(hooked(m, backward=True) for m in (attn.qkv, attn.proj, attn.proj_drop)):
+        mods = attn._modules  # (the global hooks: looked at just above)
+        if hooked_any((mods["qkv"], mods["proj"], mods["proj_drop"]), global_hooks=False, backward=True):
             # (the fused block calls them on the [B, H, W, C] map, not on timm's window rows)
             return "hooks on its attention's qkv, proj or proj_drop, which see window rows in timm"
         if attn.proj_drop.p > 0 and attn.proj_drop.training:

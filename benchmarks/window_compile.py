@@ -228,8 +228,8 @@ def key_loop_spills(text: str) -> list[int]:
     last_exit = max((i for i, line in enumerate(lines) if re.search(r"\bEXIT\b", line)), default=len(lines))
     loops = []
     for i, line in enumerate(lines[:last_exit]):
-        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", line)
-        if m and addr[i] is not None and int(m.group(1), 16) < addr[i]:
+        m = re.search(r"\bBRA(?:\.\w+)*\s+0x([0-9a-f]+)", line)
+        if m and addr[i] is not None and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
             start = addr.index(int(m.group(1), 16))
             if any(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", b) for b in lines[start:i + 1]):
                 loops.append((start, i))
@@ -262,7 +262,8 @@ def hopper_report(a):
             spill = sum(" STL" in line or " LDL" in line for line in text.splitlines())
             print(f"D={D} N={N} OVERLAP={overlap}: BLOCK_M={bm} BLOCK_N={bn} stages={stages} consumer registers="
                   f"{regs} {kern.metadata.shared // 1024}K-smem {len(text.splitlines()) // 2} SASS lines "
-                  f"{spill} local loads/stores ({key_loop_spills(text)} in the key loops) | exponentials under "
+                  f"{spill} local loads/stores ({key_loop_spills(text) or 'no key loop found'} in the key loops) "
+                  f"| exponentials under "
                   f"P·V per tile: {pv_overlap(text)}", flush=True)
 
 

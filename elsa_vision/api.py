@@ -458,9 +458,9 @@ def shifted_window_attention(
             raise ValueError(f"{fn}: a packed qkv must be [B, height, width, 3, H, D], got shape {tuple(q.shape)}; "
                              "pass q, k, v as [B, height, width, H, D] each, or reshape the projection output")
         given = (q,)
-        (qkv,) = autocast(q)
-        B, IH, IW, _, H, D = qkv.shape
-        qkv = qkv.reshape(B * IH * IW, 3, H, D)
+        cast = autocast(q)
+        B, IH, IW, _, H, D = cast[0].shape
+        qkv = cast[0].reshape(B * IH * IW, 3, H, D)
         q3, k3, v3 = qkv.unbind(1)
     else:
         if k is None or v is None:
@@ -474,10 +474,10 @@ def shifted_window_attention(
             raise ValueError(f"{fn}: q, k, v must have one shape [B, height, width, H, D], got {tuple(q.shape)}, "
                              f"{tuple(k.shape)}, {tuple(v.shape)}")
         given, qkv = (q, k, v), None
-        q, k, v = autocast(q, k, v)
+        cast = q, k, v = autocast(q, k, v)
         B, IH, IW, H, D = q.shape
         q3, k3, v3 = (t.reshape(B * IH * IW, H, D) for t in (q, k, v))
-    if not _uncast(given, (qkv,) if packed else (q, k, v)):
+    if not _uncast(given, cast):
         key = None  # a repeat would need the cast too
     if min(wh, ww) < 1 or IH % wh or IW % ww:
         raise ValueError(f"{fn}: the {IH}×{IW} token image is not tiled by {wh}×{ww} windows; pad it to a multiple "

@@ -83,6 +83,36 @@ class _Gather(torch.autograd.Function):
         return grad[ctx.rank], None, None, None
 
 
+class _AllReduce(torch.autograd.Function):
+    """Sum of every rank's ``t`` (a new tensor); the backward sums every rank's gradient of it the same
+    way (each rank's sum reaches every rank's result): one collective each way."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group):
+        import torch.distributed as dist
+        out = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``t`` summed: in place where no gradient is wanted, else as a new tensor whose
+    gradient is summed across the ranks too (``torch.distributed.all_reduce`` has no backward)."""
+    if torch.is_grad_enabled() and t.requires_grad:
+        return _AllReduce.apply(t, group)
+    import torch.distributed as dist
+    dist.all_reduce(t, group=group)
+    return t
+
+
 # What ``overlap=None`` means. Off: on 4 H200s (VGGT's aggregator, 400 frames) the transfers beside
 # the kernels took the sharded aggregator from 2.09× to 1.84× one GPU on 2 ranks and from 4.09× to
 # 3.16× on 4 (benchmarks/distributed.py --overlap on,off); a transfer is milliseconds, a step's

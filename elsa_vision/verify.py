@@ -159,6 +159,10 @@ def structure(q, k, v, *, bias=None, scale=None, causal=False, precision="auto",
     from .kernels.reference import merge
 
     check_qkv(q, k, v, "structure")
+    if q.is_cuda and q.get_device() != torch.cuda.current_device():  # (the launches below: on q's device)
+        with torch.cuda.device(q.device):
+            return structure(q, k, v, bias=bias, scale=scale, causal=causal, precision=precision,
+                             partitions=partitions)
     d = q.shape[-1]
     sc = check_scale(scale, d, "structure")
     b4 = bias4(bias, *q.shape[:3], k.shape[2], q, "structure")

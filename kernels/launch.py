@@ -88,18 +88,19 @@ def on_device(fn: Callable) -> Callable:
     current device: every launch (Triton's, the planned ones, the C++ replay) takes the current
     device's compiled kernels and stream, where PyTorch's ops follow their tensors — a model moved
     to cuda:1 without ``torch.cuda.set_device`` would otherwise launch on cuda:0's stream, unordered
-    with the work that made its inputs. A no-op (one comparison) where that device is current, off
-    CUDA, and under torch.compile (inductor's code sets the device itself)."""
+    with the work that made its inputs. The first tensor among the positional, then the keyword
+    arguments decides (a packed call passes qkv by keyword). Nothing to do where that device is
+    current, off CUDA, and under torch.compile (inductor's code sets the device itself)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if not torch.compiler.is_compiling():
-            for a in args:
-                if isinstance(a, torch.Tensor):
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, torch.Tensor):
+                if a.is_cuda and not torch.compiler.is_compiling():
                     idx = a.get_device()
-                    if idx >= 0 and idx != torch._C._cuda_getDevice():
+                    if idx != torch._C._cuda_getDevice():
                         with torch.cuda.device(idx):
                             return fn(*args, **kwargs)
-                    break
+                break
         return fn(*args, **kwargs)
     return call
 
@@ -170,7 +171,8 @@ def allocations_only():
     """Inside, no kernel is launched: a kernel family's host code allocates exactly what it would —
     outputs, statistics, partial sums — and leaves them uninitialised. That is a custom op's fake
     (meta) implementation on fake tensors, and on real ones a call's peak memory without its
-    arithmetic (benchmarks/frames.py --memory-rehearsal sizes thousands of frames this way)."""
+    arithmetic (benchmarks/frames.py --memory-rehearsal sizes thousands of frames this way). For the
+    calling thread only: a backward that autograd runs on its device thread launches."""
     return _launch_mode("none")
 
 

@@ -69,11 +69,16 @@ def route(what: str, leaves: Sequence[Optional[torch.Tensor]]) -> str:
     return INFERENCE
 
 
+def forward_ad_on() -> bool:
+    """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``): the cheap
+    test before looking for tangents (unpacking costs about a microsecond a tensor). True where
+    torch no longer has the private level counter: then every call looks."""
+    return getattr(_forward_ad, "_current_level", 0) >= 0
+
+
 def has_tangent(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
-    """Whether forward-mode AD is on and one of ``tensors`` carries a tangent. (The level test first:
-    unpacking costs about a microsecond a tensor, and forward AD is rarely on.)"""
-    return getattr(_forward_ad, "_current_level", 0) >= 0 and any(
-        t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    """Whether forward-mode AD is on and one of ``tensors`` carries a tangent."""
+    return forward_ad_on() and any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def no_tangents(what: str, tensors: Sequence[Optional[torch.Tensor]]) -> None:

@@ -28,7 +28,7 @@ import triton.language as tl
 from .common import cast
 from .launch import INTERPRET, cdiv, launch, on_device
 from .limits import ROPE_MIN_HEAD_DIM
-from .ops import no_tangents, register
+from .ops import forward_ad_on, no_tangents, register
 
 # tokens per program (heads and parts loop inside it: positions and cos/sin rows are read once per token)
 BLOCK_T = 32
@@ -123,8 +123,9 @@ def qk_norm_rope(x: torch.Tensor, heads: int, outs: Sequence[torch.Tensor],
     ``norms[j]`` (nn.LayerNorms over D, all with the same affine parameters present, or None: no
     norm) and, with ``pos`` [B, n, 2] (integer y, x) and ``tables`` (cos, sin) [P', D/2] float32
     (row p: position p, every position of ``pos`` a row), rotated. Returns outs."""
-    no_tangents("qk_norm_rope", (x, *(p for m in (norms or ()) if m is not None
-                                      for p in (getattr(m, "weight", None), getattr(m, "bias", None)))))
+    if forward_ad_on():
+        no_tangents("qk_norm_rope", (x, *(p for m in (norms or ()) if m is not None
+                                          for p in (getattr(m, "weight", None), getattr(m, "bias", None)))))
     B, n = x.shape[:2]
     outs = tuple(outs)
     parts = len(outs)

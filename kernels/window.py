@@ -1174,8 +1174,9 @@ def window_attention(q, k, v, bias, mask, scale: float, precision: str, block: i
 
     ``geo`` (:func:`elsa_vision.shifted_window_attention`): q, k, v are image rows [T, H, D] (qkv
     [T, 3, H, D]) whose shifted windows the kernels read in place; returns image rows [T, H, D]."""
+    # (the mask too, for a forward-AD tangent: it never requires grad, the public checks refuse that)
     how = route("shifted_window_attention" if geo is not None else "window_attention",
-                (qkv, bias) if qkv is not None else (q, k, v, bias))
+                (qkv, bias, mask) if qkv is not None else (q, k, v, bias, mask))
     if how is COMPILED:
         return _compiled(q, k, v, qkv, bias, mask, scale, precision, int(block or 0), int(windows_per_program or 0),
                          geo)

@@ -528,6 +528,18 @@ def test_autocast_repeat_casts_k_and_v_too(monkeypatch):
         assert torch.equal(first, repeat)
 
 
+def test_repeated_shifted_window_calls_are_kept_packed_or_not():
+    """A repeat of a shifted_window_attention call reuses the checks' decisions (kept), packed qkv
+    as well as separate q, k, v."""
+    from elsa_vision import api
+    qkv = torch.randn(1, 4, 4, 3, 2, 16, device=DEVICE)
+    for args in ((qkv,), tuple(qkv.unbind(3))):
+        api._CALLS.clear()
+        for _ in range(2):
+            elsa_vision.shifted_window_attention(*args, window_size=2, shift_size=1, backend="triton")
+        assert len(api._CALLS) == 1, len(args)
+
+
 def test_autocast_leaves_float64_alone():
     """Autocast casts no float64 tensor (SDPA's float64 call stays float64 under it): neither do the
     public functions, which once ran float64 inputs in bfloat16."""
@@ -1020,6 +1032,7 @@ def test_forward_mode_ad_is_refused_by_the_triton_kernels():
     import torch.autograd.forward_ad as fwAD
     from elsa_vision.kernels.residual import residual_norm
     from elsa_vision.kernels.rope import qk_norm_rope
+    assert hasattr(fwAD, "_current_level")  # (ops.forward_ad_on's cheap test; without it every call unpacks)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 17, 16, device=DEVICE) for _ in range(3))
     tq = torch.randn_like(q)
@@ -1034,6 +1047,8 @@ def test_forward_mode_ad_is_refused_by_the_triton_kernels():
                                           device=DEVICE)), 2, (torch.empty(1, 5, 2, 16, device=DEVICE),))):
             with pytest.raises(NotImplementedError, match="forward-mode AD"):
                 call()
+        r, _ = residual_norm(fwAD.make_dual(q, tq), q)  # (the residual alone: PyTorch's ops, tangent kept)
+        assert torch.equal(fwAD.unpack_dual(r).tangent, tq)
     assert elsa_vision.attention(q, k, v, backend="triton").shape == q.shape  # (no level open: served)
 
 
@@ -1052,14 +1067,19 @@ def test_entry_points_run_on_their_tensors_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0)
     seen = []
-    entry = launch.on_device(lambda *args: seen.append(list(entered)) or "ran")
+    entry = launch.on_device(lambda *args, **kwargs: seen.append(list(entered)) or "ran")
     t = torch.zeros(1)
     assert entry(None, t) == "ran" and entered == [] and seen == [[]]  # (CPU: as it is)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 1)
     assert entry(None, t, 3) == "ran" and entered == [1] and seen[-1] == [1]
+    assert entry(None, None, qkv=t) == "ran" and entered == [1, 1]  # (a packed call's qkv by keyword)
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
-    assert entry(t) == "ran" and entered == [1]
-    for fn in (K.attention, K.backward):  # (each family's entry carries it)
+    assert entry(t) == "ran" and entered == [1, 1]
+    from elsa_vision.kernels import nearest, position_bias, residual, rope, segment_mean, window
+    for fn in (K.attention, K.backward, window.window_attention, position_bias.continuous_position_bias,
+               position_bias.relative_position_bias, residual.residual_norm, rope.qk_norm_rope, nearest.nearest,
+               segment_mean.segment_mean):  # (each family's entry carries it)
         assert fn.__wrapped__ is not None
 
 

@@ -266,8 +266,8 @@ def _vggt_worker(rank, world, init_file, lengths, train, options, dtype, out_dir
         local = images[:, start:start + lengths[rank]]
         report = elsa_vision.patch(model, process_group=dist.group.WORLD, **options)
         assert report.patched.get("vggt-camera-head") and report.patched.get("vggt-aggregator"), str(report)
-        if train:
-            model.train()
+        if train:  # True: training mode; "eval": eval mode (token merging on) with gradients
+            model.train(train is True)
             out = model(local)
             _loss(out, weights).backward()
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -326,14 +326,19 @@ def test_vggt_sharded_equals_one_process(lengths, options, dtype, tol):
         torch.testing.assert_close(torch.cat([p[k] for p in parts], dim=1), want[k], rtol=0, atol=tol, msg=k)
 
 
-def test_vggt_sharded_training_gradients():
-    """Training mode over 2 ranks: the parameter gradients summed over the ranks (what DDP's
-    all-reduce forms) equal one process's gradients of the same loss over all frames."""
-    parts = _vggt_run([3, 2], True, {"backend": "reference"}, torch.float64)
+@pytest.mark.parametrize("train", [True, "eval"], ids=["train", "eval-merging"])
+def test_vggt_sharded_training_gradients(train):
+    """Training mode over 2 ranks, or eval mode with gradients and token merging (its merged set
+    summed across the ranks): the parameter gradients summed over the ranks (what DDP's all-reduce
+    forms) equal one process's gradients of the same loss over all frames."""
+    options = {"backend": "reference"}
+    if train == "eval":
+        options["token_merging"] = elsa_vision.TokenMerging(ratio=0.9)
+    parts = _vggt_run([3, 2], train, options, torch.float64)
     model, images, weights, remove = _standin_vggt(torch.float64)
     try:
-        elsa_vision.patch(model, backend="reference")
-        model.train()
+        elsa_vision.patch(model, **options)
+        model.train(train is True)
         _loss(model(images), weights).backward()
     finally:
         remove()

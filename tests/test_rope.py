@@ -88,17 +88,18 @@ def test_fused_path_is_taken_only_where_it_is_exact():
     x = torch.randn(1, 20, 48, device=DEVICE)
     pos = _pos(1, 3, 5)
     with torch.no_grad():
-        assert A._fused_qk(m, x, pos) is not None
+        assert A._fused_qk(m, x, pos, "auto") is not None and A._fused_qk(m, x, pos, "triton") is not None
+        assert A._fused_qk(m, x, pos, "reference") is None  # (a model patched for it launches no kernel)
         h = m.q_norm.register_forward_hook(lambda *a: None)
-        assert A._fused_qk(m, x, pos) is None          # a hook expects the module to run
+        assert A._fused_qk(m, x, pos, "auto") is None          # a hook expects the module to run
         h.remove()
         m.k_norm = torch.nn.RMSNorm(16).to(DEVICE)
-        assert A._fused_qk(m, x, pos) is None          # only LayerNorm / Identity
+        assert A._fused_qk(m, x, pos, "auto") is None          # only LayerNorm / Identity
     m.k_norm = torch.nn.LayerNorm(16).to(DEVICE)
-    assert A._fused_qk(m, x, pos) is None              # gradients: the modules' own autograd
+    assert A._fused_qk(m, x, pos, "auto") is None              # gradients: the modules' own autograd
     with torch.no_grad():
-        assert A._fused_qk(m, x, pos - 2) is None      # negative positions: the module raises, as upstream
-        assert A._fused_qk(m, x, pos.float()) is None
+        assert A._fused_qk(m, x, pos - 2, "auto") is None      # negative positions: the module raises, as upstream
+        assert A._fused_qk(m, x, pos.float(), "auto") is None
 
 
 def test_token_tables_hold_the_modules_rows():

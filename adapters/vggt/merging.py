@@ -302,8 +302,8 @@ def merge_mean(t: torch.Tensor, plan: MergePlan) -> torch.Tensor:
         else:
             acc[b].index_add_(0, plan.slot[b], src)
     if plan.group is not None:  # every rank's tokens' sums: the whole merged set on every rank
-        import torch.distributed as dist
-        dist.all_reduce(acc, group=plan.group)
+        from ...distributed import all_reduce_sum  # (differentiable: eval-mode gradients reach every rank)
+        acc = all_reduce_sum(acc, plan.group)
     acc /= plan.counts.to(acc_dt).view(B, plan.num_merged, *([1] * (t.dim() - 2)))
     return acc.to(t.dtype)
 
