@@ -143,26 +143,44 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         backward (the ring's exchanges are collectives), as with DistributedDataParallel.
     """
     dist = _dist()
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"distributed.attention: q, k, v must be [B, H, N, D], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if causal and q.shape[2] != k.shape[2]:
-        raise ValueError(f"distributed.attention: causal attention needs each rank's query and key shards to be the "
-                         f"same tokens (n_q == n_k), got {q.shape[2]} and {k.shape[2]}")
-    q, k, v, _ = autocast(q, k, v, None)  # (as the single-process call casts; the ring's steps then agree)
-    _check_ring_backend(q, scale, precision, backend)  # (on every rank alike, before any collective)
+    bad = _shard_problem(q, k, v, causal)
+    if bad is None:
+        q, k, v, _ = autocast(q, k, v, None)  # (as the single-process call casts; the ring's steps then agree)
+        if not (q.dtype == k.dtype == v.dtype) or q.device != k.device or k.device != v.device:
+            bad = (f"distributed.attention: q, k, v must share one dtype and device, got {q.dtype}, {k.dtype}, "
+                   f"{v.dtype} on {q.device}, {k.device}, {v.device}")
+        else:
+            _check_ring_backend(q, scale, precision, backend)  # (on every rank alike, before any collective)
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    grads = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     if lengths is None:
-        # every shard's length, and a check that the ranks agree on the rest of the shape and on
-        # the dtype (ranks of different dtypes would take different paths, or send shards of other sizes)
-        metas = gather_ints([k.shape[2], k.shape[0], k.shape[1], k.shape[3], _dtype_code(k.dtype)], group, k.device)
-        if any(m[1:] != metas[0][1:] for m in metas):
+        # every shard's length, and a check that the ranks agree on the rest of the shape, on the
+        # dtype (ranks of different dtypes would take different paths, or send shards of other
+        # sizes) and on wanting gradients (the backward's exchanges are collectives); a rank whose
+        # own shards are wrong says so here, so that every rank raises instead of its peers waiting
+        # in the ring for it
+        B, H, n, D = k.shape if bad is None else (0, 0, 0, 0)
+        device = k.device if isinstance(k, torch.Tensor) else torch.device("cpu")
+        metas = gather_ints([n, B, H, D, _dtype_code(k.dtype) if bad is None else -1, grads], group, device)
+        if bad is not None:
+            raise ValueError(bad)
+        failed = [r for r, m in enumerate(metas) if m[4] < 0]
+        if failed:
+            raise ValueError(f"distributed.attention: rank(s) {failed} of the group refused their shards (their error "
+                             "says why); this rank stops with them")
+        if any(m[1:5] != metas[0][1:5] for m in metas):
             seen = [(*m[1:4], str(FLOATS[m[4]]) if m[4] < len(FLOATS) else "other") for m in metas]
             raise ValueError(f"distributed.attention: the ranks' k/v shards differ in [B, H, ·, D] or dtype: {seen}; "
                              "give every rank's shards the same batch, heads, head dim and dtype")
+        if any(m[5] != metas[0][5] for m in metas):
+            raise ValueError(f"distributed.attention: gradients are wanted on ranks "
+                             f"{[r for r, m in enumerate(metas) if m[5]]} only; every rank must run the same "
+                             "(forward and backward are collectives): all with gradients, or all without")
         lengths = [m[0] for m in metas]
     else:
+        if bad is not None:
+            raise ValueError(bad)
         lengths = [int(n) for n in lengths]
         if len(lengths) != world or lengths[rank] != k.shape[2] or min(lengths) < 0:
             raise ValueError(f"distributed.attention: lengths must give every rank's key count ({world} ranks), this "
@@ -171,7 +189,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     longest = max(lengths)
     kw = dict(scale=scale, precision=precision, backend=backend)
     ring = q.dtype != torch.float64
-    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if ring and not grads:
         return _ring(q, k, v, group, world, rank, lengths, causal, kw, overlap)[0]
     bwd = _backward_entry(q, scale, causal, precision, backend) if ring else None
@@ -188,6 +205,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     seen = range(rank + 1) if causal else range(world)
     keys = torch.cat([parts[i][:, :, :, :lengths[i]] for i in seen], dim=3)
     return _attention(q, keys[0], keys[1], causal=causal, **kw)
+
+
+def _shard_problem(q, k, v, causal: bool) -> Optional[str]:
+    """What is wrong with the shapes of this rank's own q, k, v shards (None: nothing)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return f"distributed.attention: q, k, v must be tensors, got {[type(t).__name__ for t in (q, k, v)]}"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return (f"distributed.attention: q, k, v must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        return (f"distributed.attention: q [B, H, n_q, D] and k, v [B, H, n_k, D] must agree, got {tuple(q.shape)}, "
+                f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if causal and q.shape[2] != k.shape[2]:
+        return (f"distributed.attention: causal attention needs each rank's query and key shards to be the same "
+                f"tokens (n_q == n_k), got {q.shape[2]} and {k.shape[2]}")
+    return None
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

@@ -204,7 +204,11 @@ def _ring_refusal_worker(rank, world, init_file, out_dir):
         for name, call in (
                 ("dtypes", lambda: distributed.attention(*(t.to(torch.float64 if rank else torch.float32)
                                                           for t in (q, k, v)))),
-                ("eca", lambda: distributed.attention(q, k, v, causal=True, backend="eca"))):
+                ("eca", lambda: distributed.attention(q, k, v, causal=True, backend="eca")),
+                # rank 1's own shards do not fit together: it says why, its peers stop with it
+                ("shapes", lambda: distributed.attention(q, k, v[..., :2] if rank == 1 else v)),
+                # gradients on rank 0 only: its backward would wait for the others' exchanges
+                ("grads", lambda: distributed.attention(q.clone().requires_grad_(rank == 0), k, v))):
             try:
                 call()
                 results[name] = "returned"
@@ -214,10 +218,11 @@ def _ring_refusal_worker(rank, world, init_file, out_dir):
 
 
 def test_refused_alike_on_every_rank():
-    """Ranks whose shards differ in dtype (they would take different paths: a crash or a hang), and
-    a named backend that cannot run a rank's queries against another rank's keys (ECA: causal,
-    n_q = n_k only; rank 0 once returned while the others raised), raise on every rank before any
-    collective of the call's own, saying what is wrong."""
+    """Ranks whose shards differ in dtype (they would take different paths: a crash or a hang), a
+    named backend that cannot run a rank's queries against another rank's keys (ECA: causal,
+    n_q = n_k only; rank 0 once returned while the others raised), a rank whose own shards do not
+    fit together, and gradients wanted on some ranks only raise on every rank before the ring's
+    exchanges, saying what is wrong."""
     world = 3
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_ring_refusal_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world)
@@ -225,6 +230,9 @@ def test_refused_alike_on_every_rank():
     for r in results:
         assert r["dtypes"].startswith("ValueError") and "or dtype" in r["dtypes"] and "float64" in r["dtypes"]
         assert r["eca"].startswith("NotSupportedError") and "backend='eca' cannot run" in r["eca"]
+        assert r["grads"].startswith("ValueError") and "gradients are wanted on ranks [0] only" in r["grads"]
+    assert "must agree" in results[1]["shapes"]
+    assert all("rank(s) [1] of the group refused" in results[r]["shapes"] for r in (0, 2))
 
 
 def test_needs_a_process_group():
