@@ -2,10 +2,10 @@
 
 timm's ViT ``Block`` and VGGT's ``Block`` compute
 ``h = norm1(x); x = x + ls1(attn(h)); h = norm2(x); x = x + ls2(mlp(h))`` (``ls``: LayerScale
-or Identity; the drop-paths identities: eval mode, or a drop rate of 0). :class:`PreNormBlock` runs the same with three
+or Identity; the drop-paths identities: eval mode, or a drop rate of 0). :class:`PreNormBlock` runs the same with
 launches of :func:`elsa_vision.kernels.residual.residual_norm` around the block's own ``attn`` and
 ``mlp`` modules (patched or not): norm1(x); the first residual with norm2 of its result; the
-second residual. The residual stream is bitwise the block's own; the LayerNorm outputs agree to
+second residual with its LayerScale (without one, PyTorch's add: the same bits, one pass). The residual stream is bitwise the block's own; the LayerNorm outputs agree to
 float32 rounding. Under CUDA autocast a LayerNorm output that feeds only linear layers, which
 autocast casts anyway, is written in the autocast dtype directly.
 

@@ -16,7 +16,7 @@
 TF/s counts 4·Nq·Nk·d·H·B FLOPs for a forward (2 matmuls) and 3.5× that for forward+backward.
 Error: max |out − float64 oracle| over a sample of query rows (all keys); for forward+backward,
 max |grad − oracle| / max |oracle| over dq, dk, dv of one head (up to 16K tokens). Peak memory: bytes
-allocated above the inputs during one call. Ratio: ELSA time / baseline time (< 1 = ELSA faster).
+allocated above the inputs during one call. Ratios (``speedup_vs_*``): baseline time / ELSA time (> 1 = ELSA faster).
 """
 from __future__ import annotations
 

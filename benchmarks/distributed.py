@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import memory_at_peak, metadata, profile_rows, results_dir, save, style_axes, write_csv  # noqa: E402
+from benchmarks.harness import (memory_at_peak, metadata, profile_rows, results_dir, save, style_axes,  # noqa: E402
+                                warmup_frames, write_csv)
 
 import elsa_vision  # noqa: E402
 from elsa_vision import distributed  # noqa: E402
@@ -102,7 +103,9 @@ def attention_part(frames, tokens, dtype, device, baseline, groups, memory=None)
     if baseline:
         if rank == 0:
             q, k, v = make(0), make(1), make(2)
-            ref = elsa_vision.attention(q, k, v)  # compiles outside the timing; kept for the agreement check
+            # compiles outside the timing; kept for the agreement check on the host (on the GPU it would
+            # count in the one-GPU peak)
+            ref = elsa_vision.attention(q, k, v).cpu()
             one = timed(lambda: elsa_vision.attention(q, k, v), device, barrier=False)
             if memory is not None and device.type == "cuda":
                 memory += [dict(r, frames=frames, run="one GPU") for r in memory_at_peak(lambda: elsa_vision.attention(q, k, v))]  # noqa: E501
@@ -124,7 +127,7 @@ def attention_part(frames, tokens, dtype, device, baseline, groups, memory=None)
                 parts = [out] + [torch.empty(1, 16, c, 64, device=device, dtype=dtype) for c in counts[1:]]
                 for p in range(1, world):
                     dist.recv(parts[p], src=p, group=group)
-                diff = (torch.cat(parts, dim=2).float() - ref.float())
+                diff = (torch.cat(parts, dim=2).float() - ref.to(device).float())
                 agree[name] = (diff.abs().max().item(), (diff.norm() / ref.float().norm()).item())
             else:
                 dist.send(out.contiguous(), dst=0, group=group)
@@ -178,7 +181,7 @@ def aggregator_part(frames, dtype, device, baseline, hw, groups, profiled=None, 
         if rank == 0:
             elsa_vision.patch(agg, **opts)
             whole = images.to(device)
-            run(agg, whole[:, :2])  # compile outside the timing
+            run(agg, whole[:, :warmup_frames(frames)])  # compile outside the timing (the same kernels)
             one = timed(lambda: run(agg, whole), device, barrier=False)
             extras(lambda: run(agg, whole), {"frames": frames, "run": "one GPU"})
             del whole
@@ -193,7 +196,8 @@ def aggregator_part(frames, dtype, device, baseline, hw, groups, profiled=None, 
         local = images[:, lo:lo + counts[r]].to(device)
         distributed.OVERLAP = overlap  # (the aggregator's calls take the module's default)
         try:
-            run(agg, local[:, :1])  # warm-up: every rank compiles its kernels (the collectives run too)
+            # warm-up: every rank compiles the kernels its timed call takes (the collectives run too)
+            run(agg, local[:, :warmup_frames(counts[r])])
             res[name] = timed(lambda: run(agg, local), device, group=group)
             if profiled is not None or memory is not None:
                 dist.barrier(group)

@@ -150,16 +150,27 @@ def paired_ratio(base: Result, new: Result, level: float = 0.95) -> Optional[tup
     return statistics.median(ratios), ratios[k - 1], ratios[n - k]
 
 
+def warmup_frames(S: int) -> int:
+    """Frames whose call compiles the kernels a call of S frames takes: the kernels specialise on the
+    token count's class (its remainder mod 128, for the last tile's width and Triton's divisibility
+    by 16), which S mod 128 fixes whatever the tokens per frame; at least 4 frames (past every
+    length threshold of the dispatch), S itself up to 131 frames."""
+    if S <= 131:
+        return S
+    return S % 128 if S % 128 >= 4 else S % 128 + 128
+
+
 def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 10,
             min_time_ms: float = 0.0, budget_ms: float = 0.0, memory: bool = True,
-            calls: int = 1) -> dict[str, Result]:
+            calls: int = 1, before_rounds: Optional[Callable[[], object]] = None) -> dict[str, Result]:
     """Time the variants of one case interleaved, in a new (seeded) order every round; returns name → Result.
 
     A variant that raises (OOM, not supported) is recorded with its error and dropped from the
     rounds. ``min_time_ms`` raises ``rounds`` until each variant has run at least that long;
     ``budget_ms`` lowers ``rounds`` (to no fewer than 3) so the timed rounds fit in that budget.
     ``calls``: each round's time is that of ``calls`` calls queued back to back, per call
-    (:func:`_time_once`).
+    (:func:`_time_once`). ``before_rounds`` is called once, after the warm-ups and before the first
+    timed round (e.g. to note how many graphs torch.compile has compiled so far).
     """
     alive = dict(variants)
     errors: dict[str, str] = {}
@@ -180,6 +191,8 @@ def measure(variants: dict[str, Callable[[], object]], *, warmup: int = 3, round
     if budget_ms and alive:
         one = sum(_time_once(fn) for fn in alive.values()) * calls
         rounds = max(3, min(rounds, int(budget_ms / max(one, 1e-3))))
+    if before_rounds is not None:
+        before_rounds()
     r = 0
     while alive and (r < rounds or (min_time_ms and min(sum(t) for t in times.values()) < min_time_ms)):
         # a call can be measurably slower right after some variants (e.g. after timm's unfused

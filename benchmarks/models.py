@@ -197,24 +197,20 @@ def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None
     amp = case.dtype == "bf16"
     dev = x.device.type
     run = model
+    # timm's path set once: each variant has its own model (run_case), and a switch per call
+    # would cost the baseline host time (a walk over every module) or recompile a compiled graph
+    if fused is not None:
+        set_fused(model, fused)
     if compile_mode is not None:
-        if fused is not None:  # fixed before compiling: a switch inside the graph would recompile
-            set_fused(model, fused)
-            fused = None
         if compile_options:  # (torch.compile takes a mode or options, not both)
             run = torch.compile(model, options=compile_options)
         else:
             run = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
 
-    def prep():
-        if fused is not None:
-            set_fused(model, fused)
-
     if case.mode == "fwd":
         model.eval()
 
         def f():
-            prep()
             with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
                 return run(x)
         return f
@@ -223,7 +219,6 @@ def make_fn(model, x, case: Case, fused=None, compile_mode: Optional[str] = None
     target = torch.randint(0, 1000, (x.shape[0],), device=x.device)
 
     def step():
-        prep()
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
             loss = torch.nn.functional.cross_entropy(run(x).float(), target)
         loss.backward()
@@ -332,7 +327,8 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     if elsa_eager is not None:
         variants["elsa_eager"] = make_fn(elsa_eager, x, case)
     if has_fused:
-        fused_model = copy.deepcopy(native) if compile_mode is not None else native
+        # (a model of its own: timm's path is set once, not switched on the baselines' every call)
+        fused_model = copy.deepcopy(native) if compile_mode is not None or unfused else native
         variants["fused"] = make_fn(fused_model, x, case, fused=True, compile_mode=compile_mode)
     if unfused or not has_fused:
         variants["unfused"] = make_fn(native, x, case, fused=False, compile_mode=compile_mode)
@@ -346,15 +342,23 @@ def run_case(case: Case, device: str, warmup: int, rounds: int, precision: str, 
     skips: dict[str, int] = {}
     if graphed_compile:  # (whether each variant's graphs were captured, or inductor ran them without)
         variants = {n: _counting_skips(n, f, skips) for n, f in variants.items()}
-    res = measure(variants, warmup=warmup, rounds=rounds, budget_ms=budget_ms, memory=not graphed_compile)
+    warmed: dict = {}  # graphs compiled by the end of the warm-ups
+
+    def warm_done():
+        if compile_mode is not None:
+            warmed["graphs"] = counters["stats"]["unique_graphs"]
+    res = measure(variants, warmup=warmup, rounds=rounds, budget_ms=budget_ms, memory=not graphed_compile,
+                  before_rounds=warm_done)
     if compile_mode is not None:
-        # every variant compiles in its warm-up; a graph compiled after that, or a graph break, means
-        # the timed calls were not all the steady compiled step
+        # every variant compiles in its warm-up; a graph compiled during the timed rounds or after
+        # them (one more call each), or a graph break, means the timed calls were not all the
+        # steady compiled step
         row["graphs_compiled"] = counters["stats"]["unique_graphs"]
         row["graph_breaks"] = sum(counters["graph_break"].values())
         for f in variants.values():
             f()
-        row["steady"] = counters["stats"]["unique_graphs"] == row["graphs_compiled"] and not row["graph_breaks"]
+        row["steady"] = (counters["stats"]["unique_graphs"] == row["graphs_compiled"] == warmed.get("graphs")
+                         and not row["graph_breaks"])
         for n in variants if graphed_compile else ():
             row[f"{n}_cudagraph_skips"] = skips.get(n, 0)
         if static_launch:

@@ -53,6 +53,7 @@ captured training step or torch.compile(mode="reduce-overhead") gets).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -162,21 +163,29 @@ def elsa_packed(block):
 
 def elsa_tuned(**knobs):
     """elsa (auto) with the window kernels' tuning switches (kernels/tiles.py, and the table
-    padding threshold of kernels/window.py) set for the call (see --tune)."""
+    padding threshold of kernels/window.py) set (see --tune): ``f.switches`` is a context manager
+    that the timing wraps around the whole call, its backward included (the backward plans its
+    launches when it runs). Caches are cleared on entering and leaving it, so a tuned variant's
+    eager time includes planning its launches afresh every call: compare tuned variants by their
+    CUDA-graph replays (graph_ms)."""
     from elsa_vision.kernels import tiles as T, window as W
     where = {n: (T if hasattr(T, n) else W) for n in knobs}
 
-    def f(q, k, v, bias, mask, dtype):
+    @contextlib.contextmanager
+    def switches():
         old = {n: getattr(where[n], n) for n in knobs}
         for n, val in knobs.items():
             setattr(where[n], n, val)
         elsa_vision.clear_caches()
         try:
-            return elsa_window("auto")(q, k, v, bias, mask, dtype)
+            yield
         finally:
             for n, val in old.items():
                 setattr(where[n], n, val)
             elsa_vision.clear_caches()
+
+    f = elsa_window("auto")  # (a function of its own: it takes the attribute)
+    f.switches = switches
     return f
 
 
@@ -238,13 +247,15 @@ def run_case(name, BW, nW, H, N, dtype_name, bwd, vs, rounds, profile=None, comp
 
     def wrap(n):
         fn = called[n]
+        switches = getattr(vs[n], "switches", contextlib.nullcontext)  # (--tune: forward and backward)
         if not bwd:
             def f():
-                with torch.no_grad():
+                with switches(), torch.no_grad():
                     return fn(qkvs, biases, mask)
         else:
             def f():
-                return torch.autograd.grad(fn(qkvs, biases, mask), leaves, grad_outs)
+                with switches():
+                    return torch.autograd.grad(fn(qkvs, biases, mask), leaves, grad_outs)
         return f
 
     res = {n: _per_op(r, chain) for n, r in measure({n: wrap(n) for n in vs}, rounds=rounds).items()}
