@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import (memory_at_peak, metadata, profile_rows, results_dir, save, style_axes,  # noqa: E402
-                                warmup_frames, write_csv)
+                                use_device, warmup_frames, write_csv)
 
 import elsa_vision  # noqa: E402
 from elsa_vision import distributed  # noqa: E402
@@ -268,6 +268,7 @@ def main(argv=None):
         ap.error(f"unknown --parts / --dtypes {bad}: parts are attention, aggregator; dtypes {list(DT)}")
     if a.device not in ("cuda", "cpu") or (a.device == "cuda" and not torch.cuda.is_available()):
         ap.error(f"--device {a.device!r}: cuda (with GPUs here) or cpu")
+    use_device(a.device)
     try:
         if min(int(f) for f in a.frames.split(",")) < 1 or a.tokens < 1:
             raise ValueError

@@ -27,21 +27,32 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+# The device type a tool runs on ("cpu" from its --device cpu; None: the GPU where there is one)
+_DEVICE_TYPE: Optional[str] = None
+
+
+def use_device(device: str) -> None:
+    """Stamp rows (and name the results folder) for ``device``, a tool's --device: a CPU run on a
+    GPU host is the CPU's, not the GPU's."""
+    global _DEVICE_TYPE
+    _DEVICE_TYPE = torch.device(device).type
+
+
 def metadata() -> dict:
     """Device, versions and date: stamped on every row; with the state of the native replay of eager
     calls (kernels/native.py: ready, off, failed; idle where no kernel was loaded)."""
     import sys
     import triton
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    gpu = torch.cuda.is_available() and _DEVICE_TYPE != "cpu"
+    dev = torch.cuda.get_device_name() if gpu else platform.processor() or "cpu"
     native = sys.modules.get("elsa_vision.kernels.native")
     return {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
             "date": _dt.date.today().isoformat(), "native": native.status()[0] if native else "idle"}
 
 
 def native_ready() -> str:
-    """Build or load the native replay of eager calls before timing (kernels/native.py: eager calls
-    would otherwise take the Python path until its background build ends, part-way through a run);
-    its state."""
+    """Build or load the native replay of eager calls before timing (kernels/native.py: otherwise the
+    first eligible call builds it, inside whatever that call times); its state."""
     if not torch.cuda.is_available():
         return "off"
     from elsa_vision.kernels import native

@@ -80,7 +80,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import (fmt_table, host_time, measure, measure_graphed, native_ready,  # noqa: E402
-                                paired_ratio, profile_rows, results_dir, write_csv)
+                                paired_ratio, profile_rows, results_dir, use_device, write_csv)
 
 import elsa_vision  # noqa: E402
 from elsa_vision.adapters.blocks import PreNormBlock  # noqa: E402
@@ -526,6 +526,7 @@ def main(argv=None) -> int:
     why = device_problem(a.device)
     if why:
         ap.error(f"--device: {why}")
+    use_device(a.device)
     if a.queued < 0 or a.queued == 1:
         ap.error("--queued K takes K ≥ 2 calls (0: off)")
     if a.static_launch and a.compile != "default":
