@@ -159,6 +159,9 @@ class KVCache:
                 raise ValueError(f"KVCache.append: an entry of [B, H, tokens, D] = {[B, H, n, D]} into a cache of "
                                  f"{list(have)} (each call must bring the same batch, heads and tokens; start a new "
                                  "cache for a new stream)")
+            if k.device != self.k.device:
+                raise ValueError(f"KVCache.append: this cache is on {self.k.device} and this call's keys on "
+                                 f"{k.device}: stream on one device (or start a new cache)")
             if k.dtype != self.k.dtype:
                 raise ValueError(f"KVCache.append: this cache holds {self.k.dtype} keys from earlier calls and this "
                                  f"call's attention runs in {k.dtype}: stream every frame under the same autocast "
@@ -186,6 +189,8 @@ class KVCache:
     def __getitem__(self, i: int) -> torch.Tensor:
         if i not in (0, 1, -1, -2):
             raise IndexError(f"KVCache index {i}: 0 (keys) or 1 (values)")
+        if self.k is None:
+            raise IndexError("KVCache: empty (no entry appended yet): it has no keys or values to index")
         return self._entries_view(self.k if i in (0, -2) else self.v)
 
     def __len__(self) -> int:

@@ -141,6 +141,10 @@ def test_kv_cache_refuses_what_it_cannot_hold():
         cache.append(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 5))
     with pytest.raises(IndexError):
         cache[2]
+    with pytest.raises(ValueError, match="one device"):
+        cache.append(torch.randn(1, 2, 3, 4, device="meta"), torch.randn(1, 2, 3, 4, device="meta"))
+    with pytest.raises(IndexError, match="empty"):
+        A.KVCache()[0]
     with pytest.raises(ValueError, match="positive int"):
         A.KVCache(reserve=0)
 
