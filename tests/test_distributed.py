@@ -405,6 +405,16 @@ def _refusal_worker(rank, world, init_file, out_dir):
         except RuntimeError as e:
             found["fallback"] = str(e)
         hook.remove()
+        # a hook on rank 0 only (attention maps captured on the logging rank): every rank raises
+        hook = model.aggregator.global_blocks[0].attn.attn_drop.register_forward_hook(lambda *a: None) \
+            if rank == 0 else None
+        try:
+            with torch.no_grad():
+                model.eval()(local)
+        except RuntimeError as e:
+            found["one_rank"] = str(e)
+        if hook is not None:
+            hook.remove()
         try:  # rank 1 with no frame: every rank raises (none waits in a collective the other left)
             with torch.no_grad():
                 model.eval()(local if rank == 0 else local[:, :0])
@@ -438,6 +448,8 @@ def test_vggt_sharded_refuses_local_attention():
         assert "process_group works through vggt-aggregator modules" in f["no_aggregator"]
         assert "process_group is a VGGT option" in f["streamvggt"]
         assert "rank 1 holds no frame" in f["empty"]
+    assert "hooks on attn_drop" in found[0]["one_rank"]
+    assert "rank(s) [0] of the process group cannot run" in found[1]["one_rank"]
 
 
 def test_process_group_none_under_a_launch(monkeypatch):

@@ -18,7 +18,7 @@ from .attention import VGGTAttentionAdapter, elsa_attention, merge_call, unsuppo
 from .common import (AGGREGATOR_TARGETS, DPT_HEAD_TARGETS, LEAN_CHUNK, VGGTAdapter, attention_kind, block_classes,
                      is_fork_aggregator, lean_option)
 from .merging import AggregatorCall, Shard, merging, pattern_on
-from .sharded import check_spanning, first_frame_tokens_elsewhere, frame_counts, mark_spanning, rank_of, spanning_call
+from .sharded import check_spanning, first_frame_tokens_elsewhere, mark_spanning, rank_of, spanning_call
 
 
 HEAD_LAYERS = (4, 11, 17, 23)  # what VGGT's DPT heads (depth, point, track) read; the camera head reads the last
@@ -275,10 +275,10 @@ class VGGTAggregatorAdapter(VGGTAdapter):
         shadowed = {}  # instance attributes shadowing the class's methods / parameters for this call only
         counts = None
         if group is not None:
-            check_spanning(agg.global_blocks, VGGTAttentionAdapter, group, "aggregator global_blocks")
+            counts = check_spanning(agg.global_blocks, VGGTAttentionAdapter, group, "aggregator global_blocks",
+                                    images.shape[1], images.device)
             if rank_of(group) > 0:
                 shadowed.update(first_frame_tokens_elsewhere(agg))
-            counts = frame_counts(images.shape[1], group, images.device)
             if min(counts) == 0:  # (raised on every rank alike: all of them know the counts now)
                 raise ValueError(f"a VGGT aggregator patched with process_group got frames per rank {counts}: "
                                  f"rank {counts.index(0)} holds no frame; give every rank at least one")

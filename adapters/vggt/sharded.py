@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ..registry import PatchState, adapter_of, is_patched, state_of
+from ..registry import PatchState, adapter_of, bypass_reason, is_patched, state_of
 from .common import CAMERA_HEAD_TARGETS, TRACK_HEAD_TARGETS, CallScope, VGGTAdapter
 
 
@@ -56,27 +56,45 @@ def sharded_group(module, options: dict) -> Optional[object]:
     return group if group is not None and module in SPANNING else None
 
 
-def check_spanning(blocks, adapter_cls, group, where: str) -> None:
-    """Raise unless every block's attention is patched by ``adapter_cls`` with ``group``: an attention
-    left to the original (excluded, patched separately) would attend to this rank's frames only."""
+def _spanning_refusal(blocks, adapter_cls, group, where: str) -> Optional[str]:
+    """Why this rank cannot run the blocks' attention across the group (None: it can): an attention
+    left to the original (excluded, patched separately) would attend to this rank's frames only,
+    and one whose call the original forward must take (hooks on attn_drop, attention dropout in
+    training) cannot span the ranks."""
     for i, b in enumerate(blocks):
         attn = getattr(b, "attn", None)
         if not (attn is not None and is_patched(attn) and isinstance(adapter_of(state := state_of(attn)), adapter_cls)
                 and state.options.get("process_group") is group):
-            raise RuntimeError(f"{where}[{i}].attn is not patched with this process_group, so its attention would "
-                               "see this rank's frames only; patch the whole model with process_group (without "
-                               "include/exclude patterns that leave these modules out)")
+            return (f"{where}[{i}].attn is not patched with this process_group, so its attention would see this "
+                    "rank's frames only; patch the whole model with process_group (without include/exclude "
+                    "patterns that leave these modules out)")
+        why = bypass_reason(attn)
+        if why:
+            return (f"{where}[{i}].attn spans the ranks of a process group, which the original forward cannot: "
+                    f"{why}")
+    return None
+
+
+def check_spanning(blocks, adapter_cls, group, where: str, frames: int, device) -> list[int]:
+    """Every rank's frame count (``frames`` here), in rank order, after checking on every rank that
+    each block's attention can span the ranks (:func:`_spanning_refusal`): one all-gather carries
+    the counts and each rank's verdict, so that all ranks raise together rather than one raising
+    while the others wait for it in the ring."""
+    from ...distributed import gather_ints
+    why = _spanning_refusal(blocks, adapter_cls, group, where)
+    gathered = gather_ints([frames, why is not None], group, device)
+    if why is not None:
+        raise RuntimeError(why)
+    refused = [r for r, (_, bad) in enumerate(gathered) if bad]
+    if refused:
+        raise RuntimeError(f"rank(s) {refused} of the process group cannot run {where}'s attention across the ranks "
+                           "(their error says why); this rank stops with them")
+    return [c for c, _ in gathered]
 
 
 def rank_of(group) -> int:
     import torch.distributed as dist
     return dist.get_rank(group)
-
-
-def frame_counts(frames: int, group, device) -> list[int]:
-    """Every rank's frame count, in rank order (one all-gather)."""
-    from ...distributed import gather_ints
-    return [c for c, in gather_ints([frames], group, device)]
 
 
 # The frame counts of the sharded aggregator call running now (rank order), from which its global
@@ -154,7 +172,8 @@ class VGGTCameraHeadAdapter(VGGTAdapter):
 
     def forward(self, head, state: PatchState, *args, **kwargs):
         from .attention import VGGTAttentionAdapter
-        check_spanning(head.trunk, VGGTAttentionAdapter, state.options["process_group"], "camera head trunk")
+        check_spanning(head.trunk, VGGTAttentionAdapter, state.options["process_group"], "camera head trunk", 0,
+                       next(head.parameters()).device)
         return state.original(*args, **kwargs)
 
 
