@@ -202,21 +202,25 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
             try:
                 warmed = set()
                 for S in frames_by_dtype[dname]:
-                    if warmup and S % 128 not in warmed:  # compile every kernel the timed calls will take
-                        warmed.add(S % 128)
+                    if warmup and warmup_frames(S) not in warmed:  # compile every kernel the timed calls take
+                        warmed.add(warmup_frames(S))
                         x = synthetic_frames(warmup_frames(S), hw)
                         for part in parts:
                             for v in variants:
                                 if (dname, part, v) in oom:
                                     continue
                                 undo = apply(model, v, dtype)
+                                failed = None
                                 try:
                                     forward(model, part, x, dtype)
                                 except RuntimeError as e:
-                                    if not out_of_memory(e):
+                                    failed = out_of_memory(e)
+                                    if not failed:
                                         raise
                                 finally:
                                     undo()
+                                if failed:  # (the timed call records it; this one's memory goes first)
+                                    free_memory()
                         del x
                         free_memory()
                     x = synthetic_frames(S, hw)

@@ -38,13 +38,18 @@ def use_device(device: str) -> None:
     _DEVICE_TYPE = torch.device(device).type
 
 
+def on_gpu() -> bool:
+    """Whether the tool's calls run on the GPU: CUDA here and not a --device cpu run
+    (:func:`use_device`). Timing, memory and synchronisation follow it."""
+    return torch.cuda.is_available() and _DEVICE_TYPE != "cpu"
+
+
 def metadata() -> dict:
     """Device, versions and date: stamped on every row; with the state of the native replay of eager
     calls (kernels/native.py: ready, off, failed; idle where no kernel was loaded)."""
     import sys
     import triton
-    gpu = torch.cuda.is_available() and _DEVICE_TYPE != "cpu"
-    dev = torch.cuda.get_device_name() if gpu else platform.processor() or "cpu"
+    dev = torch.cuda.get_device_name() if on_gpu() else platform.processor() or "cpu"
     native = sys.modules.get("elsa_vision.kernels.native")
     return {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
             "date": _dt.date.today().isoformat(), "native": native.status()[0] if native else "idle"}
@@ -75,7 +80,7 @@ def results_dir(name: Optional[str] = None) -> Path:
 
 
 def sync():
-    if torch.cuda.is_available():
+    if on_gpu():
         torch.cuda.synchronize()
 
 
@@ -84,7 +89,7 @@ def _time_once(fn: Callable[[], object], calls: int = 1) -> float:
     (CUDA events on GPU, perf_counter on CPU). With one call the GPU starts idle, so the host's work
     before the call's first kernel counts; with more, that work of each later call overlaps the
     GPU's previous one, as in a loop that does not wait for its results."""
-    if torch.cuda.is_available():
+    if on_gpu():
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(calls):
@@ -117,7 +122,7 @@ def host_time(fn: Callable[[], object], rounds: int = 5) -> float:
 
 def peak_memory(fn: Callable[[], object]) -> Optional[int]:
     """Peak bytes allocated during one call above what was allocated before it (None on CPU)."""
-    if not torch.cuda.is_available():
+    if not on_gpu():
         return None
     gc.collect()
     sync()

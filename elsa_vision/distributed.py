@@ -143,14 +143,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         backward (the ring's exchanges are collectives), as with DistributedDataParallel.
     """
     dist = _dist()
-    bad = _shard_problem(q, k, v, causal)
+    bad, error = _shard_problem(q, k, v, causal), None
     if bad is None:
-        q, k, v, _ = autocast(q, k, v, None)  # (as the single-process call casts; the ring's steps then agree)
-        if not (q.dtype == k.dtype == v.dtype) or q.device != k.device or k.device != v.device:
-            bad = (f"distributed.attention: q, k, v must share one dtype and device, got {q.dtype}, {k.dtype}, "
-                   f"{v.dtype} on {q.device}, {k.device}, {v.device}")
-        else:
-            _check_ring_backend(q, scale, precision, backend)  # (on every rank alike, before any collective)
+        try:
+            q, k, v, _ = autocast(q, k, v, None)  # (as the single-process call casts; the ring's steps then agree)
+            if not (q.dtype == k.dtype == v.dtype) or q.device != k.device or k.device != v.device:
+                bad = (f"distributed.attention: q, k, v must share one dtype and device, got {q.dtype}, {k.dtype}, "
+                       f"{v.dtype} on {q.device}, {k.device}, {v.device}")
+            else:
+                _check_ring_backend(q, scale, precision, backend)
+        except (ValueError, TypeError) as e:  # (NotSupportedError is a ValueError): raised after the gather
+            bad, error = str(e), e
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     grads = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
@@ -164,7 +167,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         device = k.device if isinstance(k, torch.Tensor) else torch.device("cpu")
         metas = gather_ints([n, B, H, D, _dtype_code(k.dtype) if bad is None else -1, grads], group, device)
         if bad is not None:
-            raise ValueError(bad)
+            raise error if error is not None else ValueError(bad)
         failed = [r for r, m in enumerate(metas) if m[4] < 0]
         if failed:
             raise ValueError(f"distributed.attention: rank(s) {failed} of the group refused their shards (their error "
@@ -178,9 +181,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
                              f"{[r for r, m in enumerate(metas) if m[5]]} only; every rank must run the same "
                              "(forward and backward are collectives): all with gradients, or all without")
         lengths = [m[0] for m in metas]
-    else:
+    else:  # (the caller vouches that the ranks agree: no collective here to tell the others)
         if bad is not None:
-            raise ValueError(bad)
+            raise error if error is not None else ValueError(bad)
         lengths = [int(n) for n in lengths]
         if len(lengths) != world or lengths[rank] != k.shape[2] or min(lengths) < 0:
             raise ValueError(f"distributed.attention: lengths must give every rank's key count ({world} ranks), this "

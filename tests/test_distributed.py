@@ -207,6 +207,9 @@ def _ring_refusal_worker(rank, world, init_file, out_dir):
                 ("eca", lambda: distributed.attention(q, k, v, causal=True, backend="eca")),
                 # rank 1's own shards do not fit together: it says why, its peers stop with it
                 ("shapes", lambda: distributed.attention(q, k, v[..., :2] if rank == 1 else v)),
+                # a named backend that refuses rank 1's dtype only: rank 0 must not wait for it
+                ("dtype_backend", lambda: distributed.attention(*(t.to(torch.float64 if rank == 1 else torch.float32)
+                                                                 for t in (q, k, v)), backend="triton")),
                 # gradients on rank 0 only: its backward would wait for the others' exchanges
                 ("grads", lambda: distributed.attention(q.clone().requires_grad_(rank == 0), k, v))):
             try:
@@ -231,6 +234,8 @@ def test_refused_alike_on_every_rank():
         assert r["dtypes"].startswith("ValueError") and "or dtype" in r["dtypes"] and "float64" in r["dtypes"]
         assert r["eca"].startswith("NotSupportedError") and "backend='eca' cannot run" in r["eca"]
         assert r["grads"].startswith("ValueError") and "gradients are wanted on ranks [0] only" in r["grads"]
+    assert results[1]["dtype_backend"].startswith("NotSupportedError")
+    assert all("rank(s) [1] of the group refused" in results[r]["dtype_backend"] for r in (0, 2))
     assert "must agree" in results[1]["shapes"]
     assert all("rank(s) [1] of the group refused" in results[r]["shapes"] for r in (0, 2))
 
