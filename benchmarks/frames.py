@@ -186,6 +186,22 @@ def accuracy(out, ref) -> dict:
 # Sweep (shared by the upstream run and the fork worker)
 # ------------------------------------------------------------------------------------------------
 
+def _variant_call(model, apply, v, dtype, call):
+    """``call()`` with ``model`` set up for variant ``v`` (``apply``; undone after): (its result, None),
+    or (None, the out-of-memory message). Returned outside the except block, whose traceback would
+    hold the failed call's tensors."""
+    undo = apply(model, v, dtype)
+    try:
+        return call(), None
+    except RuntimeError as e:
+        failed = out_of_memory(e)
+        if not failed:
+            raise
+    finally:
+        undo()
+    return None, failed
+
+
 def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats, warmup, hw, log=print,
           rehearsal=False, rows=None):
     """Run every (dtype, frames, part, variant); ``apply(model, variant, dtype)`` sets the model up for
@@ -209,16 +225,8 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
                             for v in variants:
                                 if (dname, part, v) in oom:
                                     continue
-                                undo = apply(model, v, dtype)
-                                failed = None
-                                try:
-                                    forward(model, part, x, dtype)
-                                except RuntimeError as e:
-                                    failed = out_of_memory(e)
-                                    if not failed:
-                                        raise
-                                finally:
-                                    undo()
+                                _, failed = _variant_call(model, apply, v, dtype,
+                                                          lambda: forward(model, part, x, dtype))
                                 if failed:  # (the timed call records it; this one's memory goes first)
                                     free_memory()
                         del x
@@ -231,21 +239,14 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
                             for v in variants:
                                 if (dname, part, v) in oom:
                                     continue
-                                undo = apply(model, v, dtype)
-                                failed = None
-                                try:
-                                    out, ms, peak = timed_call(lambda: forward(model, part, x, dtype))
-                                except RuntimeError as e:
-                                    failed = out_of_memory(e)
-                                    if not failed:
-                                        raise
-                                finally:
-                                    undo()
-                                if failed:  # out of the except block: its traceback no longer holds tensors
+                                res, failed = _variant_call(model, apply, v, dtype,
+                                                            lambda: timed_call(lambda: forward(model, part, x, dtype)))
+                                if failed:
                                     oom.add((dname, part, v))
                                     best[v] = failed
                                     free_memory()
                                     continue
+                                out, ms, peak = res
                                 if best[v] is None or ms < best[v][0]:
                                     best[v] = (ms, peak)
                                 outs[v] = out
