@@ -382,7 +382,7 @@ def hooked_any(modules: Sequence[torch.nn.Module], *, global_hooks: bool = True,
     """:func:`hooked` of any of ``modules``, the global hooks looked at once (a plain loop: these
     checks run on every patched call)."""
     for m in modules:
-        if m._forward_hooks or m._forward_pre_hooks or (backward and (m._backward_hooks or m._backward_pre_hooks)):
+        if hooked(m, global_hooks=False, backward=backward):
             return True
     return global_hooks and hooked(None, backward=backward)
 

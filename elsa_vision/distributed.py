@@ -62,6 +62,21 @@ def gather_ints(values, group, device) -> list[list[int]]:
     return [p.tolist() for p in parts]
 
 
+def agree(values, why: Optional[str], group, device, refused: str, error: Optional[BaseException] = None,
+          exc: type = ValueError) -> list[list[int]]:
+    """Every rank's ``values`` (ints, as many on every rank), in rank order, in one all-gather that
+    also carries each rank's verdict: ``why`` (this rank cannot go on; None: it can). Raises on every
+    rank when one refused — this rank's ``error`` (or ``exc(why)``), the others ``exc(refused)``
+    with ``{ranks}`` filled in — so that no rank waits in a later collective for one that left."""
+    gathered = gather_ints([*values, why is not None], group, device)
+    if why is not None:
+        raise error if error is not None else exc(why)
+    ranks = [r for r, g in enumerate(gathered) if g[-1]]
+    if ranks:
+        raise exc(refused.format(ranks=ranks))
+    return [g[:-1] for g in gathered]
+
+
 class _Gather(torch.autograd.Function):
     """All-gather of equal-shaped shards [*] → [world, *]; the backward sums every rank's gradient
     of the gathered tensor (one all-reduce) and returns this rank's slice: one collective each way."""
@@ -165,13 +180,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         # in the ring for it
         B, H, n, D = k.shape if bad is None else (0, 0, 0, 0)
         device = k.device if isinstance(k, torch.Tensor) else torch.device("cpu")
-        metas = gather_ints([n, B, H, D, _dtype_code(k.dtype) if bad is None else -1, grads], group, device)
-        if bad is not None:
-            raise error if error is not None else ValueError(bad)
-        failed = [r for r, m in enumerate(metas) if m[4] < 0]
-        if failed:
-            raise ValueError(f"distributed.attention: rank(s) {failed} of the group refused their shards (their error "
-                             "says why); this rank stops with them")
+        metas = agree([n, B, H, D, _dtype_code(k.dtype) if bad is None else 0, grads], bad, group, device,
+                      "distributed.attention: rank(s) {ranks} of the group refused their shards (their error says "
+                      "why); this rank stops with them", error)
         if any(m[1:5] != metas[0][1:5] for m in metas):
             seen = [(*m[1:4], str(FLOATS[m[4]]) if m[4] < len(FLOATS) else "other") for m in metas]
             raise ValueError(f"distributed.attention: the ranks' k/v shards differ in [B, H, ·, D] or dtype: {seen}; "

@@ -32,7 +32,7 @@ import triton.language as tl
 from .common import cast
 from .launch import INTERPRET, Launch, launch, on_device, prepared
 from .limits import RESIDUAL_DTYPES, RESIDUAL_MAX_WIDTH
-from .ops import check_first_order, forward_ad_on, has_tangent, no_tangents
+from .ops import check_first_order, has_tangent, no_tangents
 
 DTYPES = RESIDUAL_DTYPES
 MAX_WIDTH = RESIDUAL_MAX_WIDTH
@@ -175,7 +175,7 @@ def residual_norm(x: torch.Tensor, y: Optional[torch.Tensor] = None, gamma: Opti
     w = b = None
     if norm is not None:
         w, b = norm._parameters.get("weight"), norm._parameters.get("bias")
-    if forward_ad_on() and has_tangent((x, y, gamma, w, b)):
+    if has_tangent((x, y, gamma, w, b)):
         if norm is None:  # (PyTorch's ops carry the tangent)
             return (x if y is None else x + (y if gamma is None else y * gamma)), None
         no_tangents("residual_norm", (x, y, gamma, w, b))

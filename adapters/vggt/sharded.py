@@ -80,16 +80,10 @@ def check_spanning(blocks, adapter_cls, group, where: str, frames: int, device) 
     each block's attention can span the ranks (:func:`_spanning_refusal`): one all-gather carries
     the counts and each rank's verdict, so that all ranks raise together rather than one raising
     while the others wait for it in the ring."""
-    from ...distributed import gather_ints
-    why = _spanning_refusal(blocks, adapter_cls, group, where)
-    gathered = gather_ints([frames, why is not None], group, device)
-    if why is not None:
-        raise RuntimeError(why)
-    refused = [r for r, (_, bad) in enumerate(gathered) if bad]
-    if refused:
-        raise RuntimeError(f"rank(s) {refused} of the process group cannot run {where}'s attention across the ranks "
-                           "(their error says why); this rank stops with them")
-    return [c for c, _ in gathered]
+    from ...distributed import agree
+    return [c for c, in agree([frames], _spanning_refusal(blocks, adapter_cls, group, where), group, device,
+                              f"rank(s) {{ranks}} of the process group cannot run {where}'s attention across the "
+                              "ranks (their error says why); this rank stops with them", exc=RuntimeError)]
 
 
 def rank_of(group) -> int:
