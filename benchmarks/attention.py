@@ -376,8 +376,8 @@ def plot(rows, path):
 
 def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
     """bf16, B·H·N² ≈ 2^25·16 per point, CUDA-graph replays, interleaved: kernels/hopper.py's Gluon
-    forward (every shape it supports; also with ``hopper.OVERLAP``, "elsa-gluon-overlap") against
-    the portable Triton forward, cuDNN and flash; and
+    forward (every shape it supports, its softmax overlap as ``hopper.overlaps`` chooses; and forced
+    on and off, "elsa-gluon-overlap" and "elsa-gluon-plain") against the portable Triton forward, cuDNN and flash; and
     forward + backward: the Gluon forward and backward, the Gluon forward with the portable
     backward ("elsa-gluon-fwd"), the portable pair, cuDNN and flash. These rows set the policies
     of ``hopper.serves`` and ``hopper.serves_backward``. ``dtype="fp32"``: float32 in ``fp16x3`` at
@@ -386,7 +386,7 @@ def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
     fp32 = dtype == "fp32"
     precision = "fp16x3" if fp32 else "auto"
 
-    def elsa(q, k, v, do, causal, fwd, bwd, overlap=False):
+    def elsa(q, k, v, do, causal, fwd, bwd, overlap=None):
         def f():
             before = hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP
             hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP = fwd, fwd, bwd, overlap
@@ -409,9 +409,10 @@ def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
         q, k, v = make(1, bh, n, n, d, DT[dtype], bwd)
         do = torch.randn_like(q) if bwd else None
         variants = {"elsa-gluon": (True, True), "elsa-gluon-overlap": (True, True, True),
-                    "elsa-gluon-fwd": (True, False), "elsa-portable": (False, False)}
-        if not bwd:
-            del variants["elsa-gluon-fwd"]
+                    "elsa-gluon-plain": (True, True, False), "elsa-gluon-fwd": (True, False),
+                    "elsa-portable": (False, False)}
+        for label in ("elsa-gluon-fwd",) if not bwd else ("elsa-gluon-overlap", "elsa-gluon-plain"):
+            del variants[label]
         fns = {label: elsa(q, k, v, do, causal, *how) for label, how in variants.items()}
         fns.update({f"sdpa-{s}": sdpa(s, q, k, v, do, causal)
                     for s in (("mem_efficient",) if fp32 else ("cudnn", "flash"))})

@@ -76,8 +76,20 @@ BACKWARD = True
 # OVERLAP = True gives each key tile's softmax a copy in both arms of the mask branch (_step), so
 # that ptxas, which puts the wait for P·V_(j−1) at the start of the block holding the softmax,
 # puts it after the exponentials: FlashAttention-3's intra-warpgroup overlap, in the SASS
-# (benchmarks/window_compile.py --hopper). An A/B switch, off until timed on a GPU.
-OVERLAP = False
+# (benchmarks/window_compile.py --hopper). None (the default) takes it where it measured faster
+# (``overlaps``); True / False force it (an A/B switch for tests and benchmarks).
+OVERLAP = None
+
+
+def overlaps(d: int, split: bool) -> bool:
+    """Whether the forward at head dim d (``split``: fp16x3's float16 parts) runs the overlapped
+    softmax: ``OVERLAP`` where set, else at D = 128 in bf16/fp16, where it measured 2–5% faster on
+    an H200 (benchmarks/results/<device>/attention_hopper_fwd.csv, "elsa-gluon-overlap", causal and
+    not, 1K–16K tokens); at D = 64 it measured 1–8% slower (its larger code, and the 192-row
+    tiles' three warpgroups already hide the softmax behind each other's products)."""
+    if OVERLAP is not None:
+        return bool(OVERLAP)
+    return d == 128 and not split
 
 
 # The persistent kernels' item counts are not specialised on: Triton would compile a kernel per
@@ -1173,7 +1185,7 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     ``scales`` is given, Nq and Nk then half their rows. Planned once per call signature
     (_forward_launch): a repeat binds the addresses and reuses the descriptors' tensor maps."""
     key = ("hopper-fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device,
-           scale, causal, scales is None, TMA_OUT, OVERLAP, out.data_ptr() & 15 == 0)
+           scale, causal, scales is None, TMA_OUT, overlaps(q.shape[-1], scales is not None), out.data_ptr() & 15 == 0)
     prepared(key, _forward_launch, q, k, v, out, scale, causal, scales is not None)(
         q, k, v, out, stats, stats if scales is None else scales)
 
@@ -1197,7 +1209,7 @@ def _forward_launch(q, k, v, out, scale: float, causal: bool, split: bool) -> La
     d64, dkeys = _blocks(64), _blocks(bn)
     return Launch(_fwd_kernel, (programs,), (*out.stride()[:3], H, Nq, Nk, n_m, n_items, t0, scale * LOG2E),
                   dict(D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts,
-                       TMA_OUT=tma_out, OVERLAP=OVERLAP, num_warps=4,
+                       TMA_OUT=tma_out, OVERLAP=overlaps(D, split), num_warps=4,
                        **({"maxnreg": 256 // per_sm} if per_sm > 1 else {})),
                   leading=((0, d64), (1, dkeys), (2, dkeys), 3, (3, d64) if tma_out else (0, d64), 4, 5))
 
