@@ -81,15 +81,18 @@ BACKWARD = True
 OVERLAP = None
 
 
-def overlaps(d: int, split: bool) -> bool:
-    """Whether the forward at head dim d (``split``: fp16x3's float16 parts) runs the overlapped
-    softmax: ``OVERLAP`` where set, else at D = 128 in bf16/fp16, where it measured 2–5% faster on
-    an H200 (benchmarks/results/<device>/attention_hopper_fwd.csv, "elsa-gluon-overlap", causal and
-    not, 1K–16K tokens); at D = 64 it measured 1–8% slower (its larger code, and the 192-row
-    tiles' three warpgroups already hide the softmax behind each other's products)."""
+def overlaps(d: int, nk: int, split: bool) -> bool:
+    """Whether the forward at head dim d over nk keys (``split``: fp16x3's float16 parts) runs the
+    overlapped softmax: ``OVERLAP`` where set, else at D = 128 in bf16/fp16 over more than
+    SHORT_ROWS keys, where it measured 1–5% faster on an H200 in two runs
+    (benchmarks/results/<device>/attention_hopper_fwd_1205.csv, "elsa-gluon-overlap" against
+    "elsa-gluon-plain", causal and not, 577 to 16K tokens). At 197 keys (two key tiles) it measured
+    6% slower, and at D = 64 1–8% slower at every length: its larger code costs more than it gains
+    where the 192-row items' three consumer warpgroups already hide one's softmax under the others'
+    products."""
     if OVERLAP is not None:
         return bool(OVERLAP)
-    return d == 128 and not split
+    return d == 128 and nk > SHORT_ROWS and not split
 
 
 # The persistent kernels' item counts are not specialised on: Triton would compile a kernel per
@@ -1185,7 +1188,8 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     ``scales`` is given, Nq and Nk then half their rows. Planned once per call signature
     (_forward_launch): a repeat binds the addresses and reuses the descriptors' tensor maps."""
     key = ("hopper-fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device,
-           scale, causal, scales is None, TMA_OUT, overlaps(q.shape[-1], scales is not None), out.data_ptr() & 15 == 0)
+           scale, causal, scales is None, TMA_OUT,
+           overlaps(q.shape[-1], k.shape[2], scales is not None), out.data_ptr() & 15 == 0)
     prepared(key, _forward_launch, q, k, v, out, scale, causal, scales is not None)(
         q, k, v, out, stats, stats if scales is None else scales)
 
@@ -1209,7 +1213,7 @@ def _forward_launch(q, k, v, out, scale: float, causal: bool, split: bool) -> La
     d64, dkeys = _blocks(64), _blocks(bn)
     return Launch(_fwd_kernel, (programs,), (*out.stride()[:3], H, Nq, Nk, n_m, n_items, t0, scale * LOG2E),
                   dict(D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs, PARTS=parts,
-                       TMA_OUT=tma_out, OVERLAP=overlaps(D, split), num_warps=4,
+                       TMA_OUT=tma_out, OVERLAP=overlaps(D, Nk, split), num_warps=4,
                        **({"maxnreg": 256 // per_sm} if per_sm > 1 else {})),
                   leading=((0, d64), (1, dkeys), (2, dkeys), 3, (3, d64) if tma_out else (0, d64), 4, 5))
 
