@@ -1185,3 +1185,25 @@ def test_hopper_programs_per_sm():
     assert hopper.per_sm_programs(64, 128, 2, 128, 2, 1) == 1  # d = 128: 177 KiB a program
     assert hopper.per_sm_programs(64, 128, 2, 64, 2, 2) == 1  # fp16x3's hi and lo tiles
     assert hopper.per_sm_programs(64, 64, 2, 128, 2, 1) == 2
+
+
+@pytest.mark.parametrize("forced", [None, True, False])
+def test_hopper_forward_plans_the_overlapped_softmax_where_measured(forced, monkeypatch):
+    """hopper.overlaps as the forward's planned launch applies it: the overlapped softmax at D = 128
+    over more than SHORT_ROWS keys in bf16/fp16 (where it measured faster), not at D = 64, not over
+    SHORT_ROWS keys or fewer, not for fp16x3's float16 parts; hopper.OVERLAP True/False forces it
+    everywhere. (Bit for bit the plain step on the GPU: test_hopper_gpu.py::
+    test_overlapped_softmax_is_bitwise_the_plain_one.)"""
+    hopper = pytest.importorskip("elsa_vision.kernels.hopper")
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)  # (no GPU here: the plan only reads the count)
+    monkeypatch.setattr(hopper, "OVERLAP", forced)
+    for d, n, split, causal, measured in [(128, 577, False, False, True), (128, 16384, False, True, True),
+                                          (128, hopper.SHORT_ROWS + 1, False, False, True),
+                                          (128, hopper.SHORT_ROWS, False, False, False),
+                                          (128, 197, False, True, False), (64, 4096, False, False, False),
+                                          (64, 4096, True, False, False)]:
+        rows = 2 * n if split else n  # (fp16x3's parts: a hi and a lo row per row)
+        q = torch.empty(1, 2, rows, d, dtype=torch.float16 if split else torch.bfloat16)
+        plan = hopper._forward_launch(q, q, q, torch.empty_like(q), d ** -0.5, causal, split)
+        expected = measured if forced is None else forced
+        assert plan.meta["OVERLAP"] is expected, (d, n, split, causal)
