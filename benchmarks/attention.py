@@ -377,7 +377,8 @@ def plot(rows, path):
 def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
     """bf16, B·H·N² ≈ 2^25·16 per point, CUDA-graph replays, interleaved: kernels/hopper.py's Gluon
     forward (every shape it supports, its softmax overlap as ``hopper.overlaps`` chooses; and forced
-    on and off, "elsa-gluon-overlap" and "elsa-gluon-plain") against the portable Triton forward, cuDNN and flash; and
+    on and off, "elsa-gluon-overlap" and "elsa-gluon-plain") against the portable Triton forward,
+    cuDNN and flash; and
     forward + backward: the Gluon forward and backward, the Gluon forward with the portable
     backward ("elsa-gluon-fwd"), the portable pair, cuDNN and flash. These rows set the policies
     of ``hopper.serves`` and ``hopper.serves_backward``. ``dtype="fp32"``: float32 in ``fp16x3`` at

@@ -19,8 +19,9 @@ forward. What differs is how the work is laid out:
     P·V_(j−1) asynchronously, then tile j's softmax; the scheduler interleaves one warpgroup's
     softmax with another's products. The softmax does not run under the warpgroup's own P·V_(j−1)
     (FlashAttention-3's intra-warpgroup overlap): ptxas waits for it at the start of the block
-    that holds the softmax, unless OVERLAP puts a copy of the softmax in each arm of the mask
-    branch (benchmarks/window_compile.py --hopper counts both from the SASS).
+    that holds the softmax, unless it has a copy in each arm of the mask branch (``overlaps``:
+    at D = 128 over more than SHORT_ROWS keys; benchmarks/window_compile.py --hopper counts both
+    from the SASS).
   * Each warpgroup stores its rows of O by TMA, from a staging tile in shared memory (TMA_OUT):
     attention's O is a [B, H, N, D] view of a token-major [B, N, H, D] buffer, whose rows a
     st.global from the wgmma accumulator layout writes 4 bytes per thread at a time, H·D apart.
