@@ -85,12 +85,13 @@ OVERLAP = None
 def overlaps(d: int, nk: int, split: bool) -> bool:
     """Whether the forward at head dim d over nk keys (``split``: fp16x3's float16 parts) runs the
     overlapped softmax: ``OVERLAP`` where set, else at D = 128 in bf16/fp16 over more than
-    SHORT_ROWS keys, where it measured 1–5% faster on an H200 in two runs
-    (benchmarks/results/<device>/attention_hopper_fwd_1205.csv, "elsa-gluon-overlap" against
-    "elsa-gluon-plain", causal and not, 577 to 16K tokens). At 197 keys (two key tiles) it measured
-    6% slower, and at D = 64 1–8% slower at every length: its larger code costs more than it gains
-    where the 192-row items' three consumer warpgroups already hide one's softmax under the others'
-    products."""
+    SHORT_ROWS keys, where it measured 0.6–5% faster on an H200 in two runs, causal and not, 577 to
+    16K tokens (benchmarks/results/<device>/attention_hopper_fwd_overlap_ab_1205.csv, where
+    "elsa-gluon" is the plain step, and attention_hopper_fwd_1205.csv, "elsa-gluon-overlap" against
+    "elsa-gluon-plain"). At 197 keys (two key tiles) it measured 6–8% slower without a mask (causal
+    calls that short take the portable forward: ``serves``), and at D = 64 0.5–9% slower at every
+    length the Gluon forward serves: its larger code costs more than it gains where the 192-row
+    items' three consumer warpgroups already hide one's softmax under the others' products."""
     if OVERLAP is not None:
         return bool(OVERLAP)
     return d == 128 and nk > SHORT_ROWS and not split
