@@ -377,8 +377,9 @@ def plot(rows, path):
 def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
     """bf16, B·H·N² ≈ 2^25·16 per point, CUDA-graph replays, interleaved: kernels/hopper.py's Gluon
     forward (every shape it supports, its softmax overlap as ``hopper.overlaps`` chooses; and forced
-    on and off, "elsa-gluon-overlap" and "elsa-gluon-plain") against the portable Triton forward,
-    cuDNN and flash; and
+    on and off, "elsa-gluon-overlap" and "elsa-gluon-plain"; at d = 128 up to 2048 tokens also in
+    64-row items, ``hopper.SHORT_ROWS_D128``, "elsa-gluon-64rows") against the portable Triton
+    forward, cuDNN and flash; and
     forward + backward: the Gluon forward and backward, the Gluon forward with the portable
     backward ("elsa-gluon-fwd"), the portable pair, cuDNN and flash. These rows set the policies
     of ``hopper.serves`` and ``hopper.serves_backward``. ``dtype="fp32"``: float32 in ``fp16x3`` at
@@ -387,15 +388,17 @@ def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
     fp32 = dtype == "fp32"
     precision = "fp16x3" if fp32 else "auto"
 
-    def elsa(q, k, v, do, causal, fwd, bwd, overlap=None):
+    def elsa(q, k, v, do, causal, fwd, bwd, overlap=None, rows64=0):
         def f():
-            before = hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP
-            hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP = fwd, fwd, bwd, overlap
+            before = hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP, hopper.SHORT_ROWS_D128
+            (hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP,
+             hopper.SHORT_ROWS_D128) = fwd, fwd, bwd, overlap, rows64
             try:
                 out = elsa_vision.attention(q, k, v, causal=causal, precision=precision)
                 return out if do is None else torch.autograd.grad(out, (q, k, v), do)
             finally:
-                hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP = before
+                (hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP,
+                 hopper.SHORT_ROWS_D128) = before
         return f
 
     def sdpa(name, q, k, v, do, causal):
@@ -410,10 +413,12 @@ def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
         q, k, v = make(1, bh, n, n, d, DT[dtype], bwd)
         do = torch.randn_like(q) if bwd else None
         variants = {"elsa-gluon": (True, True), "elsa-gluon-overlap": (True, True, True),
-                    "elsa-gluon-plain": (True, True, False), "elsa-gluon-fwd": (True, False),
-                    "elsa-portable": (False, False)}
+                    "elsa-gluon-plain": (True, True, False), "elsa-gluon-64rows": (True, True, None, n),
+                    "elsa-gluon-fwd": (True, False), "elsa-portable": (False, False)}
         for label in ("elsa-gluon-fwd",) if not bwd else ("elsa-gluon-overlap", "elsa-gluon-plain"):
             del variants[label]
+        if bwd or d != 128 or n > 2048:
+            del variants["elsa-gluon-64rows"]
         fns = {label: elsa(q, k, v, do, causal, *how) for label, how in variants.items()}
         fns.update({f"sdpa-{s}": sdpa(s, q, k, v, do, causal)
                     for s in (("mem_efficient",) if fp32 else ("cudnn", "flash"))})

@@ -1057,19 +1057,30 @@ def config(d: int, nq: int, split: bool = False) -> tuple[int, int, int, int]:
     a third warpgroup (192 rows, 160 registers each) keeps the tensor cores busier while the
     others run their softmax; at D = 128 its accumulators would not fit. Rows of at most
     SHORT_ROWS queries (D <= 64) run as 64-row items of one warpgroup, two programs per SM
-    (per_sm_programs): a block of 128 or 192 rows would be mostly padding. ``split`` (fp16x3,
-    D = 64): every tile is a hi and a lo buffer, and SPLIT_CONFIG is what fits the shared memory
-    and measured fastest."""
+    (per_sm_programs): a block of 128 or 192 rows would be mostly padding. At D = 128 the same
+    holds for rows of at most SHORT_ROWS_D128 queries, over 64-key tiles (two programs' K and V
+    rings of 128-key tiles would not fit an SM's shared memory). ``split`` (fp16x3, D = 64): every
+    tile is a hi and a lo buffer, and SPLIT_CONFIG is what fits the shared memory and measured
+    fastest."""
     if split:
         return SPLIT_CONFIG
     if d <= 64:
         return (64, 128, 2, 232) if nq <= SHORT_ROWS else (192, 128, 3, 160)
+    if nq <= SHORT_ROWS_D128:
+        return 64, 64, 2, 232
     return 128, 128, 2, 232
 
 
 # D <= 64: rows this short run as 64-row items of one consumer warpgroup, two programs per SM (at
 # 197 tokens 8–38% faster than two warpgroups and 2–5% than the portable forward; short_rows_ab.csv)
 SHORT_ROWS = 256
+# D = 128: rows of at most this many queries run as 64-row items of one consumer warpgroup over
+# 64-key tiles, two programs per SM (sm_90 SASS, Triton 3.6: 112 KiB of shared memory a program,
+# no spill). An A/B switch, 0 (off) until timed: the 128-row blocks lose most at short causal rows
+# (197 to 2048 tokens 0.59–0.93× cuDNN, attention_hopper_fwd_1205.csv), where a block is mostly
+# padding or the diagonal's masked tile; benchmarks/attention.py --hopper times it
+# ("elsa-gluon-64rows").
+SHORT_ROWS_D128 = 0
 
 
 # (192 rows at 160 registers with 64-key tiles in 3 stages: 4% faster at 1041 keys, 10–12% slower from 4K)
@@ -1144,7 +1155,7 @@ SPLIT_CHUNK_BYTES = 1 << 28
 
 # (the switches this module's host code reads per call: kernels/native.py keys its recorded calls on them,
 # so that a switch flipped between two calls changes what the second runs, as on the Python path)
-register_switches(lambda: (ENABLED, EVERYWHERE, BACKWARD, TMA_OUT, OVERLAP, SPLIT_CHUNK_BYTES))
+register_switches(lambda: (ENABLED, EVERYWHERE, BACKWARD, TMA_OUT, OVERLAP, SHORT_ROWS_D128, SPLIT_CHUNK_BYTES))
 
 
 def _chunks(B: int, H: int, per: int):
@@ -1190,7 +1201,7 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     ``scales`` is given, Nq and Nk then half their rows. Planned once per call signature
     (_forward_launch): a repeat binds the addresses and reuses the descriptors' tensor maps."""
     key = ("hopper-fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device,
-           scale, causal, scales is None, TMA_OUT,
+           scale, causal, scales is None, TMA_OUT, SHORT_ROWS_D128,
            overlaps(q.shape[-1], k.shape[2], scales is not None), out.data_ptr() & 15 == 0)
     prepared(key, _forward_launch, q, k, v, out, scale, causal, scales is not None)(
         q, k, v, out, stats, stats if scales is None else scales)

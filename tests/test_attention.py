@@ -1207,3 +1207,27 @@ def test_hopper_forward_plans_the_overlapped_softmax_where_measured(forced, monk
         plan = hopper._forward_launch(q, q, q, torch.empty_like(q), d ** -0.5, causal, split)
         expected = measured if forced is None else forced
         assert plan.meta["OVERLAP"] is expected, (d, n, split, causal)
+
+
+def test_hopper_d128_short_rows_plan(monkeypatch):
+    """hopper.SHORT_ROWS_D128 as the forward's planned launch applies it: off by default (D = 128
+    rows in 128-row blocks of two warpgroups, one program per SM); set, rows of at most that many
+    queries as 64-row items over 64-key tiles, two programs per SM (maxnreg halved so that both are
+    resident), longer rows and D = 64 as before. (The kernel under the oracle rule on the GPU:
+    test_hopper_gpu.py::test_d128_short_rows_in_64_row_items.)"""
+    hopper = pytest.importorskip("elsa_vision.kernels.hopper")
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+
+    def plan(d, n, causal=False):
+        q = torch.empty(4, 8, n, d, dtype=torch.bfloat16)
+        return hopper._forward_launch(q, q, q, torch.empty_like(q), d ** -0.5, causal, False)
+
+    p = plan(128, 197)
+    assert (p.meta["BLOCK_M"], p.meta["BLOCK_N"], "maxnreg" in p.meta) == (128, 128, False)
+    monkeypatch.setattr(hopper, "SHORT_ROWS_D128", 1041)
+    for causal in (False, True):
+        p = plan(128, 1041, causal)
+        assert (p.meta["BLOCK_M"], p.meta["BLOCK_N"], p.meta["STAGES"], p.meta.get("maxnreg")) == (64, 64, 2, 128)
+        items = 4 * 8 * -(-1041 // 64)
+        assert p.grid[0] == (items if causal else min(items, 2 * 132))
+    assert (plan(128, 1042).meta["BLOCK_M"], plan(64, 577).meta["BLOCK_M"]) == (128, 192)

@@ -52,6 +52,24 @@ def test_forward_backward(n, d, causal, dtype):
     check_case(q, k, v, causal=causal, backend="triton", grads=n > 1, seed=n)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,nk", [(1, 1), (197, 197), (577, 577), (1041, 1041), (2048, 2048), (197, 1041),
+                                  (1041, 4097)])
+def test_d128_short_rows_in_64_row_items(n, nk, causal, monkeypatch):
+    """hopper.SHORT_ROWS_D128 (an A/B switch, off by default): D = 128 rows of at most that many
+    queries as 64-row items of one consumer warpgroup over 64-key tiles, two programs per SM: under
+    the oracle rule with the gradients, causal and not, keys as many as the queries or more (a
+    different tiling rounds differently from the 128-row blocks: the rule, not their bits)."""
+    from elsa_vision.kernels import hopper
+    monkeypatch.setattr(hopper, "SHORT_ROWS_D128", 2048)
+    assert hopper.config(128, n) == (64, 64, 2, 232)
+    q, k, v = qkv(2, 3, n, nk, 128, torch.bfloat16, seed=n + nk)
+    calls = []
+    spy(monkeypatch, "forward", calls)
+    check_case(q, k, v, causal=causal, backend="triton", grads=n > 1, seed=n)
+    assert calls == [1]  # (the Gluon forward ran)
+
+
 # (one key at |v| ~ 1e5 is left out: torch's output is v itself, so the rule's bound is 1e-6 absolute,
 # under the 2⁻²² relative precision of fp16x3's split of v, as on the portable forward)
 @pytest.mark.parametrize("n,magnitude", [(n, m) for n in (1, 197, 1041, 4097)
