@@ -377,9 +377,9 @@ def plot(rows, path):
 def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
     """bf16, B·H·N² ≈ 2^25·16 per point, CUDA-graph replays, interleaved: kernels/hopper.py's Gluon
     forward (every shape it supports, its softmax overlap as ``hopper.overlaps`` chooses; and forced
-    on and off, "elsa-gluon-overlap" and "elsa-gluon-plain"; at d = 128 up to 2048 tokens also in
-    64-row items, ``hopper.SHORT_ROWS_D128``, "elsa-gluon-64rows") against the portable Triton
-    forward, cuDNN and flash; and
+    on and off, "elsa-gluon-overlap" and "elsa-gluon-plain"; up to 2048 tokens also in 64-row items
+    of one warpgroup, ``hopper.SHORT_ROWS`` at d = 64 and ``SHORT_ROWS_D128`` at d = 128,
+    "elsa-gluon-64rows") against the portable Triton forward, cuDNN and flash; and
     forward + backward: the Gluon forward and backward, the Gluon forward with the portable
     backward ("elsa-gluon-fwd"), the portable pair, cuDNN and flash. These rows set the policies
     of ``hopper.serves`` and ``hopper.serves_backward``. ``dtype="fp32"``: float32 in ``fp16x3`` at
@@ -390,14 +390,19 @@ def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
 
     def elsa(q, k, v, do, causal, fwd, bwd, overlap=None, rows64=0):
         def f():
-            before = hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP, hopper.SHORT_ROWS_D128
-            (hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP,
-             hopper.SHORT_ROWS_D128) = fwd, fwd, bwd, overlap, rows64
+            before = (hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP, hopper.SHORT_ROWS,
+                      hopper.SHORT_ROWS_D128)
+            hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP = fwd, fwd, bwd, overlap
+            if rows64:  # (the switch of q's head dim: SHORT_ROWS also moves overlaps' threshold at D = 128)
+                if q.shape[-1] <= 64:
+                    hopper.SHORT_ROWS = rows64
+                else:
+                    hopper.SHORT_ROWS_D128 = rows64
             try:
                 out = elsa_vision.attention(q, k, v, causal=causal, precision=precision)
                 return out if do is None else torch.autograd.grad(out, (q, k, v), do)
             finally:
-                (hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP,
+                (hopper.ENABLED, hopper.EVERYWHERE, hopper.BACKWARD, hopper.OVERLAP, hopper.SHORT_ROWS,
                  hopper.SHORT_ROWS_D128) = before
         return f
 
@@ -417,7 +422,7 @@ def hopper_sweep(passes=("fwd", "fwd+bwd"), dtype: str = "bf16") -> list[dict]:
                     "elsa-gluon-fwd": (True, False), "elsa-portable": (False, False)}
         for label in ("elsa-gluon-fwd",) if not bwd else ("elsa-gluon-overlap", "elsa-gluon-plain"):
             del variants[label]
-        if bwd or d != 128 or n > 2048:
+        if bwd or n > 2048 or (d <= 64 and n <= 256):  # (d = 64 rows up to 256 are 64-row items already)
             del variants["elsa-gluon-64rows"]
         fns = {label: elsa(q, k, v, do, causal, *how) for label, how in variants.items()}
         fns.update({f"sdpa-{s}": sdpa(s, q, k, v, do, causal)

@@ -1214,7 +1214,7 @@ def test_hopper_d128_short_rows_plan(monkeypatch):
     rows in 128-row blocks of two warpgroups, one program per SM); set, rows of at most that many
     queries as 64-row items over 64-key tiles, two programs per SM (maxnreg halved so that both are
     resident), longer rows and D = 64 as before. (The kernel under the oracle rule on the GPU:
-    test_hopper_gpu.py::test_d128_short_rows_in_64_row_items.)"""
+    test_hopper_gpu.py::test_short_rows_in_64_row_items.)"""
     hopper = pytest.importorskip("elsa_vision.kernels.hopper")
     monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
 

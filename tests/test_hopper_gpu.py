@@ -53,17 +53,19 @@ def test_forward_backward(n, d, causal, dtype):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("n,nk", [(1, 1), (197, 197), (577, 577), (1041, 1041), (2048, 2048), (197, 1041),
                                   (1041, 4097)])
-def test_d128_short_rows_in_64_row_items(n, nk, causal, monkeypatch):
-    """hopper.SHORT_ROWS_D128 (an A/B switch, off by default): D = 128 rows of at most that many
-    queries as 64-row items of one consumer warpgroup over 64-key tiles, two programs per SM: under
-    the oracle rule with the gradients, causal and not, keys as many as the queries or more (a
-    different tiling rounds differently from the 128-row blocks: the rule, not their bits)."""
+def test_short_rows_in_64_row_items(n, nk, d, causal, monkeypatch):
+    """Rows of up to 2048 queries as 64-row items of one consumer warpgroup, two programs per SM:
+    at D = 64 by raising hopper.SHORT_ROWS (256 by default), at D = 128 by hopper.SHORT_ROWS_D128
+    (an A/B switch, off by default: 64-key tiles there). Under the oracle rule with the gradients,
+    causal and not, keys as many as the queries or more (a different tiling rounds differently
+    from the longer blocks: the rule, not their bits)."""
     from elsa_vision.kernels import hopper
-    monkeypatch.setattr(hopper, "SHORT_ROWS_D128", 2048)
-    assert hopper.config(128, n) == (64, 64, 2, 232)
-    q, k, v = qkv(2, 3, n, nk, 128, torch.bfloat16, seed=n + nk)
+    monkeypatch.setattr(hopper, "SHORT_ROWS" if d == 64 else "SHORT_ROWS_D128", 2048)
+    assert hopper.config(d, n) == ((64, 128, 2, 232) if d == 64 else (64, 64, 2, 232))
+    q, k, v = qkv(2, 3, n, nk, d, torch.bfloat16, seed=n + nk)
     calls = []
     spy(monkeypatch, "forward", calls)
     check_case(q, k, v, causal=causal, backend="triton", grads=n > 1, seed=n)
