@@ -218,9 +218,10 @@ def sweep(model, variants: dict, apply, parts, dtypes, frames_by_dtype, repeats,
             try:
                 warmed = set()
                 for S in frames_by_dtype[dname]:
-                    if warmup and warmup_frames(S) not in warmed:  # compile every kernel the timed calls take
-                        warmed.add(warmup_frames(S))
-                        x = synthetic_frames(warmup_frames(S), hw)
+                    w = warmup_frames(S)
+                    if warmup and w not in warmed:  # compile every kernel the timed calls take
+                        warmed.add(w)
+                        x = synthetic_frames(w, hw)
                         for part in parts:
                             for v in variants:
                                 if (dname, part, v) in oom:

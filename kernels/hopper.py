@@ -1202,8 +1202,7 @@ def _forward(q, k, v, out, stats, scale: float, causal: bool, scales) -> None:
     ``scales`` is given, Nq and Nk then half their rows. Planned once per call signature
     (_forward_launch): a repeat binds the addresses and reuses the descriptors' tensor maps."""
     key = ("hopper-fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device,
-           scale, causal, scales is None, TMA_OUT, SHORT_ROWS, SHORT_ROWS_D128,
-           overlaps(q.shape[-1], k.shape[2], scales is not None), out.data_ptr() & 15 == 0)
+           scale, causal, scales is None, TMA_OUT, OVERLAP, SHORT_ROWS, SHORT_ROWS_D128, out.data_ptr() & 15 == 0)
     prepared(key, _forward_launch, q, k, v, out, scale, causal, scales is not None)(
         q, k, v, out, stats, stats if scales is None else scales)
 
