@@ -75,7 +75,8 @@ def attention(
             accuracy on tensor cores), ``"fp16x3"`` (the same accuracy from float16 hi/lo parts of
             power-of-two-scaled operands, on float16 MMAs, forward and backward),
             ``"tf32"`` (fast), ``"auto"`` (PyTorch's matmul precision).
-        backend: ``"triton"``, ``"reference"`` or ``"auto"`` (first that fits; see dispatch.BACKENDS).
+        backend: ``"triton"``, ``"reference"``, ``"eca"`` (causal, Nq = Nk, no bias; the CPU) or
+            ``"auto"`` (first that fits; see dispatch.BACKENDS).
         partitions: force the number of key partitions of phase 1 (testing / structure proofs).
         return_lse: also return the rows' natural-log log-sum-exp [B, H, Nq] (float32, +inf for
             rows that see no key, NaN for rows whose output is NaN); it carries no gradient.
@@ -110,7 +111,8 @@ def attention_packed(
     """:func:`attention` on the packed projection: qkv [B, N, 3, H, D] → [B, H, N, D].
 
     qkv is a ViT's ``qkv(x).reshape(B, N, 3, H, D)``; q, k, v are ``qkv[:, :, i].transpose(1, 2)``
-    and every other argument is as in :func:`attention`, with the same results. The difference is
+    and every other argument is as in :func:`attention` (which alone takes ``partitions``), with the
+    same results. The difference is
     the backward: on the Triton backend the kernels write the gradient of qkv as one tensor, where
     q, k, v passed as views would get three gradients that autograd (or a compiled graph) then
     stacks, a copy the size of qkv.
@@ -207,7 +209,8 @@ def window_attention(
         q, k, v: [B·nW, H, N, D] — one row per window, windows ordered batch-major: row r is window
             position r mod nW of image r // nW (what Swin's window partition produces). N ≤ 256 on the
             Triton backend (7×7 = 49, 8×8 = 64, 12×12 = 144, 16×16 = 256, or any other count);
-            D 16…128. float32, float16 or bfloat16 (float64 on the reference backend).
+            D 16…128 on the Triton backend (other head dims run on the reference backend under
+            ``backend="auto"``). float32, float16 or bfloat16 (float64 on the reference backend).
         bias: [H, N, N] (or [1, H, N, N]; [N, N] for one bias over all heads), shared by every window
             — Swin's relative-position bias. Additive; a bool tensor is a keep-mask. Gets a gradient
             (summed over all windows) when it requires one.
@@ -501,7 +504,7 @@ def shifted_window_attention(
 
 def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None,
           include: Optional[Sequence[str]] = None, exclude: Optional[Sequence[str]] = None, **options):
-    """Route every supported attention module of ``model`` through ELSA; returns a PatchReport.
+    """Route every supported module of ``model`` (attention, and the blocks and heads around it) through ELSA; returns a PatchReport.
 
     See :func:`elsa_vision.adapters.registry.patch`."""
     from .adapters import registry

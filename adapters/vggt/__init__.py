@@ -23,7 +23,8 @@ What gets patched (matched by class object):
 * ``vggt.layers.block.Block`` (and the fork's): in inference its residual adds, LayerScales and
   norms run as three fused passes around its own attention and MLP (adapters/blocks.py; patch option
   ``fuse_residual=False`` leaves the blocks alone).
-* ``vggt.models.aggregator.Aggregator``, only when ``lean_memory`` or ``token_merging`` is given,
+* ``vggt.models.aggregator.Aggregator``, only when ``lean_memory``, ``token_merging`` or
+  ``process_group`` is given,
   and ``vggt.heads.dpt_head.DPTHead`` with ``lean_memory``.
 
 The FastVGGT fork (https://github.com/mystorm16/FastVGGT) installs under the same ``vggt`` package
