@@ -112,10 +112,9 @@ def attention_packed(
 
     qkv is a ViT's ``qkv(x).reshape(B, N, 3, H, D)``; q, k, v are ``qkv[:, :, i].transpose(1, 2)``
     and every other argument is as in :func:`attention` (which alone takes ``partitions``), with the
-    same results. The difference is
-    the backward: on the Triton backend the kernels write the gradient of qkv as one tensor, where
-    q, k, v passed as views would get three gradients that autograd (or a compiled graph) then
-    stacks, a copy the size of qkv.
+    same results. The difference is the backward: on the Triton backend the kernels write the
+    gradient of qkv as one tensor, where q, k, v passed as views would get three gradients that
+    autograd (or a compiled graph) then stacks, a copy the size of qkv.
     """
     fn = "attention_packed"
     if not isinstance(qkv, torch.Tensor):
