@@ -365,8 +365,9 @@ def test_compile_fullgraph(name, kw, size):
 # single modules: every option of the forwards
 
 
-def _mod_check(mod, *args, grads=True, precision="ieee", **kwargs):
+def _mod_check(mod, *args, grads=True, precision="ieee", served=True, **kwargs):
     """The tolerance rule on one call of a module, output and gradients; returns the patched module's state.
+    ``served``: ELSA's forward served the call (none handed to the module's own forward).
 
     precision="ieee": here the attention core dominates the error, and the point is the adapter's
     exactness, not the 3xTF32 emulation of the interpreter (the kernels' own tests cover that);
@@ -391,6 +392,9 @@ def _mod_check(mod, *args, grads=True, precision="ieee", **kwargs):
             _check_rule(f"grad {i}", a, r, o, grad=True)
     state = mod._elsa
     elsa_vision.unpatch(mod)
+    assert state.calls >= 1, "the patched module was not called"
+    if served:  # (else the rule above compared the module's own forward with itself)
+        assert state.delegated == 0, f"delegated to the module's own forward: {state.delegate_reasons}"
     return state
 
 
@@ -431,7 +435,10 @@ def test_attention_fully_masked_row_is_zero():
     ref = mod(x, attn_mask=keep)
     with elsa_vision.patched(mod):
         out = mod(x, attn_mask=keep)
+        assert mod._elsa.calls == 1 and mod._elsa.delegated == 0, mod._elsa.delegate_reasons
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # (the row's attention output is 0: through the projection, its bias)
+    torch.testing.assert_close(out[0, 2], mod.proj.bias.detach().expand(32), rtol=0, atol=1e-6)
 
 
 def test_attention_mask_and_causal_delegates():
@@ -450,14 +457,15 @@ def test_a_named_backend_that_cannot_run_the_model_is_reported_at_patch():
     """backend="eca" (causal attention only, no bias) serves no ViT or Swin call, and "triton" no head
     dim under 16: patch() skips those modules with the reason instead of patching calls that would
     all raise; the model runs as it did."""
-    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2).eval()
+    x = _img(1, 32)
+    before = vit(x)
     report = elsa_vision.patch(vit, backend="eca")
     assert report.num_patched == 0
     reasons = [why for _, why in report.skipped["timm.Attention"]]
     assert len(reasons) == 2 and all("backend='eca' cannot run its calls" in w and "causal attention only" in w
                                      for w in reasons)
-    x = _img(1, 32)
-    torch.testing.assert_close(vit(x), vit(x))
+    assert torch.equal(vit(x), before)
     swin = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=56, depths=(2,),
                              num_heads=(2,), embed_dim=32)
     report = elsa_vision.patch(swin, backend="eca")
@@ -586,6 +594,7 @@ def test_channels_last_swinv2_runs_patched():
         ref = m(x)
         elsa_vision.patch(m)
         assert torch.allclose(m(x), ref, atol=1e-4, rtol=1e-4)
+    assert _served(m)
 
 
 def test_head_dims_past_the_kernels_patch_on_the_reference_backend():
