@@ -126,6 +126,9 @@ def test_model_outputs_follow_the_tolerance_rule(standin):
     ref, oracle = run(m, x), oracle_outputs(m, x)
     with elsa_vision.patched(m, precision="ieee"):
         out = run(m, x)
+        stats = calls(m)  # (else the rule compares the model's own forward with itself)
+    assert len(stats) == len(STANDIN_ATTN) + len(STANDIN_BLOCKS)
+    assert all(c >= 1 and d == 0 for c, d in stats.values()), stats
     assert_rule(out, ref, oracle)
 
 
@@ -214,6 +217,7 @@ def test_autocast_follows_sdpa(standin):
             ref = mod(x, pos=pos)
             with elsa_vision.patched(mod):
                 out = mod(x, pos=pos)
+                assert mod._elsa.calls == 1 and mod._elsa.delegated == 0, mod._elsa.delegate_reasons
     assert out.dtype == ref.dtype == torch.bfloat16
     e, r = max_err(out, oracle), max_err(ref, oracle)
     assert e <= tolerance(r, out.dtype), (e, r)
@@ -372,10 +376,15 @@ def test_lean_offload_with_global_attention_first(standin):
     m = make_standin()
     m.aggregator.aa_order = ["global", "frame"]
     x = frames()
+    with elsa_vision.patched(m, precision="ieee"):
+        full = run(m, x)
     with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3)):
         lean = run(m, x)
+        assert m.aggregator._elsa.calls == 1 and m.aggregator._elsa.delegated == 0
+    assert_equal(lean, full)  # (no token chunking at this size: the same operations, global blocks first)
     with elsa_vision.patched(m, precision="ieee", lean_memory=(1, 3), lean_offload=True):
         assert_equal(run(m, x), lean)
+        assert m.aggregator._elsa.calls == 1 and m.aggregator._elsa.delegated == 0
 
 
 def test_attention_delegations_and_option_checks(standin):
@@ -750,10 +759,14 @@ def test_merging_at_other_resolutions(standin):
     m = make_standin()
     for hw, S in (((56, 42), 2), ((28, 98), 4)):
         x = frames(S=S, hw=hw)
+        with elsa_vision.patched(m):
+            exact = run(m, x)
         with elsa_vision.patched(m, token_merging=A.TokenMerging(ratio=0.5)):
             out = run(m, x)
+            assert m.aggregator._elsa.calls == 1 and m.aggregator._elsa.delegated == 0
         assert all(torch.isfinite(out[k]).all() for k in OUTPUTS)
         assert out["depth"].shape == (1, S, *hw, 1)
+        assert not torch.equal(out["depth"], exact["depth"])  # (the global attention ran on merged tokens)
 
 
 def test_token_merging_validation(standin):
