@@ -97,6 +97,8 @@ def test_stream_equals_batch(standin):
     oracle = run(copy.deepcopy(model).double(), x.double(), "batch")["tokens"]
     elsa_vision.patch(model)
     stream, batch = run(model, x, "stream")["tokens"], run(model, x, "batch")["tokens"]
+    states = [st for _, st in patched_modules(model)]
+    assert states and all(st.calls >= 1 and st.delegated == 0 for st in states)  # (ELSA's, not the originals')
     assert max_err(stream, oracle) <= 2 * max_err(batch, oracle) + 1e-6
 
 
