@@ -465,7 +465,10 @@ def _probs(qk, bias, scale, qk_scale2, m, r, HAS_BIAS: tl.constexpr, EXACT: tl.c
     for a [queries, keys] tile, m[None, :] for a transposed one), with the same rounding structure
     as the forward (see _scores)."""
     if HAS_BIAS:  # natural units on this path: s − m is formed before the log2 e factor
-        p = tl.math.exp2((fma(qk, scale, bias) - m) * C_LOG2E)
+        d = fma(qk, scale, bias) - m
+        if not EXACT:  # (r: ln S, subtracted after m; see load_stats)
+            d = d - r
+        p = tl.math.exp2(d * C_LOG2E)
     else:
         p = tl.math.exp2(qk * qk_scale2 - m)
     if EXACT:

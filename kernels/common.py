@@ -123,15 +123,20 @@ def store_stats(Stats, bh, offs_m, row_ok, Nq, m, s, nonempty):
 
 @triton.jit
 def load_stats(Stats, bh, offs_m, row_ok, Nq, NATURAL: tl.constexpr, EXACT: tl.constexpr):
-    """Per-row (m, 1/S) when EXACT (float32), else (lse, unused) with lse = m + log S in m's units.
-    Rows past Nq read (+inf, 1): P = 0 there."""
+    """Per-row (m, 1/S) when EXACT (float32); else, in natural units (NATURAL: the logits carry a
+    bias or mask), (m, ln S) apart, and in log2 units (lse, unused) with lse = m + log2 S folded.
+    Apart, because a biased row's m can be huge: a row that a −1e9 fill masks everywhere has
+    m ≈ −1e9, where float32's spacing is 64 and m + ln S rounds back to m (each key's P would come
+    out 1, not 1/S). Unbiased logits stay folded (one subtraction less per element): they would
+    need |q·k|·scale past 2^15 to lose half precision's resolution. Rows past Nq read (+inf, 1): P = 0
+    there."""
     st = Stats + bh.to(tl.int64) * 2 * Nq + offs_m
     m = tl.load(st, mask=row_ok, other=float("inf"))
     s = tl.load(st + Nq, mask=row_ok, other=1.0)
     if EXACT:
         return m, 1.0 / s
     elif NATURAL:
-        return m + tl.math.log2(s) * C_LN2, s
+        return m, tl.math.log2(s) * C_LN2
     else:
         return m + tl.math.log2(s), s
 

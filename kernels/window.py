@@ -31,7 +31,8 @@ The logits are formed in natural units, as PyTorch forms them, and every exponen
 exp2((s − m)·log2 e) (see _exp_rel); the forward saves the row statistics (m, S) [BW, H, 2, N].
 
 Backward. P is recomputed from q, k and the saved (m, S) — in float32 P = e^(s−m) / S, in half
-precision through the folded lse (see kernels/attention.py) — and dS = P ⊙ (dP − delta).
+precision as e^(s−m−ln S) (the two subtracted in turn: see common.load_stats) — and
+dS = P ⊙ (dP − delta).
   fused   (half precision, N_pad ≤ 64, D ≤ 32 — Swin's 7×7 and 8×8 windows): one kernel; a program
           takes whole windows as one [N_pad, N_pad] tile and writes dq, dk, dv; delta = rowsum(P ⊙ dP)
           is exact inside the tile, so the forward output is not read back.
@@ -250,12 +251,11 @@ def _exp_rel(s, m):
 
 @triton.jit
 def _probs2(s, m, r, EXACT: tl.constexpr):
-    """P from logits s [BM, BN] and the row statistics of load_stats (natural units; see
-    kernels/attention.py: in float32 the normaliser divides, it is not folded into the exponent)."""
-    p = _exp_rel(s, m)
+    """P from logits s [BM, BN] and the row statistics of load_stats (natural units): in float32 the
+    normaliser 1/S multiplies; in half precision ln S is subtracted after m (see load_stats)."""
     if EXACT:
-        p = p * r[:, None]
-    return p
+        return _exp_rel(s, m) * r[:, None]
+    return tl.math.exp2(((s - m[:, None]) - r[:, None]) * C_LOG2E)
 
 
 @triton.jit

@@ -364,6 +364,26 @@ def test_fully_masked_rows_return_zero():
     assert torch.equal(out[:, :, :15], torch.zeros_like(out[:, :, :15]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_masked_by_a_finite_fill(dtype):
+    """A bias that masks with a large finite fill (``masked_fill(~keep, -1e9)``): a row it masks
+    everywhere has m ≈ −1e9, where float32's spacing is 64. Its backward must still recompute
+    P = 1/N per key (the forward's uniform row), which a log-sum-exp folded into one float32 would
+    round to P = 1: gradients N× too large in half precision. That row's query is zero, so its
+    logits are −1e9 exactly and the oracle's row is uniform too (with q·k added, float64 would see
+    the softmax of q·k under the fill, which no float32 logit holds). Rows masked in part, too."""
+    q, k, v = qkv(1, 2, 24, 40, 32, seed=41)
+    q[:, :, 3] = 0.0
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    bias = torch.zeros(1, 2, 24, 40, device=DEVICE)
+    bias[:, :, 3] = -1e9                      # masked everywhere
+    bias[:, :, 5, 7:] = -1e9                  # masked but for 7 keys
+    bias[:, 1, 11, ::2] = -1e9                # every other key
+    for precision, parts in ((("auto", None),) if dtype != torch.float32 else (("ieee", None), ("ieee", 3),
+                                                                             ("fp16x3", None))):
+        check_case(q, k, v, bias=bias, backend="triton", precision=precision, partitions=parts)
+
+
 def test_empty_keys():
     q, k, v = qkv(1, 2, 5, 0, 32)
     out = elsa_vision.attention(q, k, v)

@@ -253,6 +253,23 @@ def test_large_logits(N, kind):
 
 
 @needs_interp
+@pytest.mark.parametrize("N,D", [(49, 32), (100, 64)])
+def test_rows_masked_by_a_finite_fill(N, D):
+    """A bfloat16 call with a −1e9 mask fill (not timm's −100): a row masked everywhere has
+    m ≈ −1e9, where a log-sum-exp folded into one float32 loses ln S and the backward's P would be
+    1 per key, not 1/N (gradients N× too large). Both backwards: fused (N_pad ≤ 64, D ≤ 32) and
+    tiled. No bias, and that row's query zero: its logits are −1e9 exactly, the oracle's row
+    uniform as the kernel's."""
+    q, k, v, _, _ = _inputs(1, 2, 2, N, D, torch.bfloat16, bias=False, mask=None, seed=5)
+    with torch.no_grad():
+        q[1::2, :, N // 2] = 0.0
+    m = torch.zeros(2, N, N)
+    m[1, N // 2, :] = -1e9                    # masked everywhere
+    m[1, 3, 5:] = -1e9                        # masked but for 5 keys
+    _check(q, k, v, None, m, backend="triton")
+
+
+@needs_interp
 def test_lse_and_layout():
     from elsa_vision.kernels import window as W
     from elsa_vision.kernels.attention import natural_lse
