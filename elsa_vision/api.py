@@ -8,8 +8,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .checks import (autocast, bias4, check_block, check_flag, check_head_dim, check_qkv, check_same_kind, check_scale,
-                     pair, window_bias, window_mask)
+from .checks import (autocast, bias4, check_block, check_dense, check_flag, check_head_dim, check_qkv, check_same_kind,
+                     check_scale, pair, window_bias, window_mask)
 from .dispatch import HALF, Problem, autocast_dtype, clear_memo, dispatch_token, select
 from .kernels.limits import MAX_GRID_YZ, WINDOW_BLOCKS as _BLOCKS
 from .kernels.reference import Geometry, qkv_views
@@ -119,6 +119,7 @@ def attention_packed(
     fn = "attention_packed"
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"{fn}: qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    check_dense(qkv, "qkv", fn)
     key, kept = _kept_call(fn, (qkv, bias), (scale, causal, precision, backend, return_lse))
     if kept is not None:  # (q, k, v None: each backend takes the views it needs)
         run, sc, prec = kept
@@ -269,6 +270,7 @@ def window_attention_packed(
         return run(None, None, None, bias, mask, sc, prec, blk, qkv=qkv)
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"{fn}: qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    check_dense(qkv, "qkv", fn)
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"{fn}: qkv must be [B·nW, N, 3, H, D], got shape {tuple(qkv.shape)}; "
                          "reshape the projection output with .reshape(B·nW, N, 3, H, D)")
@@ -312,10 +314,10 @@ def _call_key(op, tensors, args):
     for t in tensors:
         if t is None:
             key.append(None)
-        elif not isinstance(t, torch.Tensor):
+        elif not isinstance(t, torch.Tensor) or t.is_nested:  # (a nested tensor has no sizes: the checks)
             return None
         else:
-            key.append((t.shape, t.dtype, t.device, t.requires_grad))
+            key.append((t.shape, t.dtype, t.device, t.requires_grad, t.layout))
     key.append(autocast_dtype(tensors[0].device.type))
     return tuple(key)
 
@@ -439,6 +441,8 @@ def shifted_window_attention(
     """
     fn = "shifted_window_attention"
     wh, ww = pair(window_size, "window_size", fn)
+    if wh < 1 or ww < 1:
+        raise ValueError(f"{fn}: window_size must be at least 1 token a side, got {(wh, ww)}")
     sh, sw = pair(shift_size, "shift_size", fn)
     packed = k is None and v is None
     rows, cols = (None, None) if image_size is None else pair(image_size, "image_size", fn)
@@ -455,6 +459,7 @@ def shifted_window_attention(
         return out.view(geo.batch, geo.height, geo.width, H, D)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}")
+    check_dense(q, "qkv" if packed else "q", fn)
     if packed:
         if q.dim() != 6 or q.shape[3] != 3:
             raise ValueError(f"{fn}: a packed qkv must be [B, height, width, 3, H, D], got shape {tuple(q.shape)}; "
@@ -470,6 +475,7 @@ def shifted_window_attention(
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            check_dense(t, name, fn)
             if t.dim() != 5:
                 raise ValueError(f"{fn}: {name} must be 5-D [B, height, width, H, D], got shape {tuple(t.shape)}")
         if not (q.shape == k.shape == v.shape):

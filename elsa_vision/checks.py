@@ -26,10 +26,19 @@ def autocast(*ts):
     return tuple(t if t is None or not t.is_floating_point() or t.dtype == torch.float64 else t.to(dt) for t in ts)
 
 
+def check_dense(t: torch.Tensor, name: str, fn: str) -> None:
+    """A strided tensor: a sparse layout or a nested tensor has no strides for the kernels to read."""
+    if t.is_nested or t.layout is not torch.strided:
+        kind = "a nested tensor" if t.is_nested else f"a {t.layout} tensor"
+        how = f"{name}.to_padded_tensor(0.0) (with a mask for the padding)" if t.is_nested else f"{name}.to_dense()"
+        raise TypeError(f"{fn}: {name} is {kind}; attention takes dense (strided) tensors: pass {how}")
+
+
 def check_qkv(q, k, v, fn: str):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_dense(t, name, fn)
         if t.dim() != 4:
             raise ValueError(f"{fn}: {name} must be 4-D [batch, heads, tokens, head_dim], got shape {tuple(t.shape)}; "
                              "reshape e.g. x.view(B, N, H, D).transpose(1, 2)")
@@ -45,7 +54,9 @@ def check_qkv(q, k, v, fn: str):
 
 
 def check_same_kind(q, k, v, fn: str):
-    """q, k, v share one floating dtype and one device."""
+    """q, k, v share one floating dtype and one device (and are dense)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_dense(t, name, fn)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
                         "cast them to one dtype (or run under torch.autocast)")
@@ -92,6 +103,7 @@ def check_flag(x, name: str, fn: str) -> bool:
 def check_tensor_arg(t, name: str, q, fn: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+    check_dense(t, name, fn)
     if t.device != q.device:
         raise ValueError(f"{fn}: {name} is on {t.device} but q is on {q.device}; move it with {name}.to(q.device)")
 

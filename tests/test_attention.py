@@ -854,6 +854,10 @@ def test_inference_matches_the_autograd_path():
     (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0], {"backend": "bogus"}), Exception, "bogus"),
     (lambda q, k, v: (q.double(), k[:, :, :0].double(), v[:, :, :0].double(), {"backend": "triton"}),
      Exception, "float64"),
+    (lambda q, k, v: (q.to_sparse(), k, v, {}), TypeError, r"q is a torch.sparse_coo tensor.*to_dense\(\)"),
+    (lambda q, k, v: (q, k, v, {"bias": torch.zeros(8, 8, device=q.device).to_sparse()}), TypeError,
+     "bias is a torch.sparse_coo tensor"),
+    (lambda q, k, v: (torch.nested.nested_tensor(list(q)), k, v, {}), TypeError, "q is a nested tensor.*to_padded"),
 ])
 def test_input_errors(make, err, msg):
     q, k, v = qkv(2, 2, 8, 8, 32)

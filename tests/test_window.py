@@ -590,6 +590,16 @@ def test_bad_inputs_raise_clear_errors():
     wa = elsa_vision.window_attention
     q = torch.randn(8, 2, 49, 16)
     m = torch.zeros(4, 49, 49)
+    with pytest.raises(TypeError, match="mask is a torch.sparse_coo tensor"):
+        wa(q, q, q, mask=m.to_sparse())
+    with pytest.raises(TypeError, match="k is a torch.sparse_coo tensor"):
+        wa(q, q.to_sparse(), q)
+    x = torch.randn(1, 8, 8, 2, 16)
+    for size in (0, -4, (4, 0)):
+        with pytest.raises(ValueError, match="window_size must be at least 1"):
+            elsa_vision.shifted_window_attention(x, x, x, window_size=size)
+    with pytest.raises(TypeError, match="qkv is a torch.sparse_coo tensor"):
+        elsa_vision.shifted_window_attention(torch.randn(1, 4, 4, 3, 2, 16).to_sparse(), window_size=4)
     with pytest.raises(ValueError, match="not a multiple of the mask's nW = 3"):
         wa(q, q, q, mask=torch.zeros(3, 49, 49))
     with pytest.raises(ValueError, match=r"mask must be \[nW, N, N\]"):
