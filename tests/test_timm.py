@@ -1063,9 +1063,13 @@ def test_gpu_models(name, kw, size, amp):
         out, g = _step(m, x, w)
     _check_rule("output", out.float(), ref.float(), orc)
     names = [n for n, p in m.named_parameters() if p.requires_grad]
+    checked = 0
     for n, a, r, o in zip(names, g, g_ref, g_orc):
+        assert (a is None) == (r is None), f"grad {n}: {'dropped' if a is None else 'made'} by the patch"
         if a is not None:
             _check_rule(f"grad {n}", a, r, o, grad=True)
+            checked += 1
+    assert checked > 0
     assert _served(m)
 
 

@@ -948,6 +948,19 @@ def _padded(rows, cols, wh, ww):
     return rows + (-rows) % wh, cols + (-cols) % ww
 
 
+@pytest.mark.parametrize("window,shift", [((7, 7), (3, 3)), ((4, 3), (1, 2)), ((4, 4), (0, 0))])
+def test_geometry_is_timms_roll_and_partition(window, shift):
+    """to_windows of an unpadded map, which the reference backend's shifted path and the shifted
+    tests' oracle both use, is timm's own torch.roll by −shift and window_partition."""
+    swin = pytest.importorskip("timm.models.swin_transformer")
+    from elsa_vision.kernels.reference import Geometry, to_windows
+    (wh, ww), (sh, sw) = window, shift
+    ih, iw = 2 * wh, 3 * ww
+    img = torch.randn(2, ih, iw, 5)
+    want = swin.window_partition(torch.roll(img, shifts=(-sh, -sw), dims=(1, 2)), (wh, ww)).reshape(-1, wh * ww, 5)
+    assert torch.equal(to_windows(img.reshape(-1, 5), Geometry(2, ih, iw, wh, ww, sh, sw, ih, iw)), want)
+
+
 @pytest.mark.parametrize("rows,cols,window,shift", PADDED, ids=PADDED_IDS)
 def test_padded_geometry_is_timms_roll_then_pad(rows, cols, window, shift):
     """to_windows of a padded map — the image in its top-left corner, pad tokens after it — is timm's
