@@ -509,7 +509,8 @@ def shifted_window_attention(
 
 def patch(model: torch.nn.Module, *, precision: str = "auto", token_merging=None,
           include: Optional[Sequence[str]] = None, exclude: Optional[Sequence[str]] = None, **options):
-    """Route every supported module of ``model`` (attention, and the blocks and heads around it) through ELSA; returns a PatchReport.
+    """Route every supported module of ``model`` (attention, and the blocks and heads around it)
+    through ELSA; returns a PatchReport.
 
     See :func:`elsa_vision.adapters.registry.patch`."""
     from .adapters import registry

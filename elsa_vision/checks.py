@@ -54,9 +54,7 @@ def check_qkv(q, k, v, fn: str):
 
 
 def check_same_kind(q, k, v, fn: str):
-    """q, k, v share one floating dtype and one device (and are dense)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_dense(t, name, fn)
+    """q, k, v share one floating dtype and one device."""
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
                         "cast them to one dtype (or run under torch.autocast)")
