@@ -142,14 +142,22 @@ def _split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Ten
     return qkv.reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
 
 
-def _mask_reason(attn_mask, is_causal) -> Optional[str]:
-    """Why a ViT attention call's mask goes to the original forward (None: ELSA serves it)."""
+def _mask_reason(attn_mask, is_causal, x: torch.Tensor, heads: int) -> Optional[str]:
+    """Why a ViT attention call's mask goes to the original forward (None: ELSA serves it). A mask
+    that does not broadcast to [B, H, N, N] goes there too: the module's own forward then reports
+    it in the module's terms (ELSA's checks would name their bias argument)."""
     if attn_mask is None:
         return None
     if is_causal:
         return "attn_mask with is_causal"
-    if isinstance(attn_mask, torch.Tensor) and not (attn_mask.is_floating_point() or attn_mask.dtype == torch.bool):
-        return "attn_mask of integer dtype"
+    if isinstance(attn_mask, torch.Tensor):
+        if not (attn_mask.is_floating_point() or attn_mask.dtype == torch.bool):
+            return "attn_mask of integer dtype"
+        N = x.shape[-2] if x.dim() >= 2 else 0
+        want = (x.shape[0] if x.dim() == 3 else 1, heads, N, N)
+        shape = attn_mask.shape
+        if len(shape) > 4 or any(s not in (1, w) for s, w in zip(reversed(shape), reversed(want))):
+            return f"attn_mask of shape {tuple(shape)}, which does not broadcast to [B, H, N, N] = {list(want)}"
     return None
 
 
@@ -210,7 +218,7 @@ class TimmAttention(Adapter):
         why = _bypass_reason(module)
         if why:
             return state.delegate(x, attn_mask=attn_mask, is_causal=is_causal, reason=why)
-        why = _mask_reason(attn_mask, is_causal)
+        why = _mask_reason(attn_mask, is_causal, x, module.num_heads)
         if why:
             return state.delegate(x, attn_mask=attn_mask, is_causal=is_causal, reason=why)
         B, N, C = x.shape
@@ -246,7 +254,7 @@ class TimmRopeAttention(Adapter):
         why = _bypass_reason(module)
         if why:
             return state.delegate(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal, reason=why)
-        why = _mask_reason(attn_mask, is_causal)
+        why = _mask_reason(attn_mask, is_causal, x, module.num_heads)
         if why:
             return state.delegate(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal, reason=why)
         B, N, C = x.shape

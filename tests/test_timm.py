@@ -477,6 +477,24 @@ def test_a_named_backend_that_cannot_run_the_model_is_reported_at_patch():
     assert elsa_vision.patch(torch.nn.Sequential(small), backend="reference").num_patched == 1
 
 
+def test_attention_mask_that_does_not_broadcast_is_the_modules_error():
+    """An attn_mask that does not broadcast to [B, H, N, N] goes to the module's own forward, which
+    reports it as the unpatched module does (ELSA's checks would name their own bias argument)."""
+    mod = Attention(32, num_heads=2).eval()
+    x = _x(2, 5, 32)
+    bad = torch.zeros(2, 5)
+    with pytest.raises(RuntimeError) as native:
+        mod(x, attn_mask=bad)
+    with elsa_vision.patched(mod):
+        with pytest.raises(RuntimeError) as patched:
+            mod(x, attn_mask=bad)
+        assert mod._elsa.delegated == 1 and any("does not broadcast" in r for r in mod._elsa.delegate_reasons)
+        out = mod(x, attn_mask=torch.zeros(2, 1, 1, 5))  # (one that broadcasts: served)
+        assert mod._elsa.delegated == 1
+    assert str(patched.value) == str(native.value)
+    torch.testing.assert_close(out, mod(x), rtol=1e-5, atol=1e-5)
+
+
 def test_attention_integer_mask_delegates():
     """An attn_mask of integer dtype goes to the original forward (timm's unfused path adds it as
     numbers), not to ELSA's bias checks."""
