@@ -314,10 +314,13 @@ def _call_key(op, tensors, args):
     for t in tensors:
         if t is None:
             key.append(None)
-        elif not isinstance(t, torch.Tensor) or t.is_nested:  # (a nested tensor has no sizes: the checks)
+        elif not isinstance(t, torch.Tensor):
             return None
         else:
-            key.append((t.shape, t.dtype, t.device, t.requires_grad, t.layout))
+            try:
+                key.append((t.shape, t.dtype, t.device, t.requires_grad, t.layout))
+            except RuntimeError:  # (a nested tensor has no sizes: the checks say what is wrong)
+                return None
     key.append(autocast_dtype(tensors[0].device.type))
     return tuple(key)
 

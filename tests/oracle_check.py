@@ -69,9 +69,10 @@ def assert_close_to_oracle(out, ref64, same, *, name="out", grad=False, rel_l2=N
 
 
 def check_case(q, k, v, *, bias=None, causal=False, precision="auto", backend="auto", partitions=None,
-               grads=True, scale=None, seed=0, do_scale=1.0):
+               grads=True, scale=None, seed=0, do_scale=1.0, unit_scale=False):
     """Forward (and gradients, for an upstream gradient dO ~ N(0, do_scale²)) of elsa_vision.attention
-    vs the oracle; returns the elsa output."""
+    vs the oracle; returns the elsa output. ``unit_scale``: each gradient compared at its own scale
+    (:func:`at_unit_scale`), for inputs whose gradients are far below 1."""
     import elsa_vision
     ins = [q, k, v] + ([bias] if bias is not None and bias.is_floating_point() else [])
     ins = [t.detach().requires_grad_(grads) for t in ins]
@@ -96,7 +97,7 @@ def check_case(q, k, v, *, bias=None, causal=False, precision="auto", backend="a
         gr = torch.autograd.grad(ref, ins64, do.double())
         gs = torch.autograd.grad(same, same_ins, do)
         for n, a, r, s_ in zip(["dq", "dk", "dv", "dbias"], ge, gr, gs):
-            assert_close_to_oracle(a, r, s_, name=n, grad=True)
+            assert_close_to_oracle(*(at_unit_scale(a, r, s_) if unit_scale else (a, r, s_)), name=n, grad=True)
     return out
 
 
