@@ -153,8 +153,7 @@ def _mask_reason(attn_mask, is_causal, x: torch.Tensor, heads: int) -> Optional[
     if isinstance(attn_mask, torch.Tensor):
         if not (attn_mask.is_floating_point() or attn_mask.dtype == torch.bool):
             return "attn_mask of integer dtype"
-        N = x.shape[-2] if x.dim() >= 2 else 0
-        want = (x.shape[0] if x.dim() == 3 else 1, heads, N, N)
+        want = (x.shape[0], heads, x.shape[1], x.shape[1])  # (x [B, N, C])
         shape = attn_mask.shape
         if len(shape) > 4 or any(s not in (1, w) for s, w in zip(reversed(shape), reversed(want))):
             return f"attn_mask of shape {tuple(shape)}, which does not broadcast to [B, H, N, N] = {list(want)}"
